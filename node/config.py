@@ -1,0 +1,178 @@
+"""One typed config tree, loaded from TOML with `--set a.b=value` overrides.
+
+Every section forbids unknown keys, so a typo is a clear error at start-up rather than a silently
+ignored setting. Role-specific sections live beside their role (trainer/worker/p2p config.py).
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from node.p2p.config import P2PConfig
+from node.trainer.config import TrainerConfig
+from node.worker.config import WorkerConfig
+from protocol.errors import PrimeNodeError
+
+
+class ConfigError(PrimeNodeError):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # 0 = pick a free port
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    rate_limit_per_second: float = Field(50.0, gt=0)
+    rate_limit_burst: int = Field(200, ge=1)
+    log_format: str = Field("plain", pattern="^(plain|json)$")
+
+
+class StorageConfig(_Section):
+    dir: str = "prime-node-data"
+
+
+class RunConfig(_Section):
+    run_id: str = Field("local", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    async_level: int = Field(2, ge=0, le=16)
+    batch_prompts: int = Field(8, ge=1)  # prompts (groups) per training batch
+    group_size: int = Field(4, ge=1, le=256)  # G samples per prompt
+    prompts_per_assignment: int = Field(2, ge=1)
+    assignment_deadline_seconds: float = Field(120.0, gt=0)
+    max_steps: int = Field(0, ge=0)  # 0 = run until stopped
+    seed: int = 0
+    stream_groups: bool = False  # k = 0 periodic asynchrony: train on groups as they arrive
+
+
+class ModelConfig(_Section):
+    path: str = ""  # a Hugging Face model directory; empty = build the tiny local model
+    tiny_hidden_size: int = Field(64, ge=8)
+    tiny_layers: int = Field(2, ge=1)
+    tiny_heads: int = Field(4, ge=1)
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+
+
+class TaskConfig(_Section):
+    name: str = "reverse-text"  # a built-in task name or "package.module:Class"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, gt=0, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(32, ge=1, le=32768)
+
+
+class VerificationConfig(_Section):
+    fraction: float = Field(1.0, ge=0, le=1)
+    reputation_start: float = 1.0
+    reputation_penalty: float = Field(0.25, ge=0)
+    reputation_reward: float = Field(0.01, ge=0)
+    ban_below: float = 0.0
+
+
+class DistributionConfig(_Section):
+    origin_upload_limit: int = Field(0, ge=0)  # bytes/s for all uploads together; 0 = unlimited
+    shard_size: int = Field(32 * 1024 * 1024, ge=4096)
+    compression_level: int = Field(1, ge=1, le=22)
+    full_every: int = Field(10, ge=1)  # a full checkpoint every N steps (and at step 0)
+    relays: list[str] = Field(default_factory=list)
+
+
+class DemoConfig(_Section):
+    nodes: int = Field(2, ge=1, le=64)
+    steps: int = Field(20, ge=1)
+
+
+class Config(_Section):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    verification: VerificationConfig = Field(default_factory=VerificationConfig)
+    distribution: DistributionConfig = Field(default_factory=DistributionConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    p2p: P2PConfig = Field(default_factory=P2PConfig)
+    demo: DemoConfig = Field(default_factory=DemoConfig)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], value); the value is read as a TOML literal, else a string."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: empty key segment")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"invalid config: {problems}") from None
+
+
+def dump_toml(cfg: BaseModel) -> str:
+    """Serialise a config tree back to TOML (for child processes of the demo)."""
+    lines: list[str] = []
+
+    def lit(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(lit(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {lit(x)}" for k, x in v.items()) + "}"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    for section, values in cfg.model_dump().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {lit(v)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+import subprocess
+import sys
+
+import pytest
+
+from node.config import ConfigError, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(None, ["run.async_level=0", "server.port=1234", "storage.dir=/tmp/x", "task.name=arith"])
+    assert cfg.run.async_level == 0 and cfg.server.port == 1234
+    assert cfg.storage.dir == "/tmp/x" and cfg.task.name == "arith"
+    assert cfg.distribution.origin_upload_limit == 0
+
+
+def test_unknown_key_and_bad_value_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="run.asynclevel"):
+        load_config(None, ["run.asynclevel=1"])
+    with pytest.raises(ConfigError, match="run.async_level"):
+        load_config(None, ["run.async_level=-1"])
+    bad = tmp_path / "c.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "node.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_keys(tmp_path):
+    key = tmp_path / "k.pem"
+    r = run_cli("keys", "new", "--out", str(key))
+    assert r.returncode == 0, r.stderr
+    pub = r.stdout.strip()
+    assert len(pub) == 64
+    r = run_cli("keys", "show", "--key", str(key))
+    assert r.returncode == 0 and r.stdout.strip() == pub
+    r = run_cli("keys", "show", "--key", str(tmp_path / "nope"))
+    assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("keys")
+    assert r.returncode == 2
