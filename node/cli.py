@@ -21,7 +21,7 @@ HANDLERS = {
     "checkpoint pack": "node.checkpoint_cli:cmd_pack",
     "checkpoint unpack": "node.checkpoint_cli:cmd_unpack",
     "verify checkpoint": "verify.cli:cmd_verify_checkpoint",
-    "verify rollouts": "verify.cli:cmd_verify_rollouts",
+    "verify rollouts": "verify.rollouts_cli:cmd_verify_rollouts",
 }
 
 
