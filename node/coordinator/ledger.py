@@ -1,0 +1,273 @@
+"""The coordinator's durable record: SQLite in WAL mode.
+
+Everything a node is told ("accepted") is committed here first, so a SIGKILL at any moment loses
+nothing that was acknowledged. The published step is the single source of truth for resuming:
+a step row, the rollouts it consumed and the trainer state it produced are committed together.
+Only the coordinator's event loop thread writes; the training thread goes through the same lock.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY,
+    joined_ms INTEGER NOT NULL,
+    last_seen_ms INTEGER NOT NULL,
+    reputation REAL NOT NULL,
+    banned INTEGER NOT NULL DEFAULT 0,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    policy_step INTEGER,
+    tokens_per_s REAL NOT NULL DEFAULT 0,
+    state TEXT NOT NULL DEFAULT 'joined',
+    info TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS assignments (
+    assignment_id TEXT PRIMARY KEY,
+    node_id TEXT NOT NULL,
+    batch_step INTEGER NOT NULL,
+    min_policy_step INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    deadline_ms INTEGER NOT NULL,
+    state TEXT NOT NULL,             -- open | submitted | expired
+    prompts TEXT NOT NULL            -- JSON: [{prompt_id, problem_index, prompt_ids, seeds}]
+);
+CREATE INDEX IF NOT EXISTS assignments_state ON assignments(state);
+CREATE TABLE IF NOT EXISTS groups (
+    group_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    assignment_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    prompt_id TEXT NOT NULL,
+    problem_index INTEGER NOT NULL,
+    batch_step INTEGER NOT NULL,
+    policy_step INTEGER NOT NULL,
+    received_ms INTEGER NOT NULL,
+    data TEXT NOT NULL,              -- JSON: prompt_ids + rollouts (completion, logprobs, reward, ...)
+    reward_mean REAL NOT NULL,
+    consumed_step INTEGER,           -- the trainer step that used it (NULL = waiting)
+    dropped TEXT                     -- why it was not used (stale, filtered), NULL otherwise
+);
+CREATE INDEX IF NOT EXISTS groups_waiting ON groups(consumed_step, dropped);
+CREATE UNIQUE INDEX IF NOT EXISTS groups_unique ON groups(assignment_id, prompt_id);
+CREATE TABLE IF NOT EXISTS rejections (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at_ms INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    assignment_id TEXT,
+    prompt_id TEXT,
+    sample_index INTEGER,
+    reason TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY,
+    published_ms INTEGER NOT NULL,
+    manifest_hash TEXT NOT NULL,
+    encoding TEXT NOT NULL,
+    base_step INTEGER,
+    compressed_bytes INTEGER NOT NULL,
+    metrics TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class StepRow:
+    step: int
+    published_ms: int
+    manifest_hash: str
+    encoding: str
+    base_step: int | None
+    compressed_bytes: int
+    metrics: dict
+
+
+class Ledger:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # an acknowledged rollout survives power loss too
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _exec(self, sql: str, args: Iterable[Any] = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, tuple(args))
+
+    def transaction(self):
+        ledger = self
+
+        class _Tx:
+            def __enter__(self):
+                ledger._lock.acquire()
+                ledger._db.execute("BEGIN IMMEDIATE")
+                return ledger._db
+
+            def __exit__(self, exc_type, exc, tb):
+                try:
+                    ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
+                finally:
+                    ledger._lock.release()
+                return False
+
+        return _Tx()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        row = self._exec("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
+
+    def put(self, key: str, value: Any, db: sqlite3.Connection | None = None) -> None:
+        """Set a small JSON value; pass `db` to write inside an open transaction."""
+        sql = "INSERT INTO kv(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value"
+        if db is not None:
+            db.execute(sql, (key, json.dumps(value)))
+        else:
+            self._exec(sql, (key, json.dumps(value)))
+
+    # -- nodes -----------------------------------------------------------------------------------
+    def upsert_node(self, node_id: str, reputation: float, info: dict) -> dict:
+        t = now_ms()
+        self._exec(
+            "INSERT INTO nodes(node_id, joined_ms, last_seen_ms, reputation, info) VALUES(?,?,?,?,?) "
+            "ON CONFLICT(node_id) DO UPDATE SET last_seen_ms=excluded.last_seen_ms, info=excluded.info",
+            (node_id, t, t, reputation, json.dumps(info)),
+        )
+        return self.node(node_id)
+
+    def node(self, node_id: str) -> dict | None:
+        row = self._exec("SELECT * FROM nodes WHERE node_id=?", (node_id,)).fetchone()
+        return dict(row) if row else None
+
+    def nodes(self) -> list[dict]:
+        return [dict(r) for r in self._exec("SELECT * FROM nodes ORDER BY joined_ms").fetchall()]
+
+    def heartbeat(self, node_id: str, policy_step: int | None, tokens_per_s: float, state: str) -> None:
+        self._exec(
+            "UPDATE nodes SET last_seen_ms=?, policy_step=COALESCE(?, policy_step), tokens_per_s=?, state=? "
+            "WHERE node_id=?",
+            (now_ms(), policy_step, tokens_per_s, state, node_id),
+        )
+
+    def touch(self, node_id: str, policy_step: int | None = None) -> None:
+        self._exec("UPDATE nodes SET last_seen_ms=?, policy_step=COALESCE(?, policy_step) WHERE node_id=?",
+                   (now_ms(), policy_step, node_id))
+
+    # -- assignments -----------------------------------------------------------------------------
+    def add_assignment(self, a: dict) -> None:
+        self._exec(
+            "INSERT INTO assignments(assignment_id, node_id, batch_step, min_policy_step, created_ms, "
+            "deadline_ms, state, prompts) VALUES(?,?,?,?,?,?, 'open', ?)",
+            (a["assignment_id"], a["node_id"], a["batch_step"], a["min_policy_step"], a["created_ms"],
+             a["deadline_ms"], json.dumps(a["prompts"])),
+        )
+
+    def assignment(self, assignment_id: str) -> dict | None:
+        row = self._exec("SELECT * FROM assignments WHERE assignment_id=?", (assignment_id,)).fetchone()
+        if not row:
+            return None
+        d = dict(row)
+        d["prompts"] = json.loads(d["prompts"])
+        return d
+
+    def open_assignments(self) -> list[dict]:
+        rows = self._exec("SELECT * FROM assignments WHERE state='open'").fetchall()
+        return [{**dict(r), "prompts": json.loads(r["prompts"])} for r in rows]
+
+    def set_assignment_state(self, assignment_id: str, state: str) -> None:
+        self._exec("UPDATE assignments SET state=? WHERE assignment_id=?", (state, assignment_id))
+
+    # -- submissions -----------------------------------------------------------------------------
+    def record_submission(self, assignment_id: str, node_id: str, groups: list[dict],
+                          rejections: list[dict], reputation: float, banned: bool) -> None:
+        """One transaction: accepted groups, rejections, node counters, assignment closed."""
+        t = now_ms()
+        n_acc = sum(len(g["data"]["rollouts"]) for g in groups)
+        with self.transaction() as db:
+            for g in groups:
+                db.execute(
+                    "INSERT INTO groups(assignment_id, node_id, prompt_id, problem_index, batch_step, "
+                    "policy_step, received_ms, data, reward_mean) VALUES(?,?,?,?,?,?,?,?,?)",
+                    (assignment_id, node_id, g["prompt_id"], g["problem_index"], g["batch_step"],
+                     g["policy_step"], t, json.dumps(g["data"]), g["reward_mean"]),
+                )
+            for r in rejections:
+                db.execute(
+                    "INSERT INTO rejections(at_ms, node_id, assignment_id, prompt_id, sample_index, reason) "
+                    "VALUES(?,?,?,?,?,?)",
+                    (t, node_id, assignment_id, r.get("prompt_id"), r.get("sample_index"), r["reason"]),
+                )
+            db.execute(
+                "UPDATE nodes SET accepted=accepted+?, rejected=rejected+?, reputation=?, banned=?, "
+                "last_seen_ms=? WHERE node_id=?",
+                (n_acc, len(rejections), reputation, int(banned), t, node_id),
+            )
+            db.execute("UPDATE assignments SET state='submitted' WHERE assignment_id=?", (assignment_id,))
+
+    def record_rejection(self, node_id: str, reason: str, assignment_id: str | None = None) -> None:
+        self._exec("INSERT INTO rejections(at_ms, node_id, assignment_id, reason) VALUES(?,?,?,?)",
+                   (now_ms(), node_id, assignment_id, reason))
+
+    def waiting_groups(self) -> list[dict]:
+        rows = self._exec(
+            "SELECT * FROM groups WHERE consumed_step IS NULL AND dropped IS NULL ORDER BY group_id"
+        ).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    def drop_groups(self, group_ids: list[int], reason: str) -> None:
+        with self.transaction() as db:
+            db.executemany("UPDATE groups SET dropped=? WHERE group_id=?", [(reason, g) for g in group_ids])
+
+    def recent_rejections(self, limit: int = 20) -> list[dict]:
+        rows = self._exec("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [dict(r) for r in rows]
+
+    def rejection_counts(self) -> dict[str, int]:
+        rows = self._exec("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall()
+        return {r[0]: r[1] for r in rows}
+
+    def counts(self) -> dict[str, int]:
+        acc = self._exec("SELECT COALESCE(SUM(accepted),0), COALESCE(SUM(rejected),0) FROM nodes").fetchone()
+        return {"accepted_rollouts": acc[0], "rejected_rollouts": acc[1]}
+
+    # -- steps -----------------------------------------------------------------------------------
+    def publish_step(self, row: StepRow, consumed_group_ids: list[int]) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO steps(step, published_ms, manifest_hash, encoding, base_step, compressed_bytes, "
+                "metrics) VALUES(?,?,?,?,?,?,?)",
+                (row.step, row.published_ms, row.manifest_hash, row.encoding, row.base_step,
+                 row.compressed_bytes, json.dumps(row.metrics)),
+            )
+            db.executemany("UPDATE groups SET consumed_step=? WHERE group_id=?",
+                           [(row.step, g) for g in consumed_group_ids])
+
+    def latest_step(self) -> StepRow | None:
+        row = self._exec("SELECT * FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+        return self._step_row(row) if row else None
+
+    def steps(self) -> list[StepRow]:
+        return [self._step_row(r) for r in self._exec("SELECT * FROM steps ORDER BY step").fetchall()]
+
+    @staticmethod
+    def _step_row(r: sqlite3.Row) -> StepRow:
+        return StepRow(r["step"], r["published_ms"], r["manifest_hash"], r["encoding"], r["base_step"],
+                       r["compressed_bytes"], json.loads(r["metrics"]))
