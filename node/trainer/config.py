@@ -1,17 +1,106 @@
-"""Trainer section of the config tree (owned by node/trainer). Only pydantic here: imported at start-up."""
+"""Trainer section of the config tree (owned by node/trainer). Only pydantic here: imported at start-up.
+
+Nested sections: `loss`, `advantage`, `filters`, `buffer`. Every model forbids unknown keys so a typo in
+a TOML file is an error at start-up, not a silently ignored knob.
+"""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# "package.module:Name" -- the form every plug-in (loss, advantage, task) is given by.
+IMPORT_PATH_PATTERN = r"^$|^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LossConfig(_Strict):
+    """Which per-sequence loss the trainer uses in `rl` mode (sft/opd modes pick their own loss)."""
+
+    type: Literal["default", "aipo", "custom"] = "default"
+    dppo_mask_low: float = Field(0.2, ge=0)
+    dppo_mask_high: float = Field(0.2, ge=0)
+    adv_tau: float = Field(1.0, ge=0)
+    kl_tau: float = Field(1e-3, ge=0)
+    is_clip: float = Field(4.0, gt=0)
+    aipo_delta: float = Field(4.0, gt=0)
+    import_path: str = Field("", pattern=IMPORT_PATH_PATTERN)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _custom_needs_path(self) -> "LossConfig":
+        if self.type == "custom" and not self.import_path:
+            raise ValueError("loss.type = 'custom' needs loss.import_path ('package.module:function')")
+        return self
+
+
+class AdvantageConfig(_Strict):
+    """Per-group advantages: reward minus group mean (DR-GRPO), optionally std-normalised, plus penalties."""
+
+    type: Literal["drgrpo", "custom"] = "drgrpo"
+    std_normalize: bool = False
+    import_path: str = Field("", pattern=IMPORT_PATH_PATTERN)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    length_penalty: Literal["none", "tokens", "turns"] = "none"
+    length_penalty_coef: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _custom_needs_path(self) -> "AdvantageConfig":
+        if self.type == "custom" and not self.import_path:
+            raise ValueError("advantage.type = 'custom' needs advantage.import_path ('package.module:function')")
+        return self
+
+
+class FiltersConfig(_Strict):
+    """Rollout filters. Setting `enabled` replaces the default list wholesale (no None values: the
+    demo serialises this tree back to TOML, which has no null)."""
+
+    enabled: list[Literal["gibberish", "repetition", "zero_advantage"]] = Field(
+        default_factory=lambda: ["gibberish", "repetition"]
+    )
+    gibberish_min_mean_logprob: float = -10.0  # a completion whose mean sampler logprob is below is noise
+    repetition_ngram: int = Field(4, ge=1, le=64)
+    repetition_threshold: float = Field(0.5, gt=0, le=1)  # fraction of repeated n-grams
+    repetition_min_tokens: int = Field(32, ge=1)  # shorter completions are never judged repetitive
+    zero_advantage_eps: float = Field(1e-8, ge=0)
+
+
+class BufferConfig(_Strict):
+    """Difficulty pools and online difficulty filtering."""
+
+    easy_threshold: float = 1.0  # group mean reward >= this: the problem moves to the easy pool
+    hard_threshold: float = 0.0  # group mean reward <= this: the problem moves to the hard pool
+    easy_fraction: float = Field(0.0, ge=0, le=1)  # on resume, this share of easy problems goes back to normal
+    hard_fraction: float = Field(0.0, ge=0, le=1)  # same for hard problems
+    online_difficulty_filtering: bool = True  # drop groups whose rewards are all 0 or all 1
+    keep_rate_window: int = Field(256, ge=1)  # groups remembered for the observed keep rate
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "BufferConfig":
+        if self.hard_threshold > self.easy_threshold:
+            raise ValueError("buffer.hard_threshold must not exceed buffer.easy_threshold")
+        return self
+
+
 class TrainerConfig(_Strict):
     mode: str = Field("rl", pattern="^(rl|sft|opd)$")
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=64)
+    packing: Literal["shared_prompt", "packed", "padded"] = "shared_prompt"
+    broadcast_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    keep_states: int = Field(2, ge=1)  # trainer state snapshots kept on disk
     seed: int = 0
+    # Short supervised warm start on the task's reference answers, done before RL step 1 (0 = off).
+    warm_start_steps: int = Field(0, ge=0)
+    warm_start_lr: float = Field(3e-3, gt=0)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    filters: FiltersConfig = Field(default_factory=FiltersConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)

@@ -1,0 +1,35 @@
+"""Find a task by built-in name or by "package.module:Class"."""
+from __future__ import annotations
+
+from typing import Any
+
+from node.envs.arithmetic import Arithmetic
+from node.envs.base import Task, TaskError
+from node.envs.reverse_text import ReverseText
+
+BUILTIN_TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ReverseText, Arithmetic)}
+
+
+def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:
+    kwargs = dict(kwargs or {})
+    if name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[name](**kwargs)
+    if ":" not in name:
+        raise TaskError(f"unknown task {name!r} (built-ins: {', '.join(sorted(BUILTIN_TASKS))}; "
+                        "or give 'package.module:Class')")
+    from node.trainer.plugins import PluginError, import_object
+
+    try:
+        cls = import_object(name)
+    except PluginError as e:
+        raise TaskError(str(e)) from None
+    try:
+        task = cls(**kwargs)
+    except TaskError:
+        raise
+    except TypeError as e:
+        raise TaskError(f"cannot create task {name!r} with {sorted(kwargs)}: {e}") from None
+    for method in ("sample", "score"):
+        if not callable(getattr(task, method, None)):
+            raise TaskError(f"task {name!r} has no {method}() method")
+    return task

@@ -1,0 +1,95 @@
+"""Hugging Face causal LMs: load a local directory, or build the tiny demo model (nothing downloaded)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import PrimeNodeError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelLoadError(PrimeNodeError):
+    pass
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r} (use one of {', '.join(_DTYPES)})")
+    return getattr(torch, name)
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",
+               device: str = "cpu"):
+    """Load a causal LM from safetensors weights only (pickled .bin checkpoints are refused)."""
+    from transformers import AutoModelForCausalLM
+
+    path = check_model_dir(model_dir)
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no .safetensors weights (pickle checkpoints are not loaded)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
+            local_files_only=True, trust_remote_code=False, use_safetensors=True,
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load a model from {path}: {e}") from None
+    return model.to(device)
+
+
+def build_tiny_model_dir(out_dir: str | Path, *, hidden_size: int = 64, layers: int = 2, heads: int = 4,
+                         seed: int = 0, intermediate_size: int | None = None, max_positions: int = 2048,
+                         alphabet: str | None = None, init_std: float = 0.02, **config_overrides: Any) -> Path:
+    """Write a randomly initialised Llama-architecture model + character tokenizer to `out_dir`.
+
+    Llama rather than Qwen2: transformers 5 forces its own Qwen2 BPE tokenizer class onto any
+    `qwen2` directory, which would discard the character tokenizer saved here.
+
+    Deterministic in `seed`: the same arguments give bit-identical weights on every machine.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from node.trainer.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+
+    if hidden_size % heads:
+        raise ValueError("hidden_size must be a multiple of heads")
+    tokenizer = build_char_tokenizer(alphabet or DEFAULT_ALPHABET)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attention_bias=False,
+        **config_overrides,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Seed a private generator state: building a model must not disturb the caller's RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
