@@ -1,0 +1,50 @@
+"""The contract every inference backend meets (what the worker's rollout loop relies on)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # torch stays out of start-up imports
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt_ids: list[int]
+    seed: int  # the coordinator's per-sample seed (verify.sampler)
+
+
+@dataclass(frozen=True)
+class GenResult:
+    completion_ids: list[int]  # ends with EOS when finish_reason == "stop"
+    logprobs: list[float]  # one per completion token, under the distribution actually sampled from
+    finish_reason: str  # "stop" | "length"
+    commitment: str  # base64 activation commitment (verify.commitment)
+
+
+@runtime_checkable
+class InferenceBackend(Protocol):
+    policy_step: int  # step of the weights currently loaded (-1 before the first load)
+
+    def load_state_dict(self, state: Mapping[str, "Tensor"], step: int) -> None:
+        """Swap the weights in place (same architecture); afterwards `policy_step == step`."""
+
+    def generate(self, requests: list[GenRequest], *, temperature: float, top_p: float, max_tokens: int,
+                 eos_token_id: int) -> list[GenResult]:
+        """Sample one completion per request with `verify.sampler`; results in request order."""
+
+
+def check_generate_args(requests: list[GenRequest], temperature: float, top_p: float, max_tokens: int,
+                        vocab_size: int) -> None:
+    """Argument checks shared by the backends (raise ValueError: these are programming errors)."""
+    from verify.sampler import check_sampling, check_seed
+
+    check_sampling(temperature, top_p)
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    for r in requests:
+        check_seed(r.seed)
+        if not r.prompt_ids:
+            raise ValueError("empty prompt")
+        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab_size:
+            raise ValueError("prompt token id outside the vocabulary")

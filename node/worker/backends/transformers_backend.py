@@ -1,0 +1,116 @@
+"""Batched generation with Hugging Face transformers (CPU or CUDA), replayable by the verifier.
+
+A hand-written decode loop (left padding + attention mask + KV cache) samples every step with
+`verify.sampler.sample_step` (seeded Gumbel-max) instead of `model.generate`'s samplers, and records
+the LM head's input at each step for the activation commitment (`verify.commitment`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from verify.commitment import capture_final_hidden, make_commitment
+from verify.rollouts import left_pad, resolve_device, resolve_dtype
+from verify.sampler import sample_step
+
+from .base import GenRequest, GenResult, check_generate_args
+
+
+class TransformersBackend:
+    """`InferenceBackend` on a transformers causal LM.
+
+    model: a model directory (HF config + safetensors) or an already loaded `PreTrainedModel`
+    (which is moved to `device`/`dtype` in place). `max_batch_size` bounds one decode batch.
+    """
+
+    def __init__(self, model: str | Path | torch.nn.Module, *, dtype: str | torch.dtype = "float32",
+                 device: str = "auto", max_batch_size: int = 64):
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype, use_safetensors=True)
+        self.model = model.to(self.device, self.dtype).eval()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_batch_size = max_batch_size
+        self.policy_step = -1
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+        """Copy new weights into the existing parameters (dtype converted); refuse a different layout."""
+        own = self.model.state_dict()
+        unknown = sorted(set(state) - set(own))
+        if unknown:
+            raise ValueError(f"state has {len(unknown)} unknown tensors, e.g. {unknown[0]!r}")
+        loaded_ptrs = {own[k].data_ptr() for k in state}
+        # Tied weights (e.g. lm_head = embed_tokens) are saved once: absent keys must share storage.
+        missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
+        if missing:
+            raise ValueError(f"state lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+        self.policy_step = step
+
+    def generate(self, requests: list[GenRequest], *, temperature: float, top_p: float, max_tokens: int,
+                 eos_token_id: int) -> list[GenResult]:
+        check_generate_args(requests, temperature, top_p, max_tokens, self.vocab_size)
+        results: list[GenResult] = []
+        for i in range(0, len(requests), self.max_batch_size):
+            results += self._generate_batch(requests[i:i + self.max_batch_size], temperature, top_p,
+                                            max_tokens, eos_token_id)
+        return results
+
+    @torch.inference_mode()
+    def _generate_batch(self, requests: list[GenRequest], temperature: float, top_p: float, max_tokens: int,
+                        eos_token_id: int) -> list[GenResult]:
+        from transformers import DynamicCache
+
+        dev = self.device
+        ids, mask, pos = left_pad([r.prompt_ids for r in requests], pad_id=eos_token_id, device=dev)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev)
+        b = len(requests)
+        tokens_out = torch.empty((b, max_tokens), dtype=torch.int64, device=dev)
+        logprobs_out = torch.empty((b, max_tokens), dtype=torch.float32, device=dev)
+        hidden_steps: list[torch.Tensor] = []
+        lengths = torch.full((b,), max_tokens, dtype=torch.int64, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        with capture_final_hidden(self.model) as captured:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=DynamicCache(config=self.model.config), use_cache=True,
+                             logits_to_keep=1)
+            for step in range(max_tokens):
+                # The hidden state that produced token `step` (the head saw only the last position).
+                hidden_steps.append(captured.pop()[:, -1])
+                captured.clear()
+                positions = torch.full((b,), step, dtype=torch.int64, device=dev)
+                tok, lp = sample_step(out.logits[:, -1], seeds, positions, temperature, top_p)
+                tokens_out[:, step] = tok
+                logprobs_out[:, step] = lp
+                newly = (~done) & (tok == eos_token_id)
+                lengths[newly] = step + 1
+                done |= newly
+                if step + 1 == max_tokens or bool(done.all()):
+                    break
+                # Finished rows keep decoding (their outputs are ignored): cheaper than reshuffling the cache.
+                mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
+                pos = pos[:, -1:] + 1
+                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+                                 past_key_values=out.past_key_values, use_cache=True)
+        hidden = torch.stack(hidden_steps, dim=1)  # [B, steps, H]
+        results = []
+        tokens_cpu, lps_cpu, lengths_cpu = tokens_out.cpu(), logprobs_out.cpu(), lengths.cpu().tolist()
+        done_cpu = done.cpu().tolist()
+        for i in range(b):
+            n = lengths_cpu[i]
+            results.append(GenResult(
+                completion_ids=tokens_cpu[i, :n].tolist(),
+                logprobs=lps_cpu[i, :n].tolist(),
+                finish_reason="stop" if done_cpu[i] else "length",
+                commitment=make_commitment(hidden[i, :n]),
+            ))
+        return results

@@ -1,0 +1,269 @@
+"""Activation commitments (TOPLOC scheme, DESIGN §7), with a prime modulus always.
+
+What is committed: the final hidden states (the input of the LM head) at the positions that produced
+each completion token, i.e. sequence positions P-1 .. P+N-2 for a prompt of P tokens and a
+completion of N. They depend on the whole prefix, so they also bind the prompt and the weights.
+
+Per chunk of `CHUNK_TOKENS` (32) completion tokens: flatten the chunk's hidden states to
+[tokens * hidden], take the `TOPK` (128) entries of largest magnitude (fewer when the chunk is
+smaller), and commit to them as a polynomial f over GF(p) with f(index mod p) = bf16 bit pattern.
+p is the largest prime <= 65521 for which `index mod p` is injective on the chunk's top-k indices and
+which exceeds every committed 16-bit value, so interpolation never divides by zero and every
+coefficient fits in 16 bits. (The reference `toploc` searched non-prime moduli downward from 65536
+and then failed on honest proofs whenever it landed on one.)
+
+Wire format (little-endian), base64-encoded in the rollout's `commitment` field:
+    u8 version (=1), u16 n_chunks, then per chunk: u16 p, u8 k, k x u16 coefficients (lowest first)
+A full chunk costs 2 + 1 + 256 = 259 bytes, i.e. about 8.1 bytes per completion token.
+
+Verification recomputes the hidden states (one prefill with the claimed weights), takes the top-k
+indices of each recomputed chunk, evaluates f there and compares with the recomputed bf16 values:
+sign+exponent mismatches are counted; on the matches the mantissa difference (in bf16 ulps) is
+averaged (mean and median). An honest prover on other hardware differs by a few ulps; a different
+model, prefix or weights gives random-looking values.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator
+
+import numpy as np
+
+from protocol.errors import PrimeNodeError
+
+VERSION = 1
+CHUNK_TOKENS = 32
+TOPK = 128
+FIELD_MAX = 65521  # largest prime below 2**16: coefficients always fit in a u16
+MAX_CHUNKS = 4096  # 131072 completion tokens: far above any max_tokens we hand out
+MAX_COMMITMENT_BYTES = 3 + MAX_CHUNKS * (3 + 2 * TOPK)
+
+
+class CommitmentError(PrimeNodeError):
+    """A commitment that cannot be decoded or built (malformed input, not a failed match)."""
+
+
+def _sieve(limit: int) -> np.ndarray:
+    is_p = np.ones(limit + 1, dtype=bool)
+    is_p[:2] = False
+    for i in range(2, int(limit**0.5) + 1):
+        if is_p[i]:
+            is_p[i * i::i] = False
+    return np.flatnonzero(is_p)
+
+
+_PRIMES_DESC = _sieve(FIELD_MAX)[::-1].astype(np.int64)
+_PRIME_SET = frozenset(int(p) for p in _PRIMES_DESC)
+
+
+def is_prime(n: int) -> bool:
+    return n in _PRIME_SET
+
+
+def choose_modulus(indices: np.ndarray, max_value: int) -> int:
+    """Largest prime p <= 65521 with p > max_value and `indices mod p` pairwise distinct."""
+    k = len(indices)
+    for p in _PRIMES_DESC:
+        p = int(p)
+        if p <= max_value or p < k:
+            break
+        if len(np.unique(indices % p)) == k:
+            return p
+    raise CommitmentError("no prime modulus makes these indices injective")  # needs ~k**2/2 collisions: never seen
+
+
+@lru_cache(maxsize=8)
+def _inverse_table(p: int) -> np.ndarray:
+    """inv[a] = a^(p-2) mod p for every a in [0, p) (inv[0] unused). Products stay < 2**32."""
+    base = np.arange(p, dtype=np.int64)
+    result = np.ones(p, dtype=np.int64)
+    e = p - 2
+    while e:
+        if e & 1:
+            result = result * base % p
+        base = base * base % p
+        e >>= 1
+    result.setflags(write=False)
+    return result
+
+
+def interpolate(xs: np.ndarray, ys: np.ndarray, p: int) -> np.ndarray:
+    """Coefficients (lowest degree first) of the unique poly of degree < k through (xs, ys) over GF(p).
+
+    Newton divided differences, then expansion to monomial form: O(k^2) in vectorised int64.
+    """
+    xs = np.asarray(xs, dtype=np.int64) % p
+    c = np.asarray(ys, dtype=np.int64) % p
+    k = len(xs)
+    inv = _inverse_table(p)
+    for j in range(1, k):
+        num = (c[j:] - c[j - 1:-1]) % p
+        den = (xs[j:] - xs[:-j]) % p
+        c[j:] = num * inv[den] % p
+    poly = np.zeros(k, dtype=np.int64)
+    poly[0] = c[k - 1]
+    deg = 0
+    for i in range(k - 2, -1, -1):  # poly = poly * (x - xs[i]) + c[i]
+        shifted = np.zeros(deg + 2, dtype=np.int64)
+        shifted[1:] = poly[:deg + 1]
+        shifted[:deg + 1] -= xs[i] * poly[:deg + 1] % p
+        deg += 1
+        poly[:deg + 1] = shifted % p
+        poly[0] = (poly[0] + c[i]) % p
+    return poly
+
+
+def evaluate(coeffs: np.ndarray, xs: np.ndarray, p: int) -> np.ndarray:
+    """Horner's rule at every x at once."""
+    xs = np.asarray(xs, dtype=np.int64) % p
+    acc = np.zeros(len(xs), dtype=np.int64)
+    for c in coeffs[::-1]:
+        acc = (acc * xs + int(c)) % p
+    return acc
+
+
+def bf16_bits(hidden) -> np.ndarray:
+    """Any float tensor -> int64 array of its bf16 bit patterns (0..65535), same shape, flattened."""
+    import torch
+
+    h = hidden.detach().to("cpu", torch.bfloat16).contiguous()
+    return h.view(torch.int16).numpy().astype(np.int64).reshape(-1) & 0xFFFF
+
+
+def _topk_by_magnitude(bits: np.ndarray, k: int) -> np.ndarray:
+    # Magnitude = bits without the sign; bf16 bit patterns order like their absolute values.
+    mag = bits & 0x7FFF
+    if k >= len(mag):
+        return np.arange(len(mag), dtype=np.int64)
+    return np.argpartition(-mag, k - 1, kind="introselect")[:k].astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ChunkProof:
+    modulus: int
+    coeffs: np.ndarray  # int64, k entries in [0, modulus)
+
+
+def chunk_bounds(n_tokens: int) -> list[tuple[int, int]]:
+    return [(s, min(s + CHUNK_TOKENS, n_tokens)) for s in range(0, n_tokens, CHUNK_TOKENS)]
+
+
+def build_proofs(hidden) -> list[ChunkProof]:
+    """hidden [N, H] final hidden states of the committed positions -> one proof per 32-token chunk."""
+    if hidden.dim() != 2 or hidden.shape[0] == 0:
+        raise CommitmentError("hidden states must be a non-empty [tokens, hidden] tensor")
+    proofs = []
+    for s, e in chunk_bounds(hidden.shape[0]):
+        bits = bf16_bits(hidden[s:e])
+        bits = np.where((bits & 0x7F80) == 0x7F80, 0x7FC0, bits)  # all NaN/inf -> one canonical NaN
+        idx = _topk_by_magnitude(bits, min(TOPK, len(bits)))
+        vals = bits[idx]
+        p = choose_modulus(idx, int(vals.max()))
+        proofs.append(ChunkProof(p, interpolate(idx % p, vals, p)))
+    return proofs
+
+
+def encode_proofs(proofs: list[ChunkProof]) -> bytes:
+    out = [struct.pack("<BH", VERSION, len(proofs))]
+    for pr in proofs:
+        out.append(struct.pack("<HB", pr.modulus, len(pr.coeffs)))
+        out.append(pr.coeffs.astype("<u2").tobytes())
+    return b"".join(out)
+
+
+def decode_proofs(data: bytes) -> list[ChunkProof]:
+    if len(data) > MAX_COMMITMENT_BYTES:
+        raise CommitmentError(f"commitment is {len(data)} bytes (limit {MAX_COMMITMENT_BYTES})")
+    if len(data) < 3:
+        raise CommitmentError("commitment is truncated")
+    version, n = struct.unpack_from("<BH", data, 0)
+    if version != VERSION:
+        raise CommitmentError(f"unknown commitment version {version}")
+    off, proofs = 3, []
+    for _ in range(n):
+        if off + 3 > len(data):
+            raise CommitmentError("commitment is truncated")
+        p, k = struct.unpack_from("<HB", data, off)
+        off += 3
+        if not is_prime(p) or k == 0 or k > TOPK or p < k:
+            raise CommitmentError(f"bad chunk header (modulus {p}, k {k})")
+        if off + 2 * k > len(data):
+            raise CommitmentError("commitment is truncated")
+        coeffs = np.frombuffer(data, dtype="<u2", count=k, offset=off).astype(np.int64)
+        off += 2 * k
+        if (coeffs >= p).any():
+            raise CommitmentError("coefficient outside the field")
+        proofs.append(ChunkProof(p, coeffs))
+    if off != len(data):
+        raise CommitmentError("trailing bytes after the commitment")
+    return proofs
+
+
+def make_commitment(hidden) -> str:
+    """hidden [N, H] -> the base64 string carried in a rollout's `commitment` field."""
+    return base64.b64encode(encode_proofs(build_proofs(hidden))).decode("ascii")
+
+
+def parse_commitment(text: str) -> list[ChunkProof]:
+    if not isinstance(text, str) or len(text) > (MAX_COMMITMENT_BYTES + 2) // 3 * 4:
+        raise CommitmentError("commitment must be a base64 string of bounded size")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        raise CommitmentError("commitment is not valid base64") from None
+    return decode_proofs(raw)
+
+
+@dataclass(frozen=True)
+class CommitmentScores:
+    """Worst chunk's statistics (each chunk is checked on its own; one bad chunk fails the rollout)."""
+
+    exp_mismatch_frac: float  # fraction of top-k entries whose sign/exponent differ
+    mant_err_mean: float  # mean |mantissa difference| in bf16 ulps over exponent matches
+    mant_err_median: float
+    chunks: int
+
+
+def score_commitment(proofs: list[ChunkProof], hidden) -> CommitmentScores:
+    """Compare proofs against recomputed hidden states [N, H]. A chunk-count mismatch is maximal error."""
+    bounds = chunk_bounds(hidden.shape[0])
+    if len(proofs) != len(bounds):
+        return CommitmentScores(1.0, 128.0, 128.0, len(bounds))
+    worst = [0.0, 0.0, 0.0]
+    for (s, e), pr in zip(bounds, proofs):
+        bits = bf16_bits(hidden[s:e])
+        k = min(TOPK, len(bits))
+        if len(pr.coeffs) != k:
+            return CommitmentScores(1.0, 128.0, 128.0, len(bounds))
+        idx = _topk_by_magnitude(bits, k)
+        claimed = evaluate(pr.coeffs, idx % pr.modulus, pr.modulus)
+        actual = bits[idx]
+        exp_ok = (claimed >> 7) == (actual >> 7)  # sign + 8 exponent bits
+        mant = np.abs((claimed & 0x7F) - (actual & 0x7F))[exp_ok]
+        mismatch = float(1.0 - exp_ok.mean())
+        mean = float(mant.mean()) if len(mant) else 128.0
+        median = float(np.median(mant)) if len(mant) else 128.0
+        worst = [max(worst[0], mismatch), max(worst[1], mean), max(worst[2], median)]
+    return CommitmentScores(worst[0], worst[1], worst[2], len(bounds))
+
+
+@contextlib.contextmanager
+def capture_final_hidden(model) -> Iterator[list]:
+    """Record the LM head's input (the final, normalised hidden states) on every forward call.
+
+    A forward pre-hook on the output embedding works for any Hugging Face causal LM without knowing
+    its module names; with `logits_to_keep` the head only sees the kept positions, which is exactly
+    what decoding needs.
+    """
+    captured: list = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda _mod, inputs: captured.append(inputs[0].detach()))
+    try:
+        yield captured
+    finally:
+        handle.remove()

@@ -1,0 +1,265 @@
+"""Per-rollout verification without trusting the worker (DESIGN §7).
+
+One recomputed prefill (prompt + completion, batched over rollouts) with the claimed step's weights
+gives, at every completion position, the logits and the final hidden states. From them:
+
+  shape        ids in the vocabulary, one logprob (finite, <= 0) per token, lengths within bounds,
+               a commitment that decodes into one proof per 32-token chunk
+  termination  "stop" only when the completion ends with its first EOS and EOS was really the
+               sampler's choice there; "length" only when len == max_tokens and no EOS inside
+  commitment   TOPLOC comparison of the committed top-k hidden values (verify.commitment)
+  logprobs     submitted vs recomputed: mean and max absolute deviation
+  sampling     replaying the seeded Gumbel-max sampler picks the submitted tokens, up to numerical
+               near-ties (the chosen token's perturbed score within `sample_margin` of the best)
+
+Policy binding: the commitment and logprobs must match the weights of the step the caller loaded
+(the coordinator enforces the staleness window itself). Thresholds are calibrated (bench/verify_cost.py)
+so honest nodes on other hardware (bf16 generation, other batch sizes and thread counts, verified in
+fp32) pass; see docs/BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .commitment import CommitmentError, capture_final_hidden, chunk_bounds, parse_commitment, score_commitment
+from .sampler import check_sampling, check_seed, replay_scores
+
+REASONS = ("shape", "termination", "commitment", "logprobs", "sampling")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r} (expected one of {sorted(table)})")
+    return table[dtype]
+
+
+def left_pad(seqs: Sequence[Sequence[int]], *, pad_id: int, device: torch.device | str = "cpu",
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad token lists -> (input_ids, attention_mask, position_ids), all [B, L] int64.
+
+    Positions count real tokens only, so a padded row computes what it would alone.
+    """
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(seqs), width), dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.int64)
+            mask[i, width - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Acceptance limits (calibrated in bench/verify_cost.py; see docs/BENCHMARKS.md)."""
+
+    logprob_mean: float = 0.05  # mean |submitted - recomputed| over the completion
+    logprob_max: float = 0.5  # worst single token
+    sample_margin: float = 0.5  # perturbed-score gap (in logits/T units) tolerated as a near-tie
+    nucleus_slack: float = 0.02  # probability mass by which top-p membership may be uncertain
+    exp_mismatch_frac: float = 0.15  # TOPLOC: top-k entries with a different sign/exponent (worst chunk)
+    mant_err_mean: float = 10.0  # TOPLOC: mean mantissa difference in bf16 ulps (worst chunk)
+    mant_err_median: float = 8.0
+
+
+@dataclass(frozen=True)
+class RolloutClaim:
+    """What a worker submits for one sample (DESIGN §7 `rollouts[]` minus the ids)."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    commitment: str
+
+    @classmethod
+    def of(cls, obj: Any) -> "RolloutClaim":
+        """From a mapping, a pydantic model or any object with these attributes."""
+        get = obj.get if isinstance(obj, Mapping) else (lambda k: getattr(obj, k, None))
+        return cls(get("completion_ids"), get("logprobs"), get("finish_reason"), get("commitment"))
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    """One rollout plus the assignment context it must be checked against."""
+
+    prompt_ids: list[int]
+    rollout: RolloutClaim
+    seed: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    eos_token_id: int
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    reason: str | None = None  # one of REASONS when not ok
+    detail: str = ""
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutVerifier:
+    """Verify rollouts against `model` (the claimed step's weights; fp32 recommended).
+
+    `max_batch_tokens` bounds one prefill (rows x padded length); `max_logit_elems` bounds the
+    [rows, completion, vocab] fp32 logits kept at once.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, thresholds: Thresholds | None = None,
+                 max_batch_tokens: int = 32768, max_logit_elems: int = 2**27):
+        self.model = model.eval()
+        self.thresholds = thresholds or Thresholds()
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_batch_tokens = max_batch_tokens
+        self.max_logit_elems = max_logit_elems
+
+    def verify(self, prompt_ids: list[int], rollout: Any, seed: int, temperature: float, top_p: float,
+               max_tokens: int, eos_token_id: int) -> Verdict:
+        item = VerifyItem(list(prompt_ids), RolloutClaim.of(rollout), seed, temperature, top_p, max_tokens,
+                          eos_token_id)
+        return self.verify_many([item])[0]
+
+    def verify_many(self, items: Sequence[VerifyItem]) -> list[Verdict]:
+        """Verdicts in input order; well-formed rollouts share batched prefills."""
+        verdicts: list[Verdict | None] = [self._static_checks(it) for it in items]
+        todo = sorted((i for i, v in enumerate(verdicts) if v is None),
+                      key=lambda i: len(items[i].prompt_ids) + len(items[i].rollout.completion_ids))
+        batch: list[int] = []
+        for i in todo:
+            if batch and not self._fits(items, batch + [i]):
+                self._verify_batch(items, batch, verdicts)
+                batch = []
+            batch.append(i)
+        if batch:
+            self._verify_batch(items, batch, verdicts)
+        return verdicts  # type: ignore[return-value]
+
+    # -- checks that need no model ------------------------------------------------------------
+
+    def _static_checks(self, it: VerifyItem) -> Verdict | None:
+        r = it.rollout
+        v = self.vocab_size
+        try:
+            check_seed(it.seed)
+            check_sampling(it.temperature, it.top_p)
+        except ValueError as e:
+            return Verdict(False, "shape", f"bad assignment: {e}")
+        if not _int_list(it.prompt_ids, v) or not it.prompt_ids:
+            return Verdict(False, "shape", "prompt ids missing or outside the vocabulary")
+        if not _int_list(r.completion_ids, v) or not r.completion_ids:
+            return Verdict(False, "shape", "completion ids missing or outside the vocabulary")
+        n = len(r.completion_ids)
+        if n > it.max_tokens:
+            return Verdict(False, "shape", f"{n} tokens exceed max_tokens {it.max_tokens}")
+        if not isinstance(r.logprobs, list) or len(r.logprobs) != n or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0.0
+                for x in r.logprobs):
+            return Verdict(False, "shape", "need one finite logprob <= 0 per completion token")
+        if r.finish_reason not in ("stop", "length"):
+            return Verdict(False, "shape", f"unknown finish_reason {r.finish_reason!r}")
+        try:
+            proofs = parse_commitment(r.commitment)
+        except CommitmentError as e:
+            return Verdict(False, "shape", f"commitment: {e}")
+        if len(proofs) != len(chunk_bounds(n)):
+            return Verdict(False, "shape", f"commitment has {len(proofs)} chunks, expected {len(chunk_bounds(n))}")
+        eos_at = [j for j, t in enumerate(r.completion_ids) if t == it.eos_token_id]
+        if r.finish_reason == "stop" and eos_at != [n - 1]:
+            return Verdict(False, "termination", "'stop' needs exactly one EOS, as the last token")
+        if r.finish_reason == "length" and (eos_at or n != it.max_tokens):
+            return Verdict(False, "termination", "'length' needs max_tokens tokens and no EOS")
+        return None
+
+    # -- checks on one recomputed prefill ------------------------------------------------------
+
+    def _fits(self, items: Sequence[VerifyItem], idx: list[int]) -> bool:
+        p = max(len(items[i].prompt_ids) for i in idx)
+        c = max(len(items[i].rollout.completion_ids) for i in idx)
+        return (len(idx) * (p + c) <= self.max_batch_tokens
+                and len(idx) * c * self.vocab_size <= self.max_logit_elems)
+
+    @torch.inference_mode()
+    def _prefill(self, items: Sequence[VerifyItem], idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, C, V] and final hidden states [B, C, H] at each row's completion positions.
+
+        Prompts are left-padded and completions right-padded, so every completion starts in the same
+        column and the last C columns (C = longest completion) are exactly the positions needed.
+        """
+        c = max(len(items[i].rollout.completion_ids) for i in idx)
+        ids, mask, _ = left_pad([items[i].prompt_ids for i in idx], pad_id=0)
+        tail = torch.zeros((len(idx), c - 1), dtype=torch.int64)
+        tail_mask = torch.zeros_like(tail)
+        for row, i in enumerate(idx):
+            comp = items[i].rollout.completion_ids[:-1]  # the last token is never an input
+            tail[row, :len(comp)] = torch.tensor(comp, dtype=torch.int64)
+            tail_mask[row, :len(comp)] = 1
+        ids = torch.cat([ids, tail], 1).to(self.device)
+        mask = torch.cat([mask, tail_mask], 1).to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with capture_final_hidden(self.model) as captured:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                             logits_to_keep=c)
+        return out.logits.float(), captured[-1]
+
+    def _verify_batch(self, items: Sequence[VerifyItem], idx: list[int], verdicts: list) -> None:
+        logits, hidden = self._prefill(items, idx)
+        for row, i in enumerate(idx):
+            verdicts[i] = self._judge(items[i], logits[row], hidden[row])
+
+    def _judge(self, it: VerifyItem, logits: torch.Tensor, hidden: torch.Tensor) -> Verdict:
+        th = self.thresholds
+        r = it.rollout
+        n = len(r.completion_ids)
+        logits, hidden = logits[:n], hidden[:n]
+        chosen = torch.tensor(r.completion_ids, dtype=torch.int64, device=logits.device)
+        rep = replay_scores(logits, it.seed, torch.arange(n, device=logits.device), it.temperature, it.top_p,
+                            chosen, nucleus_slack=th.nucleus_slack)
+        submitted = torch.tensor(r.logprobs, dtype=torch.float32, device=logits.device)
+        # Distance from the submitted logprob to the interval the nucleus uncertainty allows.
+        dev = torch.clamp(rep.logprob_lo - submitted, min=0) + torch.clamp(submitted - rep.logprob_hi, min=0)
+        com = score_commitment(parse_commitment(r.commitment), hidden)
+        margins = rep.margin.cpu()
+        bad_pick = (margins > th.sample_margin) | (rep.outside.cpu() > th.nucleus_slack)
+        scores = {
+            "logprob_mean": float(dev.mean()), "logprob_max": float(dev.max()),
+            "sample_margin_max": float(margins.max()), "sample_bad_positions": int(bad_pick.sum()),
+            "exp_mismatch_frac": com.exp_mismatch_frac, "mant_err_mean": com.mant_err_mean,
+            "mant_err_median": com.mant_err_median, "tokens": n,
+        }
+        if (com.exp_mismatch_frac > th.exp_mismatch_frac or com.mant_err_mean > th.mant_err_mean
+                or com.mant_err_median > th.mant_err_median):
+            return Verdict(False, "commitment", "activation commitment does not match the recomputed states", scores)
+        if scores["logprob_mean"] > th.logprob_mean or scores["logprob_max"] > th.logprob_max:
+            return Verdict(False, "logprobs", "submitted logprobs differ from the recomputed ones", scores)
+        if bool(bad_pick[:-1].any()):
+            return Verdict(False, "sampling", f"the seeded sampler would not pick token "
+                           f"{int(bad_pick.nonzero()[0])}", scores)
+        if bool(bad_pick[-1]):
+            # The last token decides termination: a forced EOS (or a forced final token) is caught here.
+            reason = "termination" if r.finish_reason == "stop" else "sampling"
+            return Verdict(False, reason, "the seeded sampler would not pick the final token", scores)
+        return Verdict(True, None, "", scores)
+
+
+def _int_list(xs: Any, vocab: int) -> bool:
+    return isinstance(xs, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in xs)
+
+
+def verdict_dict(v: Verdict) -> dict:
+    return asdict(v)
