@@ -1,0 +1,95 @@
+"""Per-shard work: compress, check a compressed shard against the manifest, bounded decompression, XOR.
+
+zstd and sha256 release the GIL on large buffers, so callers run these in a thread pool over shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import zstandard
+
+from .errors import CheckpointError
+from .manifest import Manifest
+
+_local = threading.local()
+
+
+def compress_shard(raw: bytes | bytearray | memoryview, level: int) -> bytes:
+    """One zstd frame (content size recorded). Compressor objects are per thread: they are not thread-safe."""
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cctx.compress(raw)
+
+
+def _entry(manifest: Manifest, index: int):
+    if not (type(index) is int and 0 <= index < manifest.num_shards):
+        raise CheckpointError("shard_index", f"shard {index!r} does not exist (the manifest lists "
+                                             f"{manifest.num_shards})", shard=None)
+    return manifest.shards[index]
+
+
+def verify_shard(manifest: Manifest, index: int, compressed: bytes | bytearray | memoryview) -> None:
+    """Size and sha256 of the compressed bytes against the signed manifest (cheap; do it before anything)."""
+    entry = _entry(manifest, index)
+    if len(compressed) != entry.zsize:
+        raise CheckpointError("shard_size", f"shard {index}: {len(compressed)} bytes, the manifest says "
+                                            f"{entry.zsize}", shard=index)
+    digest = hashlib.sha256(compressed).hexdigest()
+    if digest != entry.sha256:
+        raise CheckpointError("shard_hash", f"shard {index}: sha256 {digest[:16]}… does not match the "
+                                            f"manifest's {entry.sha256[:16]}…", shard=index)
+
+
+def decompress_shard(manifest: Manifest, index: int, compressed: bytes | bytearray | memoryview,
+                     out: memoryview | None = None) -> bytearray | memoryview:
+    """Decompress into exactly the declared `size` bytes, never more.
+
+    The output buffer is allocated from the manifest's `size`, not from the frame header (which the data
+    controls), and the streaming reader can only write into what is left of it. One extra byte is then
+    requested: if the stream has more, it is a bomb and we stop right there.
+    """
+    entry = _entry(manifest, index)
+    size = entry.size
+    if out is None:
+        buf = bytearray(size)
+        out = memoryview(buf)
+    else:
+        buf = out
+        if len(out) != size:
+            raise ValueError("output buffer must have the shard's declared size")
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
+        pos = 0
+        while pos < size:
+            n = reader.readinto(out[pos:])
+            if n == 0:
+                raise CheckpointError("shard_size", f"shard {index}: decompresses to {pos} bytes, the "
+                                                    f"manifest says {size}", shard=index)
+            pos += n
+        if reader.readinto(memoryview(bytearray(1))) != 0:
+            raise CheckpointError("decompress_bomb", f"shard {index}: decompresses beyond its declared "
+                                                     f"size of {size} bytes (stopped there)", shard=index)
+    except zstandard.ZstdError as e:
+        raise CheckpointError("decompress_error", f"shard {index}: not a valid zstd stream ({e})",
+                              shard=index) from None
+    return buf
+
+
+def xor_into(dest: memoryview | bytearray, other: memoryview | bytes | bytearray) -> None:
+    """dest ^= other, bytewise, in place (numpy on uint64 words, the tail as bytes)."""
+    n = len(dest)
+    if len(other) != n:
+        raise ValueError("xor operands differ in length")
+    words = n // 8 * 8
+    a = np.frombuffer(dest, dtype=np.uint8)
+    b = np.frombuffer(other, dtype=np.uint8)
+    if words:
+        np.bitwise_xor(a[:words].view(np.uint64), b[:words].view(np.uint64), out=a[:words].view(np.uint64))
+    if words < n:
+        np.bitwise_xor(a[words:], b[words:], out=a[words:])

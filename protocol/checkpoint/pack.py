@@ -1,0 +1,171 @@
+"""Packing: payload -> (optional XOR against a base) -> shards -> zstd -> signed manifest, streamed.
+
+Memory: the payload is produced one shard at a time straight from the tensors (or source files), so
+packing holds the model once (if given as tensors) plus about `threads + 2` shards in flight.
+Work split: the calling thread fills each shard, feeds the payload hash (sequential by nature) and XORs
+against the base; a pool of `threads` compresses, hashes and writes shards (zstd/hashlib drop the GIL).
+Atomicity: everything is written into a hidden temporary directory next to `out_dir`, renamed into
+place only after the manifest is on disk; a crash leaves at worst a `.NAME.tmp-*` directory.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..identity import Identity
+from .codec import compress_shard, xor_into
+from .errors import CheckpointError
+from .manifest import (DEFAULT_SHARD_SIZE, FORMAT, MAX_SHARD_SIZE, MAX_SHARDS, MIN_SHARD_SIZE, Manifest,
+                       sign_manifest)
+from .parallel import ordered_map
+from .payload import PayloadLayout, open_layout
+from .reconstruct import BasePayload, open_base
+from .shard_files import MANIFEST_NAME, SHARDS_DIR, shard_file_name
+
+
+def _progress_bar(enabled: bool, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not enabled,
+                leave=False)
+
+
+def check_delta_compatible(layout: PayloadLayout, base: BasePayload) -> None:
+    """XOR needs the same layout: equal size and a byte-identical safetensors header."""
+    if base.size != layout.total_size or base.header() != layout.header:
+        raise CheckpointError("delta_layout", "the base payload's tensor layout differs from this step's "
+                                              f"({base.size} vs {layout.total_size} bytes or a different "
+                                              "header); pack this step with encoding 'full'")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identity, step: int, run_id: str,
+                    parent: Manifest | None = None, base_payload: Any = None, base_step: int | None = None,
+                    shard_size: int = DEFAULT_SHARD_SIZE, level: int = 1, threads: int = 2,
+                    progress: bool = False, payload_out: str | os.PathLike | None = None,
+                    created_at: int | None = None) -> Manifest:
+    """Pack `source` (state dict, .safetensors file or HF model dir) as a signed checkpoint in `out_dir`.
+
+    `parent`: the previous published manifest (its hash goes into `parent`; it must be an earlier step of
+    the same run). `base_payload` (raw payload bytes or path of step `base_step`; default parent.step)
+    selects encoding "xor-delta"; a layout mismatch raises CheckpointError("delta_layout") so the caller
+    can fall back to full. `payload_out`: also write this step's raw payload there (the next base).
+    """
+    out_dir = Path(out_dir)
+    if not (MIN_SHARD_SIZE <= shard_size <= MAX_SHARD_SIZE):
+        raise CheckpointError("bad_payload", f"shard size must be within {MIN_SHARD_SIZE}..{MAX_SHARD_SIZE}")
+    if parent is not None:
+        if parent.run_id != run_id:
+            raise CheckpointError("run_mismatch", f"parent is from run {parent.run_id!r}, not {run_id!r}")
+        if parent.step >= step:
+            raise CheckpointError("rollback", f"step {step} does not move forward from parent step {parent.step}")
+    if base_payload is not None:
+        base_step = parent.step if base_step is None and parent is not None else base_step
+        if base_step is None or not (0 <= base_step < step):
+            raise CheckpointError("base_mismatch", "xor-delta needs base_step, an earlier step than this one")
+    if out_dir.exists():
+        raise CheckpointError("out_exists", f"{out_dir} already exists; refusing to overwrite a checkpoint")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
+    payload_tmp = None
+    payload_file = None
+    layout = base = None
+    try:
+        (tmp / SHARDS_DIR).mkdir(parents=True)
+        layout = open_layout(source)
+        base = open_base(base_payload) if base_payload is not None else None
+        if base is not None:
+            check_delta_compatible(layout, base)
+        total = layout.total_size
+        num_shards = -(-total // shard_size)
+        if num_shards > MAX_SHARDS:
+            raise CheckpointError("bad_payload", f"{num_shards} shards exceed the limit of {MAX_SHARDS}; "
+                                                 "use a larger shard size")
+        payload_hash = hashlib.sha256()
+        if payload_out is not None:
+            payload_tmp = Path(payload_out).with_name(f".{Path(payload_out).name}.tmp-{uuid.uuid4().hex[:12]}")
+            payload_file = open(payload_tmp, "wb")
+
+        def compress_and_write(item: tuple[int, bytearray]) -> dict[str, Any]:
+            index, raw = item
+            z = compress_shard(raw, level)
+            with open(tmp / SHARDS_DIR / shard_file_name(index), "xb") as f:
+                f.write(z)
+            return {"index": index, "size": len(raw), "zsize": len(z), "sha256": hashlib.sha256(z).hexdigest()}
+
+        def produce():
+            # Runs in this thread, lazily, as the pool asks for more: fill, hash, (XOR), hand over.
+            for index in range(num_shards):
+                offset = index * shard_size
+                raw = bytearray(min(shard_size, total - offset))
+                view = memoryview(raw)
+                layout.read_into(offset, view)
+                payload_hash.update(view)
+                if payload_file is not None:
+                    payload_file.write(view)
+                if base is not None:
+                    xor_into(view, base.read(offset, len(raw)))
+                yield index, raw
+
+        entries = []
+        with _progress_bar(progress, total, f"pack step {step}") as bar:
+            for (index, raw), fut in ordered_map(compress_and_write, produce(), threads=threads,
+                                                 window=threads + 1):
+                entries.append(fut.result())
+                bar.update(entries[-1]["size"])
+        if payload_file is not None:
+            payload_file.close()
+        manifest = sign_manifest(identity, {
+            "format": FORMAT, "run_id": run_id, "step": step,
+            "parent": parent.canonical_hash() if parent is not None else None,
+            "encoding": "xor-delta" if base is not None else "full",
+            "base_step": base_step if base is not None else None,
+            "dtype": layout.dtype, "compression": {"codec": "zstd", "level": level},
+            "shard_size": shard_size, "total_size": total, "sha256": payload_hash.hexdigest(),
+            "shards": entries, **({"created_at": created_at} if created_at is not None else {}),
+        })
+        manifest_path = tmp / MANIFEST_NAME
+        with open(manifest_path, "xb") as f:
+            f.write(manifest.to_json_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, out_dir)  # atomic: the checkpoint appears whole or not at all
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise CheckpointError("out_exists", f"{out_dir} appeared while packing; not overwritten") from None
+            raise
+        _fsync_dir(out_dir.parent)
+        if payload_tmp is not None:
+            os.replace(payload_tmp, payload_out)
+            payload_tmp = None
+        return manifest
+    finally:
+        if payload_file is not None and not payload_file.closed:
+            payload_file.close()
+        if layout is not None:
+            layout.close()
+        if base is not None:
+            base.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if payload_tmp is not None:
+            try:
+                payload_tmp.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,211 @@
+"""Reconstruction: verified shards -> bounded decompression -> un-XOR -> payload hash -> atomic file.
+
+Shards come from any `shard_reader(i) -> bytes` (a directory, an HTTP mirror, a libp2p peer): each one
+is checked against the signed manifest before it is decompressed, so an untrusted source can cost a
+retry but never a corrupted model. Readers are called from a small thread pool (they must be
+thread-safe); at most `threads + 1` shards are in memory at once, plus one base slice for xor-delta.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .codec import decompress_shard, verify_shard, xor_into
+from .errors import CheckpointError
+from .manifest import Manifest, verify_manifest
+from .parallel import ordered_map
+from .payload import MAX_HEADER_BYTES
+from .shard_files import MANIFEST_NAME, DirShardReader, load_manifest, scan_shard_dir
+
+PAYLOAD_FILE_NAME = "model.safetensors"
+ShardReader = Callable[[int], bytes]
+
+
+@dataclass
+class BasePayload:
+    """Random access to the base step's raw payload (bytes in memory or a file read with os.preadv)."""
+
+    size: int
+    _data: memoryview | None = None
+    _fd: int | None = None
+
+    def read(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or offset + length > self.size:
+            raise CheckpointError("base_mismatch", f"base payload has {self.size} bytes; "
+                                                   f"byte {offset + length} was needed")
+        if self._data is not None:
+            return self._data[offset:offset + length]
+        buf = bytearray(length)
+        view, done = memoryview(buf), 0
+        while done < length:
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError("base_mismatch", "base payload file shrank while reading it")
+            done += n
+        return view
+
+    def header(self) -> bytes:
+        """The safetensors header bytes (length prefix + JSON), or b"" if it cannot be one."""
+        if self.size < 8:
+            return b""
+        n = int.from_bytes(self.read(0, 8), "little")
+        if n > MAX_HEADER_BYTES or 8 + n > self.size:
+            return b""
+        return bytes(self.read(0, 8 + n))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_base(base: Any) -> BasePayload:
+    """A BasePayload from bytes-like or a path to a raw payload file."""
+    if isinstance(base, BasePayload):
+        return base
+    if isinstance(base, (bytes, bytearray, memoryview)):
+        view = memoryview(base).cast("B")
+        return BasePayload(len(view), _data=view)
+    if isinstance(base, (str, os.PathLike)):
+        try:
+            fd = os.open(base, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CheckpointError("base_mismatch", f"cannot open base payload {base}: {e.strerror}") from None
+        return BasePayload(os.fstat(fd).st_size, _fd=fd)
+    raise CheckpointError("base_mismatch", f"a base payload must be bytes or a path, not {type(base).__name__}")
+
+
+def iter_payload(manifest: Manifest, shard_reader: ShardReader, *, base: BasePayload | None = None,
+                 threads: int = 2) -> Iterator[tuple[int, memoryview]]:
+    """Yield (index, raw payload slice) in order, every shard verified and decompressed within bounds.
+
+    Does not check the whole-payload hash; `reconstruct_payload` does.
+    """
+    if manifest.encoding == "xor-delta":
+        if base is None:
+            raise CheckpointError("base_mismatch", f"step {manifest.step} is an xor-delta against step "
+                                                   f"{manifest.base_step}; its full payload is needed as base")
+        if base.size != manifest.total_size:
+            raise CheckpointError("base_mismatch", f"base payload is {base.size} bytes but step "
+                                                   f"{manifest.step} has {manifest.total_size}: wrong base")
+
+    def fetch(index: int) -> bytearray:
+        compressed = shard_reader(index)
+        verify_shard(manifest, index, compressed)
+        return decompress_shard(manifest, index, compressed)
+
+    for index, fut in ordered_map(fetch, range(manifest.num_shards), threads=threads):
+        raw = memoryview(fut.result())
+        if manifest.encoding == "xor-delta":
+            xor_into(raw, base.read(manifest.shard_offset(index), len(raw)))
+        yield index, raw
+
+
+def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path: str | os.PathLike | None,
+                        *, base_payload: Any = None, threads: int = 2, progress: bool = False) -> str:
+    """Rebuild the raw payload into `out_path` (atomically; None = only verify) and return its sha256.
+
+    Raises CheckpointError on the first bad shard, or "payload_hash" if the result is not what was signed
+    (for xor-delta that usually means the wrong base).
+    """
+    from tqdm import tqdm
+
+    base = open_base(base_payload) if base_payload is not None else None
+    out_path = Path(out_path) if out_path is not None else None
+    tmp = None
+    digest = hashlib.sha256()
+    try:
+        f = None
+        if out_path is not None:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out_path.with_name(f".{out_path.name}.tmp-{uuid.uuid4().hex[:12]}")
+            f = open(tmp, "xb")
+        with tqdm(total=manifest.total_size, unit="B", unit_scale=True, desc=f"unpack step {manifest.step}",
+                  file=sys.stderr, disable=not progress, leave=False) as bar:
+            try:
+                for _, raw in iter_payload(manifest, shard_reader, base=base, threads=threads):
+                    digest.update(raw)
+                    if f is not None:
+                        f.write(raw)
+                    bar.update(len(raw))
+            finally:
+                if f is not None:
+                    f.close()
+        got = digest.hexdigest()
+        if got != manifest.sha256:
+            hint = " (wrong base for this xor-delta?)" if manifest.encoding == "xor-delta" else ""
+            raise CheckpointError("payload_hash", f"reconstructed payload sha256 {got[:16]}… differs from "
+                                                  f"the manifest's {manifest.sha256[:16]}…{hint}")
+        if tmp is not None:
+            os.replace(tmp, out_path)
+            tmp = None
+        return got
+    finally:
+        if base is not None and base is not base_payload:
+            base.close()
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def resolve_base(base: Any, trusted_keys: set[str] | None, workdir: str | os.PathLike,
+                 *, threads: int = 2, progress: bool = False) -> Any:
+    """Turn what a user calls a base into a raw payload (bytes or file path).
+
+    Accepts bytes, a raw payload file (e.g. `model.safetensors` written by unpack), a directory holding
+    `model.safetensors`, or a *full* checkpoint directory (verified and reconstructed into `workdir`).
+    """
+    if base is None or isinstance(base, (bytes, bytearray, memoryview)):
+        return base
+    path = Path(base)
+    if path.is_file():
+        return path
+    if (path / MANIFEST_NAME).is_file():
+        manifest = load_manifest(path)
+        verify_manifest(manifest, trusted_keys)
+        if manifest.encoding != "full":
+            raise CheckpointError("base_mismatch", f"base checkpoint {path} is itself an xor-delta; give its "
+                                                   f"unpacked {PAYLOAD_FILE_NAME} or a full checkpoint instead")
+        problems = scan_shard_dir(path, manifest)
+        if problems:
+            raise CheckpointError(problems[0].code, f"base checkpoint {path}: {problems[0].detail}")
+        out = Path(workdir) / f"base-step-{manifest.step}.safetensors"
+        reconstruct_payload(manifest, DirShardReader(path, manifest), out, threads=threads, progress=progress)
+        return out
+    if (path / PAYLOAD_FILE_NAME).is_file():
+        return path / PAYLOAD_FILE_NAME
+    raise CheckpointError("base_mismatch", f"base {path} is neither a checkpoint, a payload file, nor a "
+                                           f"directory with {PAYLOAD_FILE_NAME}")
+
+
+def unpack_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, trusted_keys: set[str] | None,
+                      base: Any = None, previous: Manifest | None = None, threads: int = 2,
+                      progress: bool = False) -> Manifest:
+    """Verify a checkpoint directory and write its payload as `out_dir/model.safetensors`.
+
+    Only the weights file is written; config.json / tokenizer files of a Hugging Face model are not part
+    of a checkpoint and stay wherever the run spec says. `base`: see `resolve_base`.
+    `trusted_keys=None` trusts the manifest's own signer (integrity only, not origin).
+    """
+    manifest = load_manifest(ckpt_dir)
+    verify_manifest(manifest, trusted_keys, previous=previous)
+    problems = scan_shard_dir(ckpt_dir, manifest)
+    if problems:
+        raise problems[0]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".base-", dir=out_dir) if manifest.encoding == "xor-delta" else None
+    try:
+        base_payload = resolve_base(base, trusted_keys, work or out_dir, threads=threads, progress=progress)
+        reconstruct_payload(manifest, DirShardReader(ckpt_dir, manifest), out_dir / PAYLOAD_FILE_NAME,
+                            base_payload=base_payload, threads=threads, progress=progress)
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    return manifest
