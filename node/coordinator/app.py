@@ -1,0 +1,123 @@
+"""The coordinator's aiohttp application: DESIGN §5 routes, each a thin translation to Coordinator."""
+from __future__ import annotations
+
+import importlib.resources
+import json
+
+from aiohttp import web
+
+from node.coordinator.http import (
+    ApiError, RateLimiter, UploadThrottle, error_middleware, file_response, int_param, parse_body, read_signed,
+    shard_path,
+)
+from protocol import messages as M
+from protocol.signing import RequestVerifier
+
+COORD = web.AppKey("coordinator", object)
+
+
+def _json(model_or_dict, status: int = 200) -> web.Response:
+    if hasattr(model_or_dict, "model_dump_json"):
+        return web.Response(text=model_or_dict.model_dump_json(), status=status, content_type="application/json")
+    return web.json_response(model_or_dict, status=status)
+
+
+def build_app(coord) -> web.Application:
+    cfg = coord.cfg.server
+
+    @web.middleware
+    async def count_requests(request, handler):
+        resp = await handler(request)
+        resource = request.match_info.route.resource
+        coord.metrics.requests.labels(resource.canonical if resource else "other", str(resp.status)).inc()
+        return resp
+
+    # count_requests is outermost so it also counts the JSON error responses.
+    app = web.Application(middlewares=[count_requests, error_middleware], client_max_size=cfg.max_body_bytes)
+    app[COORD] = coord
+    app["max_body_bytes"] = cfg.max_body_bytes
+    verifier = RequestVerifier()
+    limiter = RateLimiter(cfg.rate_limit_per_second, cfg.rate_limit_burst)
+    throttle = UploadThrottle(coord.cfg.distribution.origin_upload_limit)
+
+    async def signed(request: web.Request, model):
+        signer, body = await read_signed(request, verifier, limiter)
+        return signer, parse_body(model, body)
+
+    async def join(request):
+        signer, req = await signed(request, M.JoinRequest)
+        return _json(coord.join(signer, req))
+
+    async def heartbeat(request):
+        signer, req = await signed(request, M.HeartbeatRequest)
+        return _json(coord.heartbeat(signer, req))
+
+    async def work(request):
+        signer, req = await signed(request, M.WorkRequest)
+        assignment = coord.work(signer, req)
+        return web.Response(status=204) if assignment is None else _json(assignment)
+
+    async def submit(request):
+        signer, req = await signed(request, M.SubmitRequest)
+        return _json(await coord.submit(signer, req))
+
+    async def checkpoints(request):
+        return _json({"steps": coord.publisher.steps(), "newest": coord.published_step,
+                      "checkpoints": coord.publisher.listing()})
+
+    async def manifest(request):
+        step = int_param(request, "step")
+        data = coord.publisher.manifest_bytes(step)
+        if data is None:
+            raise ApiError(404, "not_found", f"no checkpoint for step {step} (available: {coord.publisher.steps()})")
+        return web.Response(body=data, content_type="application/json")
+
+    async def shard(request):
+        step, index = int_param(request, "step"), int_param(request, "index", 100_000)
+
+        def count(n: int) -> None:
+            coord.bytes_by_source["coordinator"] += n
+            coord.metrics.bytes_served.inc(n)
+
+        return await file_response(request, shard_path(coord.publisher.ckpt_dir, step, index), throttle, count)
+
+    async def status(request):
+        return _json(coord.status())
+
+    async def metrics(request):
+        coord.status()  # refresh gauges derived from the ledger
+        return web.Response(body=coord.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def dashboard(request):
+        page = importlib.resources.files("node.coordinator").joinpath("static/dashboard.html").read_text()
+        return web.Response(text=page, content_type="text/html")
+
+    async def index(request):
+        raise web.HTTPFound("/dashboard")
+
+    app.router.add_post("/v1/join", join)
+    app.router.add_post("/v1/heartbeat", heartbeat)
+    app.router.add_post("/v1/work", work)
+    app.router.add_post("/v1/submit", submit)
+    app.router.add_get("/v1/checkpoints", checkpoints)
+    app.router.add_get("/v1/checkpoints/{step}/manifest", manifest)
+    app.router.add_get("/v1/checkpoints/{step}/shards/{index}", shard)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/", index)
+
+    return app
+
+
+async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start the coordinator and its HTTP server; returns (runner, bound port)."""
+    await coord.start()
+    app = build_app(coord)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    coord.url = f"http://{host}:{bound}"
+    return runner, bound

@@ -1,0 +1,77 @@
+"""`prime-node coordinator --config FILE [--set a.b=v ...]`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from node.config import load_config
+from protocol.identity import Identity
+
+log = logging.getLogger("prime_node.coordinator")
+
+
+class JsonLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps({"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+                           "msg": record.getMessage()})
+
+
+def setup_logging(fmt: str, level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def coordinator_identity(storage_dir: Path) -> Identity:
+    ident, created = Identity.load_or_create(storage_dir / "coordinator.key")
+    if created:
+        log.info("created coordinator key %s", storage_dir / "coordinator.key")
+    return ident
+
+
+async def serve(cfg, *, ready_file: Path | None = None) -> None:
+    from node.coordinator.app import start_server
+    from node.coordinator.service import Coordinator
+
+    storage = Path(cfg.storage.dir)
+    storage.mkdir(parents=True, exist_ok=True)
+    identity = coordinator_identity(storage)
+    coord = Coordinator(cfg, identity)
+    runner, port = await start_server(coord, cfg.server.host, cfg.server.port)
+    url = f"http://{cfg.server.host}:{port}"
+    print(f"coordinator listening on {url}", flush=True)
+    print(f"  dashboard:       {url}/dashboard", flush=True)
+    print(f"  coordinator key: {identity.public_hex}", flush=True)
+    print(f"  join with:       prime-node join --coordinator {url} --coordinator-key {identity.public_hex}",
+          flush=True)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"url": url, "key": identity.public_hex, "pid_time": time.time()}))
+        tmp.replace(ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping coordinator")
+        await runner.cleanup()
+        await coord.stop()
+
+
+def cmd_coordinator(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    setup_logging(cfg.server.log_format)
+    ready = getattr(args, "ready_file", None)
+    asyncio.run(serve(cfg, ready_file=Path(ready) if ready else None))
+    return 0

@@ -1,0 +1,237 @@
+"""The coordinator: run state behind the HTTP API. One object owns the ledger, the scheduler, the
+trainer loop and the publisher; the aiohttp handlers in app.py only translate HTTP to these calls.
+
+Threads: the asyncio loop (HTTP, scheduler, intake), one training thread (TrainingLoop), one
+verification thread. The scheduler is touched only on the loop; the training thread reaches it
+through `loop.call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+from node.config import Config
+from node.coordinator.http import ApiError
+from node.coordinator.ledger import Ledger, now_ms
+from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator.publisher import Publisher
+from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
+from node.coordinator.verification import PolicyStore, RolloutCheck, VerificationWorker
+from protocol import messages as M
+from protocol.identity import Identity
+
+log = logging.getLogger("prime_node.coordinator")
+
+SMALL_MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "chat_template.jinja", "generation_config.json")
+
+
+class Coordinator:
+    def __init__(self, cfg: Config, identity: Identity):
+        self.cfg = cfg
+        self.identity = identity
+        self.k = cfg.run.async_level
+        self.root = Path(cfg.storage.dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ledger = Ledger(self.root / "ledger.sqlite")
+        self.metrics = CoordinatorMetrics()
+        self.publisher = Publisher(self.root, identity, cfg.run.run_id, async_level=self.k,
+                                   shard_size=cfg.distribution.shard_size,
+                                   level=cfg.distribution.compression_level,
+                                   full_every=cfg.distribution.full_every)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.training = None  # TrainingLoop, created in start()
+        self.bytes_by_source: Counter[str] = Counter()
+        self.node_bytes: dict[str, dict[str, int]] = {}
+        self.recent_staleness: deque[int] = deque(maxlen=10_000)
+        self._submitting: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+        self.started_ms = now_ms()
+
+    # -- life cycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        from node.coordinator.training import TrainingLoop
+        from node.envs import encode_prompt, load_task
+        from node.trainer.model import build_tiny_model_dir
+        from node.trainer.tokenizer import load_tokenizer
+
+        self.loop = asyncio.get_running_loop()
+        model_dir = Path(self.cfg.model.path) if self.cfg.model.path else self.root / "model"
+        if not self.cfg.model.path and not (model_dir / "config.json").is_file():
+            m = self.cfg.model
+            await asyncio.to_thread(build_tiny_model_dir, model_dir, hidden_size=m.tiny_hidden_size,
+                                    layers=m.tiny_layers, heads=m.tiny_heads, seed=self.cfg.run.seed)
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model_config = json.loads((model_dir / "config.json").read_text())
+        self.vocab_size = int(self.model_config["vocab_size"])
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self.task = load_task(self.cfg.task.name, self.cfg.task.kwargs)
+
+        def make_prompt(index: int) -> tuple[str, list[int]]:
+            problem = self.task.sample(self.cfg.run.seed, index)
+            return f"{index}:{problem.prompt_id}", list(encode_prompt(self.tokenizer, problem))
+
+        self.scheduler = Scheduler(
+            async_level=self.k, batch_prompts=self.cfg.run.batch_prompts, group_size=self.cfg.run.group_size,
+            prompts_per_assignment=self.cfg.run.prompts_per_assignment, run_seed=self.cfg.run.seed,
+            make_prompt=make_prompt,
+        )
+        self.policies = PolicyStore(model_dir, keep=self.k + 2)
+        self.verifier = VerificationWorker(self.policies, fraction=self.cfg.verification.fraction,
+                                           eos_token_id=self.eos_token_id, seed=self.cfg.run.seed)
+        self.training = TrainingLoop(self)
+        await asyncio.to_thread(self.training.restore_or_init)
+        self._restore_scheduler()
+        self.training.start()
+        self._tasks.append(asyncio.create_task(self._expire_loop(), name="expire-assignments"))
+
+    def _restore_scheduler(self) -> None:
+        s = self.scheduler
+        s.published_step = self.published_step
+        s.next_problem_index = int(self.ledger.get("next_problem_index", 0))
+        for g in self.ledger.waiting_groups():
+            s.waiting_by_batch[g["batch_step"]] = s.waiting_by_batch.get(g["batch_step"], 0) + 1
+        for a in self.ledger.open_assignments():
+            s.inflight[a["assignment_id"]] = [PromptSlot.from_json(p) for p in a["prompts"]]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.training is not None:
+            await asyncio.to_thread(self.training.stop)
+        if hasattr(self, "verifier"):
+            self.verifier.close()
+        self.ledger.close()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            t = now_ms()
+            for a in self.ledger.open_assignments():
+                if a["deadline_ms"] < t and a["assignment_id"] not in self._submitting:
+                    self.ledger.set_assignment_state(a["assignment_id"], "expired")
+                    self.scheduler.expire(a["assignment_id"])
+                    self.metrics.assignments_expired.inc()
+                    log.info("assignment %s of node %s expired; its prompts go back in the queue",
+                             a["assignment_id"], a["node_id"][:12])
+
+    # -- state shared with the training thread -----------------------------------------------------
+    @property
+    def published_step(self) -> int:
+        return self.training.published_step if self.training else 0
+
+    def on_step_published(self, step: int, consumed: dict[int, int], dropped: dict[int, int]) -> None:
+        """Called on the loop by the training thread after the ledger committed `step`."""
+        self.scheduler.on_step_published(step, consumed, dropped)
+        self.metrics.step.set(step)
+
+    # -- API operations ----------------------------------------------------------------------------
+    def _known_node(self, node_id: str) -> dict:
+        node = self.ledger.node(node_id)
+        if node is None:
+            raise ApiError(403, "unknown_node", "this key has not joined; POST /v1/join first")
+        if node["banned"]:
+            raise ApiError(403, "banned", "this node is banned after repeated failed verification")
+        return node
+
+    def join(self, node_id: str, req: M.JoinRequest) -> M.RunSpec:
+        existing = self.ledger.node(node_id)
+        if existing and existing["banned"]:
+            raise ApiError(403, "banned", "this node is banned after repeated failed verification")
+        info = req.node.model_dump() if req.node else {}
+        self.ledger.upsert_node(node_id, self.cfg.verification.reputation_start, info)
+        files = {}
+        for name in SMALL_MODEL_FILES:
+            p = self.model_dir / name
+            if p.is_file() and p.stat().st_size < 16 * 1024 * 1024:
+                files[name] = p.read_text()
+        return M.RunSpec(
+            run_id=self.cfg.run.run_id, node_id=node_id, coordinator_key=self.identity.public_hex,
+            task=self.cfg.task.name, async_level=self.k, current_step=self.published_step,
+            group_size=self.cfg.run.group_size, model_config_json=self.model_config, tokenizer_files=files,
+            eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.distribution.dtype,
+            p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
+        )
+
+    def p2p_bootstrap(self) -> list[str]:
+        return []
+
+    def heartbeat(self, node_id: str, req: M.HeartbeatRequest) -> M.HeartbeatResponse:
+        self._known_node(node_id)
+        self.ledger.heartbeat(node_id, req.policy_step, req.tokens_per_second, req.state)
+        self.node_bytes[node_id] = dict(req.bytes_by_source)
+        return M.HeartbeatResponse(current_step=self.published_step)
+
+    def work(self, node_id: str, req: M.WorkRequest) -> M.Assignment | None:
+        self._known_node(node_id)
+        m = req.policy_step
+        if m > self.published_step:
+            raise ApiError(400, "malformed", f"policy step {m} has not been published (newest {self.published_step})")
+        self.ledger.touch(node_id, m)
+        aid = assignment_id()
+        try:
+            picked = self.scheduler.assign(m, aid)
+        except StaleNode:
+            need = min_policy_for_batch(self.published_step + 1, self.k)
+            raise ApiError(409, "stale_policy",
+                           f"policy step {m} is too old: fetch step {need} or newer (newest {self.published_step})")
+        if picked is None:
+            return None
+        batch, slots = picked
+        deadline = now_ms() + int(self.cfg.run.assignment_deadline_seconds * 1000)
+        self.ledger.add_assignment({
+            "assignment_id": aid, "node_id": node_id, "batch_step": batch,
+            "min_policy_step": min_policy_for_batch(batch, self.k), "created_ms": now_ms(),
+            "deadline_ms": deadline, "prompts": [s.to_json() for s in slots],
+        })
+        self.ledger.put("next_problem_index", self.scheduler.next_problem_index)
+        self.metrics.assignments_issued.inc()
+        s = self.cfg.sampling
+        return M.Assignment(
+            assignment_id=aid, batch_step=batch, min_policy_step=min_policy_for_batch(batch, self.k),
+            group_size=self.cfg.run.group_size,
+            sampling=M.Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens),
+            deadline_ms=deadline,
+            prompts=[M.PromptWork(prompt_id=x.prompt_id, prompt_ids=x.prompt_ids, seeds=x.seeds) for x in slots],
+        )
+
+    async def submit(self, node_id: str, req: M.SubmitRequest) -> M.SubmitResponse:
+        node = self._known_node(node_id)
+        from node.coordinator.intake import Intake
+
+        aid = req.assignment_id
+        a = self.ledger.assignment(aid)
+        if a is None:
+            raise ApiError(404, "unknown_assignment", f"no assignment {aid}")
+        if a["node_id"] != node_id:
+            raise ApiError(403, "not_your_assignment", "this assignment was given to another node")
+        if a["state"] == "submitted" or aid in self._submitting:
+            raise ApiError(409, "duplicate", "this assignment was already submitted")
+        if a["state"] == "expired":
+            raise ApiError(409, "expired", "the assignment's deadline passed; its prompts were given to another node")
+        m = req.policy_step
+        oldest_usable = max(a["min_policy_step"], self.published_step - self.k)
+        if m > self.published_step or m < oldest_usable:
+            self.ledger.record_rejection(node_id, "stale_policy", aid)
+            self.metrics.rejected.labels("stale_policy").inc(len(req.rollouts))
+            raise ApiError(409, "stale_policy",
+                           f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
+        self._submitting.add(aid)
+        try:
+            result = await Intake(self).process(node, a, req)
+        finally:
+            self._submitting.discard(aid)
+        return result
+
+    # -- observability -----------------------------------------------------------------------------
+    def status(self) -> dict:
+        from node.coordinator.status import build_status
+
+        return build_status(self)

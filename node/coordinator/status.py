@@ -1,0 +1,71 @@
+"""GET /v1/status: one JSON document that the dashboard and the demo's summary read."""
+from __future__ import annotations
+
+from collections import Counter
+
+from node.coordinator.ledger import now_ms
+
+ONLINE_MS = 30_000
+
+
+def node_state(n: dict, t: int) -> str:
+    if n["banned"]:
+        return "banned"
+    if t - n["last_seen_ms"] > ONLINE_MS:
+        return "offline"
+    return n["state"] or "online"
+
+
+def build_status(c) -> dict:
+    t = now_ms()
+    tl = c.training
+    published = c.published_step
+    steps = c.ledger.steps()
+    nodes = c.ledger.nodes()
+    states = Counter(node_state(n, t) for n in nodes)
+    for s in ("online", "offline", "banned", "generating", "fetching", "idle"):
+        c.metrics.nodes.labels(s).set(states.get(s, 0))
+    c.metrics.trainer_busy.set(tl.busy_seconds)
+    c.metrics.trainer_idle.set(tl.idle_seconds)
+    hist = Counter()
+    for row in steps:
+        for s, n in row.metrics.get("staleness_hist", {}).items():
+            hist[int(s)] += n
+    busy, idle = tl.busy_seconds, tl.idle_seconds
+    bytes_by_source = Counter()
+    for per_node in c.node_bytes.values():
+        bytes_by_source.update(per_node)
+    counts = c.ledger.counts()
+    return {
+        "run_id": c.cfg.run.run_id,
+        "coordinator_key": c.identity.public_hex,
+        "step": published,
+        "async_level": c.k,
+        "window": {"training_batch": published + 1,
+                   "open_batches": list(c.scheduler.open_batches()),
+                   "min_policy_step": max(0, published - c.k)},
+        "trainer": {"busy": tl.busy, "busy_seconds": round(busy, 3), "idle_seconds": round(idle, 3),
+                    "idle_fraction": round(idle / (busy + idle), 4) if busy + idle > 0 else 0.0,
+                    "error": tl.error, "last_metrics": tl.last_metrics},
+        "nodes": [{
+            "node_id": n["node_id"], "short_id": n["node_id"][:8], "state": node_state(n, t),
+            "policy_step": n["policy_step"], "tokens_per_s": round(n["tokens_per_s"], 1),
+            "accepted": n["accepted"], "rejected": n["rejected"], "reputation": round(n["reputation"], 3),
+            "last_seen_ms": n["last_seen_ms"],
+        } for n in nodes],
+        "nodes_by_state": dict(states),
+        "nodes_with_newest": sum(1 for n in nodes if n["policy_step"] == published and not n["banned"]),
+        "throughput": {"tokens_per_s": round(sum(n["tokens_per_s"] for n in nodes
+                                                 if node_state(n, t) not in ("offline", "banned")), 1)},
+        "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+        "verification": {"accepted": counts["accepted_rollouts"], "rejected": counts["rejected_rollouts"],
+                         "rejected_by_reason": c.ledger.rejection_counts()},
+        "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")} for r in steps if r.step > 0],
+        "checkpoints": c.publisher.listing(),
+        "checkpoint_bytes_by_source": {k: bytes_by_source.get(k, 0) for k in ("coordinator", "relay", "peer")},
+        "bytes_served": int(sum(c.bytes_by_source.values())),
+        "recent_rejections": [{"at_ms": r["at_ms"], "node": r["node_id"][:8], "reason": r["reason"],
+                               "prompt_id": r["prompt_id"], "sample_index": r["sample_index"]}
+                              for r in c.ledger.recent_rejections(20)],
+        "uptime_s": round((t - c.started_ms) / 1000, 1),
+    }

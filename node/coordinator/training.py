@@ -1,0 +1,192 @@
+"""The training thread: waits for batch n, trains, publishes θ_n, repeats.
+
+Crash safety: trainer state for step n and checkpoint n are written first (atomically, each to its
+own directory), then one ledger transaction records step n and marks the groups it consumed. On
+restart the ledger's newest step is the truth: anything newer on disk is discarded and redone.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from node.coordinator.ledger import StepRow, now_ms
+from node.coordinator.scheduler import min_policy_for_batch
+
+log = logging.getLogger("prime_node.training")
+
+
+class TrainingLoop:
+    def __init__(self, coord):
+        self.c = coord
+        self.cfg = coord.cfg
+        self.k = coord.k
+        self.published_step = 0
+        self.state_root = Path(coord.root) / "trainer_state"
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.busy_seconds = 0.0
+        self.idle_seconds = 0.0
+        self.busy = False
+        self.last_metrics: dict = {}
+        self.error: str | None = None
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def _make_trainer(self, resume_from: Path | None):
+        from node.trainer import Trainer
+
+        kwargs = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups,
+                      broadcast_dtype=self.cfg.distribution.dtype)
+        if resume_from is not None:
+            return Trainer.resume(resume_from, self.c.model_dir, self.cfg.trainer, **kwargs)
+        return Trainer(self.c.model_dir, self.cfg.trainer, **kwargs)
+
+    def state_dir(self, step: int) -> Path:
+        return self.state_root / f"step_{step}"
+
+    def restore_or_init(self) -> None:
+        latest = self.c.ledger.latest_step()
+        pub = self.c.publisher
+        if latest is None:
+            pub.discard_after(-1)
+            shutil.rmtree(self.state_root, ignore_errors=True)
+            self.trainer = self._make_trainer(None)
+            self._publish(0, {"note": "initial policy"}, [])
+            return
+        step = latest.step
+        log.info("resuming from published step %d", step)
+        pub.discard_after(step)
+        for d in self.state_root.glob("step_*"):
+            if int(d.name.split("_")[1]) > step:
+                shutil.rmtree(d, ignore_errors=True)
+        self.trainer = self._make_trainer(self.state_dir(step) if step > 0 else None)
+        self.published_step = step
+        for s in range(max(0, step - self.k - 1), step + 1):
+            if pub.payload_path(s).is_file():
+                self.c.policies.put_payload(s, pub.payload_path(s))
+
+    # -- thread ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread:
+            self._thread.join(timeout=60)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                max_steps = self.cfg.run.max_steps
+                if max_steps and self.published_step >= max_steps:
+                    self._wait(1.0)
+                    continue
+                self._train_one_step(self.published_step + 1)
+        except Exception as e:  # the run cannot go on; say so loudly and keep serving status
+            log.exception("training loop failed")
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _wait(self, timeout: float) -> None:
+        t0 = time.monotonic()
+        with self._cond:
+            if not self._stop:
+                self._cond.wait(timeout)
+        self.idle_seconds += time.monotonic() - t0
+
+    def _train_one_step(self, n: int) -> None:
+        from node.trainer import Group, Rollout
+
+        ledger = self.c.ledger
+        min_m = min_policy_for_batch(n, self.k)
+        fed: list[dict] = []
+        seen: set[int] = set()
+        dropped: dict[str, list[dict]] = {"stale": [], "filtered": []}
+        while not self._stop and not self.trainer.batch_complete:
+            fresh = [g for g in ledger.waiting_groups() if g["group_id"] not in seen]
+            if not fresh:
+                self._wait(0.5)
+                continue
+            for g in fresh:
+                seen.add(g["group_id"])
+                if g["policy_step"] < min_m:
+                    dropped["stale"].append(g)
+                    continue
+                t0 = time.monotonic()
+                self.busy = True
+                group = Group(prompt_id=g["prompt_id"], prompt_ids=g["data"]["prompt_ids"], rollouts=[
+                    Rollout(completion_ids=r["completion_ids"], inference_logprobs=r["logprobs"],
+                            reward=r["reward"], policy_step=g["policy_step"], finish_reason=r["finish_reason"])
+                    for r in g["data"]["rollouts"]])
+                kept = self.trainer.add_group(group)
+                self.busy = False
+                self.busy_seconds += time.monotonic() - t0
+                (fed if kept else dropped["filtered"]).append(g)
+                if self.trainer.batch_complete:
+                    break
+        if self._stop:
+            return
+        for why, gs in dropped.items():
+            if gs:
+                ledger.drop_groups([g["group_id"] for g in gs], why)
+        t0 = time.monotonic()
+        self.busy = True
+        metrics = self.trainer.step()
+        rewards = [r["reward"] for g in fed for r in g["data"]["rollouts"]]
+        staleness = [n - 1 - g["policy_step"] for g in fed]
+        metrics.update({
+            "reward_mean": sum(rewards) / max(1, len(rewards)),
+            "groups": len(fed), "dropped_stale": len(dropped["stale"]), "dropped_filtered": len(dropped["filtered"]),
+            "max_staleness": max(staleness, default=0),
+            "staleness_hist": dict(Counter(staleness)),
+            "train_seconds": time.monotonic() - t0,
+        })
+        self._publish(n, metrics, fed, dropped)
+        self.busy = False
+        self.busy_seconds += time.monotonic() - t0
+
+    def _publish(self, n: int, metrics: dict, fed: list[dict], dropped: dict | None = None) -> None:
+        t0 = time.monotonic()
+        if n > 0:
+            self.trainer.save_state(self.state_dir(n))
+        state = self.trainer.weights_for_broadcast()
+        pub = self.c.publisher.publish(n, state)
+        metrics = {**metrics, "publish_seconds": time.monotonic() - t0, "encoding": pub.encoding,
+                   "compressed_bytes": pub.compressed_bytes}
+        self.c.ledger.publish_step(StepRow(n, now_ms(), pub.manifest_hash, pub.encoding, pub.base_step,
+                                           pub.compressed_bytes, _jsonable(metrics)),
+                                   [g["group_id"] for g in fed])
+        self.c.policies.put(n, state)
+        self.published_step = n
+        self.last_metrics = metrics
+        removed = self.c.publisher.prune(n)
+        for d in self.state_root.glob("step_*"):
+            if int(d.name.split("_")[1]) < n:
+                shutil.rmtree(d, ignore_errors=True)
+        consumed = Counter(g["batch_step"] for g in fed)
+        gone = Counter(g["batch_step"] for gs in (dropped or {}).values() for g in gs)
+        if self.c.loop is not None:
+            self.c.loop.call_soon_threadsafe(self.c.on_step_published, n, dict(consumed), dict(gone))
+        log.info("step %d published (%s, %d bytes, reward %.3f)%s", n, pub.encoding, pub.compressed_bytes,
+                 metrics.get("reward_mean", 0.0), f"; pruned {removed}" if removed else "")
+
+
+def _jsonable(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if hasattr(v, "item"):
+            v = v.item()
+        if isinstance(v, dict):
+            v = {str(a): (b.item() if hasattr(b, "item") else b) for a, b in v.items()}
+        out[k] = v
+    return out
