@@ -3,11 +3,28 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MIB = 1024 * 1024
+
 
 class P2PConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
+    # Loopback by default: a node only listens publicly when the operator says so.
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(0, ge=0, le=65535)
-    max_concurrent_streams: int = Field(8, ge=1)
+    # False = outbound-only (behind NAT): the node dials peers but accepts no connections.
+    listen: bool = True
+    # Multiaddrs (with /p2p/<peer id>) dialled at start, besides those the coordinator hands out.
+    bootstrap: list[str] = Field(default_factory=list, max_length=64)
+    # Shard streams served at once; further requests are answered "busy" instead of queueing.
+    max_concurrent_streams: int = Field(8, ge=1, le=1024)
+    # Total bytes/s this node uploads to peers (0 = unlimited).
+    upload_limit: int = Field(0, ge=0)
+    # Largest compressed shard served or accepted (DESIGN §6 shards are 32 MiB raw by default).
+    max_shard_bytes: int = Field(64 * MIB, ge=1, le=1024 * MIB)
+    # Seconds a single read may stall before the transfer is abandoned (not the whole transfer).
+    read_timeout_s: float = Field(10.0, gt=0, le=600)
+    connect_timeout_s: float = Field(10.0, gt=0, le=600)
+    # Announcements older than this (or this far in the future) are dropped as replays.
+    announce_max_age_s: float = Field(600.0, gt=0)

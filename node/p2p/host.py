@@ -1,0 +1,292 @@
+"""`P2PNode`: the asyncio face of the libp2p host (which runs on trio in its own thread).
+
+    node = P2PNode(identity, listen=["/ip4/127.0.0.1/tcp/0"], run_id="run-1",
+                   coordinator_key=COORD_HEX, shard_root=Path("ckpts"), upload_limit=0)
+    addrs = await node.start()                      # ["/ip4/127.0.0.1/tcp/40123/p2p/12D3Koo…"]
+    await node.connect(bootstrap_addrs)             # -> peer ids reached
+    sub = node.subscribe()                          # async iterator of AnnouncementEvent
+    await node.announce_have(step, [0, 1, 2], manifest_hash)
+    data = await node.fetch_shard(peer_id, step, index, max_bytes, manifest_hash=h)
+    node.peers_with(step, index, manifest_hash=h)   # from announcements, newest first
+    await node.stop()
+
+The coordinator runs one too and calls `await node.announce_manifest(step, manifest_hash)`.
+`listen=[]` makes an outbound-only node (it can still fetch from peers it dials, and serve them
+over those connections). Peer ids are base58 libp2p ids; a node id (64 hex) is accepted wherever a
+peer is expected, since both name the same Ed25519 key. Importing this module is cheap: libp2p
+and trio load when the node starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Callable, Iterable, Sequence
+
+from protocol.identity import Identity
+
+from .announce import (
+    AnnouncementEvent,
+    HaveAnnouncement,
+    ManifestAnnouncement,
+    encode_have_announcement,
+    encode_manifest_announcement,
+)
+from .bridge import TrioBridge
+from .config import P2PConfig
+from .errors import P2PError, P2PNotRunning, PeerUnavailable
+from .peer_table import PeerTable
+from .shard_store import ShardGetter, ShardStore, as_store
+from .stats import P2PStats
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+MIB = 1024 * 1024
+
+
+class AnnouncementSubscription:
+    """Async iterator over announcements from other nodes. Bounded: when the consumer falls behind
+    by `maxsize` events, new ones are dropped (and counted) rather than buffered without limit."""
+
+    _END = object()
+
+    def __init__(self, node: "P2PNode", maxsize: int):
+        self._node = node
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize)
+        self.dropped = 0
+        self.closed = False
+
+    def _offer(self, event: AnnouncementEvent) -> None:
+        try:
+            self._queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    def _end(self) -> None:
+        self.closed = True
+        while True:  # make room for the end marker; the consumer is gone or the node stopped
+            try:
+                self._queue.put_nowait(self._END)
+                return
+            except asyncio.QueueFull:
+                self._queue.get_nowait()
+
+    def close(self) -> None:
+        self._node._subscriptions.discard(self)
+        self._end()
+
+    def __aiter__(self) -> "AnnouncementSubscription":
+        return self
+
+    async def __anext__(self) -> AnnouncementEvent:
+        item = await self._queue.get()
+        if item is self._END:
+            self._queue.put_nowait(self._END)  # later calls also end
+            raise StopAsyncIteration
+        return item
+
+    async def get(self, timeout: float | None = None) -> AnnouncementEvent:
+        """Next announcement; StopAsyncIteration once closed, asyncio.TimeoutError after `timeout`."""
+        return await asyncio.wait_for(self.__anext__(), timeout)
+
+
+class P2PNode:
+    def __init__(self, identity: Identity, *, run_id: str, listen: Sequence[str] = DEFAULT_LISTEN,
+                 coordinator_key: str | None = None,
+                 shard_root: str | os.PathLike | None = None,
+                 shard_source: ShardStore | ShardGetter | None = None,
+                 upload_limit: int = 0, max_concurrent_streams: int = 8, max_shard_bytes: int = 64 * MIB,
+                 read_timeout_s: float = 10.0, connect_timeout_s: float = 10.0, announce_max_age_s: float = 600.0,
+                 heartbeat_interval_s: int = 1, name: str | None = None):
+        if shard_root is not None and shard_source is not None:
+            raise ValueError("give shard_root or shard_source, not both")
+        if upload_limit < 0:
+            raise ValueError("upload_limit must be ≥ 0 (0 = unlimited)")
+        self.identity = identity
+        self.run_id = run_id
+        self.listen = tuple(listen)
+        self.coordinator_key = coordinator_key.lower() if coordinator_key else None
+        self.store = as_store(shard_root if shard_root is not None else shard_source)
+        self.upload_limit = upload_limit
+        self.max_concurrent_streams = max_concurrent_streams
+        self.max_shard_bytes = max_shard_bytes
+        self.read_timeout_s = read_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.announce_max_age_s = announce_max_age_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.stats = P2PStats()
+        self.table = PeerTable()
+        self._bridge = TrioBridge(name or identity.node_id[:8])
+        self._service: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._subscriptions: set[AnnouncementSubscription] = set()
+        self._listeners: list[Callable[[AnnouncementEvent], None]] = []
+        self.listen_addrs: list[str] = []
+
+    @classmethod
+    def from_config(cls, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
+                    shard_root: str | os.PathLike | None = None, **kw: Any) -> "P2PNode":
+        listen = [f"/ip4/{cfg.listen_host}/tcp/{cfg.listen_port}"] if cfg.listen else []
+        return cls(identity, run_id=run_id, listen=listen, coordinator_key=coordinator_key, shard_root=shard_root,
+                   upload_limit=cfg.upload_limit, max_concurrent_streams=cfg.max_concurrent_streams,
+                   max_shard_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
+                   connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s, **kw)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    @property
+    def peer_id(self) -> str:
+        from .keys import peer_id_for_node
+
+        return peer_id_for_node(self.identity.node_id).to_base58()
+
+    @property
+    def running(self) -> bool:
+        return self._bridge.running
+
+    async def start(self) -> list[str]:
+        """Start the host; return its listen multiaddrs (with /p2p/<peer id>; empty if outbound-only)."""
+        from .service import P2PService, ServiceSettings  # libp2p + trio load here, not at import
+
+        self._loop = asyncio.get_running_loop()
+        settings = ServiceSettings(
+            listen_addrs=self.listen, run_id=self.run_id, coordinator_key=self.coordinator_key,
+            max_concurrent_streams=self.max_concurrent_streams, upload_limit=self.upload_limit,
+            max_shard_bytes=self.max_shard_bytes, read_timeout_s=self.read_timeout_s,
+            connect_timeout_s=self.connect_timeout_s, announce_max_age_s=self.announce_max_age_s,
+            heartbeat_interval_s=self.heartbeat_interval_s)
+        self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
+        self.listen_addrs = await self._bridge.start(self._service.run)
+        log.info("p2p node %s listening on %s", self.peer_id, self.listen_addrs or "nothing (outbound-only)")
+        return list(self.listen_addrs)
+
+    async def stop(self) -> None:
+        """Stop the host, end every subscription, join the thread. Idempotent."""
+        await self._bridge.stop()
+        for sub in list(self._subscriptions):
+            sub._end()
+        self._subscriptions.clear()
+
+    async def __aenter__(self) -> "P2PNode":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    # --- peers ---------------------------------------------------------------------------------
+    async def connect(self, addrs: Iterable[str]) -> list[str]:
+        """Dial every multiaddr (each ending in /p2p/<peer id>) at once; return the peer ids reached.
+        Raises PeerUnavailable only if addresses were given and none could be reached."""
+        addrs = list(addrs)
+        results = await asyncio.gather(*(self._bridge.call(self._service.connect, a) for a in addrs),
+                                       return_exceptions=True)
+        reached, errors = [], []
+        for addr, r in zip(addrs, results):
+            if isinstance(r, BaseException):
+                if not isinstance(r, P2PError):
+                    raise r
+                errors.append(str(r))
+                log.warning("p2p: %s", r)
+            else:
+                reached.append(r)
+        if addrs and not reached:
+            raise PeerUnavailable(f"could not reach any of {len(addrs)} peers: {errors[0]}")
+        return reached
+
+    async def connected_peers(self) -> list[str]:
+        return await self._bridge.call(self._async(self._service.connected_peers))
+
+    async def wait_for_mesh(self, peer: str, timeout_s: float = 5.0) -> bool:
+        """True once `peer` is in our gossip mesh (our announcements then reach it directly)."""
+        return await self._bridge.call(self._service.wait_for_mesh, self._peer_id(peer).to_base58(), timeout_s)
+
+    # --- announcements -------------------------------------------------------------------------
+    def subscribe(self, maxsize: int = 256) -> AnnouncementSubscription:
+        """Announcements from other nodes from now on (already validated). Close it when done."""
+        if not self.running:
+            raise P2PNotRunning("start the p2p node before subscribing")
+        sub = AnnouncementSubscription(self, maxsize)
+        self._subscriptions.add(sub)
+        return sub
+
+    def add_listener(self, callback: Callable[[AnnouncementEvent], None]) -> None:
+        """Call `callback(event)` on the asyncio loop for every announcement from other nodes."""
+        self._listeners.append(callback)
+
+    async def announce_manifest(self, step: int, manifest_hash: str) -> None:
+        """Coordinator only: "the signed manifest for `step` is available" (signed with our key)."""
+        data = encode_manifest_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash)
+        await self._bridge.call(self._service.publish, data)
+
+    async def announce_have(self, step: int, indices: Iterable[int], manifest_hash: str) -> None:
+        """ "I hold shards `indices` of `step`" (signed with our key, which is our peer id)."""
+        data = encode_have_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash,
+                                        indices=list(indices), addrs=self.listen_addrs)
+        await self._bridge.call(self._service.publish, data)
+
+    def peers_with(self, step: int, index: int, manifest_hash: str | None = None) -> list[str]:
+        return self.table.peers_with(step, index, manifest_hash)
+
+    def manifest_hash(self, step: int) -> str | None:
+        """The manifest hash the coordinator announced for `step`, if any."""
+        return self.table.manifest_hash(step)
+
+    def latest_manifest(self) -> tuple[int, str] | None:
+        return self.table.latest_manifest()
+
+    def _from_trio(self, event: AnnouncementEvent) -> None:
+        """Called on the trio thread for each validated announcement: hop over to asyncio."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _deliver(self, event: AnnouncementEvent) -> None:
+        ann = event.announcement
+        if isinstance(ann, ManifestAnnouncement):
+            self.table.record_manifest(ann)
+        elif isinstance(ann, HaveAnnouncement):
+            self.table.record_have(event.peer_id, ann)
+        for sub in list(self._subscriptions):
+            sub._offer(event)
+            if sub.dropped and sub.dropped % 100 == 1:
+                log.warning("p2p: announcement subscriber is behind; %d dropped", sub.dropped)
+        for cb in list(self._listeners):
+            try:
+                cb(event)
+            except Exception as e:
+                log.warning("announcement listener failed: %r", e)
+
+    # --- shards --------------------------------------------------------------------------------
+    async def fetch_shard(self, peer: str, step: int, index: int, max_bytes: int, *,
+                          manifest_hash: str | None = None, timeout_s: float | None = None) -> bytes:
+        """The compressed bytes of shard `index` of `step` from `peer` (unverified: check the sha256
+        against the signed manifest). Raises ShardNotFound / ShardBusy / ShardTooLarge /
+        ShardFetchTimeout / ShardPeerGone / PeerUnavailable / ShardProtocolError."""
+        from .shard_wire import ShardRequest
+
+        pid = self._peer_id(peer)
+        req = ShardRequest(step=step, index=index, manifest_hash=manifest_hash,
+                           max_bytes=min(max_bytes, self.max_shard_bytes))
+        addrs = self.table.addrs_of(pid.to_base58())
+        return await self._bridge.call(self._service.fetch, pid, req, addrs, timeout_s)
+
+    def _peer_id(self, peer: str) -> Any:
+        from .keys import parse_peer_id
+
+        return parse_peer_id(peer)
+
+    @staticmethod
+    def _async(fn: Callable[[], Any]) -> Callable[[], Any]:
+        async def run() -> Any:
+            return fn()
+
+        return run

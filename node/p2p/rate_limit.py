@@ -1,0 +1,42 @@
+"""Upload rate limit shared by every shard stream a node serves (a stand-in for a thin uplink).
+
+A token bucket that may go into debt: a sender takes what it needs and then sleeps until the
+bucket is back at zero. Concurrent senders therefore share the rate, and a chunk larger than the
+burst still passes (just later). The arithmetic is separate from the clock so it can be tested
+without sleeping.
+"""
+from __future__ import annotations
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float | None = None, *, now: float = 0.0):
+        if rate <= 0:
+            raise ValueError("rate must be > 0 bytes/s")
+        self.rate = float(rate)
+        # Default burst: 50 ms of traffic, so a fresh bucket does not let a whole shard through.
+        self.burst = float(burst) if burst is not None else max(self.rate * 0.05, 1.0)
+        self._tokens = self.burst
+        self._last = now
+
+    def reserve(self, n: int, now: float) -> float:
+        """Take `n` tokens at time `now`; return how long to wait before sending them."""
+        elapsed = max(0.0, now - self._last)
+        self._last = max(self._last, now)
+        self._tokens = min(self.burst, self._tokens + elapsed * self.rate)
+        self._tokens -= n
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+
+class TrioRateLimiter:
+    """TokenBucket on trio's clock. Only used from the trio thread."""
+
+    def __init__(self, rate: float, burst: float | None = None):
+        import trio
+
+        self._trio = trio
+        self._bucket = TokenBucket(rate, burst, now=trio.current_time())
+
+    async def acquire(self, n: int) -> None:
+        delay = self._bucket.reserve(n, self._trio.current_time())
+        if delay > 0:
+            await self._trio.sleep(delay)
