@@ -1,0 +1,40 @@
+"""`prime-node verify ...` handlers. Light imports at module level: `verify checkpoint` must start fast."""
+from __future__ import annotations
+
+import sys
+
+from protocol.errors import PrimeNodeError
+
+
+def _trusted_key(hex_key: str) -> str:
+    from protocol.identity import parse_public_key
+
+    try:
+        parse_public_key(hex_key)
+    except ValueError as e:
+        raise PrimeNodeError(f"--key: {e}") from None
+    return hex_key.lower()
+
+
+def cmd_verify_checkpoint(args) -> int:
+    """Exit 0 when the checkpoint (directory or URL) is valid; 1 with one clear error line otherwise.
+
+    Every failure is listed on stdout (one per line) when there is more than one; the last line on stderr
+    always names the first.
+    """
+    from verify.checkpoint import verify_checkpoint
+
+    key = _trusted_key(args.key)
+    report = verify_checkpoint(args.ckpt, {key}, parent=args.parent, base=args.base,
+                               progress=sys.stderr.isatty())
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if report.ok:
+        print(report.summary())
+        return 0
+    if len(report.failures) > 1:
+        for line in report.failures:
+            print(line)
+    more = f" (+{len(report.failures) - 1} more listed above)" if len(report.failures) > 1 else ""
+    print(f"error: checkpoint {args.ckpt} is invalid: {report.failures[0]}{more}", file=sys.stderr)
+    return 1
