@@ -69,33 +69,33 @@ class Publisher:
             m = self.manifest(s)
             out.append({"step": s, "encoding": m.encoding, "base_step": m.base_step,
                         "num_shards": len(m.shards), "total_size": m.total_size,
-                        "compressed_size": sum(sh.zsize for sh in m.shards),
+                        "compressed_size": m.compressed_size,
                         "manifest_hash": m.canonical_hash()})
         return out
 
     # -- writing -----------------------------------------------------------------------------------
     def publish(self, step: int, state) -> Published:
         """Pack `state` as `step`: full at step 0 / every `full_every`, else xor-delta vs step - 1."""
-        from protocol.checkpoint import pack_checkpoint, serialize_state
+        from protocol.checkpoint import CheckpointError, pack_checkpoint
 
         prev = step - 1
-        parent = self.manifest(prev) if prev >= 0 and (self.ckpt_dir / str(prev)).exists() else None
-        delta = (step % self.full_every != 0 and parent is not None and self.payload_path(prev).is_file())
-        payload = serialize_state(state)
+        parent = self.manifest(prev) if prev in self.steps() else None
+        delta = step % self.full_every != 0 and parent is not None and self.payload_path(prev).is_file()
         out = self.ckpt_dir / str(step)
         if out.exists():  # a half-published step from before a crash: the ledger never recorded it
             shutil.rmtree(out)
-        manifest = pack_checkpoint(
-            payload, out, identity=self.identity, step=step, run_id=self.run_id, parent=parent,
-            base_payload=self.payload_path(prev) if delta else None, base_step=prev if delta else None,
-            shard_size=self.shard_size, level=self.level,
-        )
-        tmp = self.payload_path(step).with_suffix(".tmp")
-        tmp.write_bytes(payload)
-        tmp.replace(self.payload_path(step))
+        common = dict(identity=self.identity, step=step, run_id=self.run_id, parent=parent,
+                      shard_size=self.shard_size, level=self.level, payload_out=self.payload_path(step))
+        try:
+            manifest = pack_checkpoint(state, out, base_payload=self.payload_path(prev) if delta else None,
+                                       base_step=prev if delta else None, **common)
+        except CheckpointError as e:
+            if e.code != "delta_layout":
+                raise
+            manifest = pack_checkpoint(state, out, **common)  # the tensor layout changed: send it whole
         self._manifests[step] = manifest
         return Published(step, manifest.canonical_hash(), manifest.encoding, manifest.base_step,
-                         sum(sh.zsize for sh in manifest.shards))
+                         manifest.compressed_size)
 
     def discard_after(self, step: int) -> None:
         """Remove anything newer than the ledger's last published step (a crash mid-publish)."""

@@ -82,23 +82,16 @@ class VerificationWorker:
         return await loop.run_in_executor(self._pool, self._verify_sync, step, checks, sampling)
 
     def _verify_sync(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list[str | None]:
-        from verify.rollouts import RolloutVerifier, SubmittedRollout
+        from verify.rollouts import RolloutClaim, RolloutVerifier, VerifyItem
 
         model = self.store.get(step)
         if model is None:
             return ["unknown_policy_step"] * len(checks)
-        verifier = RolloutVerifier(model)
-        out: list[str | None] = []
-        for c in checks:
-            verdict = verifier.verify(
-                c.prompt_ids,
-                SubmittedRollout(completion_ids=c.completion_ids, logprobs=c.logprobs,
-                                 finish_reason=c.finish_reason, commitment=c.commitment),
-                seed=c.seed, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                max_tokens=sampling["max_tokens"], eos_token_id=self.eos_token_id,
-            )
-            out.append(None if verdict.ok else f"verify_{verdict.reason}")
-        return out
+        items = [VerifyItem(c.prompt_ids, RolloutClaim(c.completion_ids, c.logprobs, c.finish_reason, c.commitment),
+                            c.seed, sampling["temperature"], sampling["top_p"], sampling["max_tokens"],
+                            self.eos_token_id) for c in checks]
+        verdicts = RolloutVerifier(model).verify_many(items)
+        return [None if v.ok else f"verify_{v.reason}" for v in verdicts]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

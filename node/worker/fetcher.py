@@ -1,0 +1,318 @@
+"""The worker's fetch loop: learn the newest step, download its shards in parallel from every known
+source, verify each against the signed manifest, rebuild the payload (applying xor-deltas to the
+base it holds), keep the last k + 1 versions, and hand new weights to the work loop.
+
+On disk (worker.storage_dir):
+    checkpoints/{step}/              complete, verified checkpoints (served to peers as they are)
+    checkpoints/.partial-{step}/     shards verified so far (a restart resumes from here) + *.part
+    payloads/{step}.safetensors      reconstructed weights (the next delta's base)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from node.worker.sources import ShardSource, SourceError
+from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, reconstruct_payload,
+                                 shard_file_name, verify_manifest, verify_shard)
+
+log = logging.getLogger("prime_node.fetcher")
+
+
+class FetchError(Exception):
+    pass
+
+
+@dataclass
+class SourceScore:
+    """Measured throughput and failures of one source; a source that served a bad shard is banned."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+    banned: bool = False
+
+    def rate(self) -> float:
+        return (self.bytes + 1e6) / (self.seconds + 0.1) / (1 + self.failures)
+
+
+class CheckpointStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.ckpt_dir = self.root / "checkpoints"
+        self.payload_dir = self.root / "payloads"
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.payload_dir.mkdir(parents=True, exist_ok=True)
+        self._manifests: dict[int, Manifest] = {}
+
+    def held_steps(self) -> list[int]:
+        return sorted(int(p.name) for p in self.ckpt_dir.iterdir()
+                      if p.name.isdigit() and (p / "manifest.json").is_file() and self.payload_path(int(p.name)).is_file())
+
+    def manifest(self, step: int) -> Manifest | None:
+        if step not in self._manifests:
+            p = self.ckpt_dir / str(step) / "manifest.json"
+            if not p.is_file():
+                return None
+            self._manifests[step] = Manifest.from_json_bytes(p.read_bytes())
+        return self._manifests[step]
+
+    def payload_path(self, step: int) -> Path:
+        return self.payload_dir / f"{int(step)}.safetensors"
+
+    def partial_dir(self, step: int) -> Path:
+        return self.ckpt_dir / f".partial-{int(step)}"
+
+    def commit(self, step: int, manifest: Manifest, payload_tmp: Path) -> None:
+        final = self.ckpt_dir / str(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(payload_tmp, self.payload_path(step))
+        os.replace(self.partial_dir(step), final)
+        self._manifests[step] = manifest
+
+    def prune(self, keep: int) -> None:
+        held = self.held_steps()
+        for s in held[:-keep] if keep > 0 else []:
+            shutil.rmtree(self.ckpt_dir / str(s), ignore_errors=True)
+            self.payload_path(s).unlink(missing_ok=True)
+            self._manifests.pop(s, None)
+        newest = held[-1] if held else -1
+        for p in self.ckpt_dir.glob(".partial-*"):
+            if int(p.name.split("-")[1]) <= newest:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+@dataclass
+class Fetcher:
+    store: CheckpointStore
+    sources: list[ShardSource]
+    trusted_key: str
+    keep: int  # k + 1 versions
+    on_new_step: Callable[[int, Path], None]
+    parallel: int = 4
+    progress: bool = False
+    scores: dict[str, SourceScore] = field(default_factory=dict)
+    bytes_by_kind: Counter = field(default_factory=Counter)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def score(self, src: ShardSource) -> SourceScore:
+        return self.scores.setdefault(src.name, SourceScore())
+
+    def usable(self) -> list[ShardSource]:
+        return sorted((s for s in self.sources if not self.score(s).banned), key=lambda s: -self.score(s).rate())
+
+    @property
+    def newest_held(self) -> int:
+        held = self.store.held_steps()
+        return held[-1] if held else -1
+
+    async def run(self, stop: asyncio.Event, poll_seconds: float = 1.0) -> None:
+        """Fetch loop: poll for new steps until `stop` is set; errors are logged and retried."""
+        backoff = 1.0
+        while not stop.is_set():
+            try:
+                await self.sync_once()
+                backoff = 1.0
+            except (FetchError, SourceError, CheckpointError) as e:
+                log.warning("fetch failed (%s); retrying in %.0f s", e, backoff)
+                await _sleep_or_stop(stop, backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self.wake.clear()
+            await _wait_any(stop, self.wake, poll_seconds)
+
+    async def listing(self) -> dict:
+        errors = []
+        for src in self.usable():
+            if src.kind == "peer":
+                continue
+            try:
+                return await src.listing()
+            except SourceError as e:
+                errors.append(str(e))
+        raise FetchError("no source could list checkpoints: " + "; ".join(errors or ["no sources"]))
+
+    async def sync_once(self) -> int | None:
+        """Bring the store up to the newest published step. Returns the new step, or None."""
+        listing = await self.listing()
+        entries = {int(c["step"]): c for c in listing.get("checkpoints", [])}
+        if not entries:
+            return None
+        target = max(entries)
+        if target <= self.newest_held:
+            return None
+        for step in self.plan(target, entries):
+            await self.fetch_step(step)
+            self.on_new_step(step, self.store.payload_path(step))
+        self.store.prune(self.keep)
+        return target
+
+    def plan(self, target: int, entries: dict[int, dict]) -> list[int]:
+        """Steps to fetch, oldest first: follow xor-delta bases back to one we hold or a full one."""
+        held = set(self.store.held_steps())
+        chain: list[int] = []
+        step = target
+        while True:
+            chain.append(step)
+            e = entries.get(step)
+            if e is None:
+                raise FetchError(f"step {step} is needed but no longer published; retrying from the newest full")
+            if e["encoding"] == "full":
+                break
+            base = int(e["base_step"])
+            if base in held:
+                break
+            step = base
+        return list(reversed(chain))
+
+    async def _manifest(self, step: int) -> Manifest:
+        previous = self.store.manifest(self.newest_held) if self.newest_held >= 0 else None
+        errors = []
+        for src in self.usable():
+            try:
+                m = Manifest.from_json_bytes(await src.manifest(step))
+                verify_manifest(m, {self.trusted_key}, previous=previous)
+                if m.step != step:
+                    raise CheckpointError("manifest_schema", f"asked for step {step}, got {m.step}")
+                parent = self.store.manifest(step - 1)
+                if parent is not None:
+                    check_parent(m, parent)
+                return m
+            except SourceError as e:
+                errors.append(str(e))
+            except CheckpointError as e:
+                self._ban(src, f"bad manifest for step {step}: {e}")
+                errors.append(str(e))
+        raise FetchError(f"no valid manifest for step {step}: " + "; ".join(errors or ["no sources"]))
+
+    def _ban(self, src: ShardSource, why: str) -> None:
+        if src.kind == "coordinator" and len([s for s in self.sources if not self.score(s).banned]) == 1:
+            log.warning("%s: %s (it is the only source; not banned)", src.name, why)
+            return
+        self.score(src).banned = True
+        log.warning("dropping source %s for this run: %s", src.name, why)
+
+    async def fetch_step(self, step: int) -> None:
+        m = await self._manifest(step)
+        partial = self.store.partial_dir(step)
+        shards_dir = partial / "shards"
+        shards_dir.mkdir(parents=True, exist_ok=True)
+        (partial / "manifest.json").write_bytes(m.to_json_bytes())
+        todo = [i for i in range(m.num_shards) if not self._have_shard(m, shards_dir, i)]
+        bar = _bar(self.progress, m.compressed_size, f"step {step}")
+        bar.update(m.compressed_size - sum(m.shards[i].zsize for i in todo))
+        sem = asyncio.Semaphore(self.parallel)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await self._fetch_shard(m, shards_dir, i)
+                bar.update(m.shards[i].zsize)
+
+        try:
+            await asyncio.gather(*(one(i) for i in todo))
+        finally:
+            bar.close()
+        base = None
+        if m.encoding == "xor-delta":
+            base = self.store.payload_path(m.base_step)
+            if not base.is_file():
+                raise FetchError(f"step {step} is a delta against step {m.base_step}, which is not held")
+        tmp = partial / "payload.tmp"
+        reader = DirShardReader(partial, m)
+        await asyncio.to_thread(reconstruct_payload, m, reader, tmp, base_payload=base)
+        self.store.commit(step, m, tmp)
+        log.info("holding step %d (%s, %d shards, %.2f MB)", step, m.encoding, m.num_shards, m.compressed_size / 1e6)
+
+    @staticmethod
+    def _have_shard(m: Manifest, shards_dir: Path, i: int) -> bool:
+        p = shards_dir / shard_file_name(i)
+        if not p.is_file() or p.stat().st_size != m.shards[i].zsize:
+            return False
+        try:
+            verify_shard(m, i, p.read_bytes())
+            return True
+        except CheckpointError:
+            p.unlink(missing_ok=True)
+            return False
+
+    async def _fetch_shard(self, m: Manifest, shards_dir: Path, i: int) -> None:
+        entry = m.shards[i]
+        part = shards_dir / (shard_file_name(i) + ".part")
+        attempts = 0
+        while True:
+            candidates = self.usable()
+            if not candidates:
+                raise FetchError("every source was dropped after serving bad data")
+            src = candidates[attempts % len(candidates)]
+            attempts += 1
+            offset = part.stat().st_size if part.exists() and src.kind != "peer" else 0
+            if offset >= entry.zsize:
+                part.unlink(missing_ok=True)
+                offset = 0
+            t0 = time.monotonic()
+            try:
+                data = await src.shard(m.step, i, entry.zsize, offset)
+            except SourceError as e:
+                self.score(src).failures += 1
+                if e.data and src.kind != "peer":  # keep what arrived; the next try asks for the rest
+                    with open(part, "ab") as f:
+                        f.write(e.data)
+                if attempts >= 3 * max(1, len(candidates)) + 3:
+                    raise FetchError(f"shard {i} of step {m.step}: {e}") from None
+                await asyncio.sleep(min(0.2 * attempts, 2.0))
+                continue
+            sc = self.score(src)
+            sc.bytes += len(data)
+            sc.seconds += time.monotonic() - t0
+            self.bytes_by_kind[src.kind] += len(data)
+            whole = (part.read_bytes() + data) if offset else data
+            try:
+                verify_shard(m, i, whole)
+            except CheckpointError as e:
+                part.unlink(missing_ok=True)
+                self._ban(src, f"shard {i} of step {m.step} failed verification: {e}")
+                continue
+            final = shards_dir / shard_file_name(i)
+            tmp = final.with_suffix(".tmp")
+            tmp.write_bytes(whole)
+            os.replace(tmp, final)
+            part.unlink(missing_ok=True)
+            return
+
+
+class _NoBar:
+    def update(self, n): ...
+    def close(self): ...
+
+
+def _bar(enabled: bool, total: int, desc: str):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass
+
+
+async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, seconds: float) -> None:
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

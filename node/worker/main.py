@@ -1,0 +1,44 @@
+"""`prime-node join --coordinator URL [--coordinator-key HEX] [--key KEYFILE] [--set a.b=v ...]`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from node.config import load_config
+from protocol.identity import Identity
+
+log = logging.getLogger("prime_node.worker")
+
+
+async def run_worker(cfg, url: str, identity: Identity, coordinator_key: str | None, status_line: bool) -> None:
+    from node.worker.node import WorkerNode
+
+    node = WorkerNode(cfg, url, identity, coordinator_key=coordinator_key, status_line=status_line)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.stop)
+    await node.run()
+
+
+def cmd_join(args) -> int:
+    from node.coordinator.main import setup_logging
+
+    cfg = load_config(args.config, args.overrides)
+    setup_logging(cfg.server.log_format)
+    if args.coordinator_key:
+        from protocol.identity import parse_public_key
+
+        try:
+            parse_public_key(args.coordinator_key)
+        except ValueError as e:
+            print(f"error: --coordinator-key: {e}", file=sys.stderr)
+            return 2
+    key_path = Path(args.key) if args.key else Path(cfg.worker.storage_dir) / "node.key"
+    identity, created = Identity.load_or_create(key_path)
+    if created:
+        print(f"created node key {key_path} (node id {identity.node_id[:16]}…)", file=sys.stderr)
+    asyncio.run(run_worker(cfg, args.coordinator, identity, args.coordinator_key, sys.stderr.isatty()))
+    return 0

@@ -1,0 +1,285 @@
+"""A worker node: join, then heartbeat, fetch and work loops under one owner until stopped.
+
+Structured concurrency: `WorkerNode.run()` owns every task in one TaskGroup; `stop()` sets an event
+that every loop watches, so SIGINT/SIGTERM end the node cleanly (the current assignment is finished
+or abandoned, and the checkpoint store is only ever changed by atomic renames).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from node.config import Config
+from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
+from node.worker.fetcher import CheckpointStore, Fetcher
+from node.worker.sources import HttpSource
+from protocol import messages as M
+from protocol.errors import PrimeNodeError
+from protocol.identity import Identity
+
+log = logging.getLogger("prime_node.worker")
+
+ALLOWED_MODEL_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                       "chat_template.jinja", "generation_config.json"}
+
+
+class KeyPinError(PrimeNodeError):
+    pass
+
+
+@dataclass
+class Stats:
+    tokens: int = 0
+    gen_seconds: float = 0.0
+    accepted: int = 0
+    rejected: int = 0
+    assignments: int = 0
+    rejected_reasons: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.gen_seconds if self.gen_seconds > 0 else 0.0
+
+
+class WorkerNode:
+    def __init__(self, cfg: Config, coordinator_url: str, identity: Identity, *,
+                 coordinator_key: str | None = None, status_line: bool = False):
+        self.cfg = cfg
+        self.url = coordinator_url.rstrip("/")
+        self.identity = identity
+        self.root = Path(cfg.worker.storage_dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.pinned_key = coordinator_key.lower() if coordinator_key else None
+        self.status_line = status_line
+        self.stop_event = asyncio.Event()
+        self.new_weights = asyncio.Event()
+        self.stats = Stats()
+        self.state = "starting"
+        self.backend = None
+        self.spec: M.RunSpec | None = None
+        self._pending_step: tuple[int, Path] | None = None
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _pin(self, key: str) -> str:
+        pin_file = self.root / "coordinator.pub"
+        key = key.lower()
+        if self.pinned_key:
+            if key != self.pinned_key:
+                raise KeyPinError(f"coordinator presents key {key[:16]}…, but --coordinator-key is "
+                                  f"{self.pinned_key[:16]}…; refusing to join")
+            return key
+        if pin_file.is_file():
+            pinned = pin_file.read_text().strip()
+            if pinned != key:
+                raise KeyPinError(f"coordinator key changed: pinned {pinned[:16]}… in {pin_file}, now {key[:16]}…; "
+                                  f"delete that file only if you trust the new key")
+            return key
+        pin_file.write_text(key + "\n")
+        log.warning("pinned coordinator key %s on first sight (saved in %s); pass --coordinator-key to be strict",
+                    key, pin_file)
+        return key
+
+    def _build_backend(self, spec: M.RunSpec):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from node.worker.backends.transformers_backend import TransformersBackend
+
+        model_dir = self.root / "model"
+        model_dir.mkdir(exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(spec.model_config_json))
+        for name, text in spec.tokenizer_files.items():
+            if name in ALLOWED_MODEL_FILES:
+                (model_dir / name).write_text(text)
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config)
+        if self.cfg.worker.backend == "vllm":
+            from node.worker.backends.vllm_backend import VllmBackend
+
+            return VllmBackend(model_dir, dtype=self.cfg.worker.dtype)
+        return TransformersBackend(model, dtype=self.cfg.worker.dtype, device=self.cfg.worker.device)
+
+    # -- main --------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            self.client = CoordinatorClient(self.url, self.identity, session)
+            self.spec = spec = await self._join()
+            key = self._pin(spec.coordinator_key)
+            self.backend = await asyncio.to_thread(self._build_backend, spec)
+            sources = [HttpSource(self.url, "coordinator", session)]
+            sources += [HttpSource(r, "relay", session) for r in spec.relays]
+            self.fetcher = Fetcher(CheckpointStore(self.root), sources, key, keep=spec.async_level + 1,
+                                   on_new_step=self._on_new_step, progress=self.status_line)
+            held = self.fetcher.store.held_steps()
+            if held:
+                self._on_new_step(held[-1], self.fetcher.store.payload_path(held[-1]))
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.fetcher.run(self.stop_event), name="fetch")
+                tg.create_task(self._heartbeat_loop(), name="heartbeat")
+                tg.create_task(self._work_loop(), name="work")
+                if self.status_line:
+                    tg.create_task(self._status_loop(), name="status")
+        log.info("worker stopped (accepted %d, rejected %d rollouts)", self.stats.accepted, self.stats.rejected)
+
+    async def _join(self) -> M.RunSpec:
+        backoff = 1.0
+        while True:
+            try:
+                info = M.NodeInfo(backend=self.cfg.worker.backend, device=self.cfg.worker.device)
+                spec = await self.client.join(info)
+                log.info("joined run %s as %s (step %d, k=%d)", spec.run_id, spec.node_id[:12], spec.current_step,
+                         spec.async_level)
+                return spec
+            except Unreachable as e:
+                if self.stop_event.is_set():
+                    raise
+                log.warning("%s; retrying in %.0f s", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30)
+
+    def _on_new_step(self, step: int, payload: Path) -> None:
+        self._pending_step = (step, payload)
+        self.new_weights.set()
+
+    async def _swap_weights_if_newer(self) -> None:
+        pending = self._pending_step
+        if pending is None or pending[0] <= self.backend.policy_step:
+            return
+        step, payload = pending
+        from protocol.checkpoint import load_payload
+
+        t0 = time.monotonic()
+        state = await asyncio.to_thread(load_payload, payload)
+        await asyncio.to_thread(self.backend.load_state_dict, state, step)
+        log.info("now generating with step %d (swap took %.2f s)", step, time.monotonic() - t0)
+
+    async def _heartbeat_loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                await self.client.heartbeat(M.HeartbeatRequest(
+                    policy_step=self.backend.policy_step if self.backend.policy_step >= 0 else None,
+                    tokens_per_second=round(self.stats.tokens_per_s, 3), state=self.state,
+                    steps_held=self.fetcher.store.held_steps()[-64:],
+                    bytes_by_source=dict(self.fetcher.bytes_by_kind)))
+            except (Unreachable, CoordinatorError) as e:
+                log.debug("heartbeat failed: %s", e)
+            await _sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds)
+
+    async def _work_loop(self) -> None:
+        backoff = 0.5
+        while not self.stop_event.is_set():
+            await self._swap_weights_if_newer()
+            if self.backend.policy_step < 0:
+                self.state = "fetching"
+                await _wait_event(self.new_weights, self.stop_event, 1.0)
+                self.new_weights.clear()
+                continue
+            try:
+                assignment = await self.client.work(self.backend.policy_step)
+            except CoordinatorError as e:
+                if e.code == "stale_policy":
+                    self.state = "fetching"
+                    self.fetcher.wake.set()
+                    await _wait_event(self.new_weights, self.stop_event, 2.0)
+                    self.new_weights.clear()
+                    continue
+                if e.status == 403:
+                    log.error("coordinator refused this node: %s", e.detail)
+                    self.stop_event.set()
+                    return
+                log.warning("%s; backing off %.1f s", e, backoff)
+                await _sleep_or_stop(self.stop_event, backoff)
+                backoff = min(backoff * 2, 30)
+                continue
+            except Unreachable as e:
+                log.warning("%s; backing off %.1f s", e, backoff)
+                await _sleep_or_stop(self.stop_event, backoff)
+                backoff = min(backoff * 2, 30)
+                continue
+            backoff = 0.5
+            if assignment is None:
+                self.state = "idle"
+                await _sleep_or_stop(self.stop_event, 0.2 + random.random() * 0.3)
+                continue
+            await self._do_assignment(assignment)
+
+    async def _do_assignment(self, a: M.Assignment) -> None:
+        from node.worker.backends.base import GenRequest
+
+        self.state = "generating"
+        step = self.backend.policy_step
+        requests = [GenRequest(p.prompt_ids, seed) for p in a.prompts for seed in p.seeds]
+        t0 = time.monotonic()
+        results = await asyncio.to_thread(
+            self.backend.generate, requests, temperature=a.sampling.temperature, top_p=a.sampling.top_p,
+            max_tokens=a.sampling.max_tokens, eos_token_id=self.spec.eos_token_id)
+        self.stats.gen_seconds += time.monotonic() - t0
+        self.stats.tokens += sum(len(r.completion_ids) for r in results)
+        if self.stop_event.is_set():
+            return  # abandon: the coordinator re-issues the prompts after the deadline
+        rollouts, it = [], iter(results)
+        for p in a.prompts:
+            for j in range(len(p.seeds)):
+                r = next(it)
+                rollouts.append(M.RolloutSubmission(prompt_id=p.prompt_id, sample_index=j,
+                                                    completion_ids=r.completion_ids, logprobs=r.logprobs,
+                                                    finish_reason=r.finish_reason, commitment=r.commitment))
+        sub = M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
+        for attempt in range(5):
+            try:
+                resp = await self.client.submit(sub)
+                break
+            except Unreachable as e:
+                log.warning("submit failed (%s); retrying", e)
+                await _sleep_or_stop(self.stop_event, 0.5 * 2 ** attempt)
+            except CoordinatorError as e:
+                log.warning("submission of %s refused: %s", a.assignment_id, e)
+                self.stats.rejected += len(rollouts)
+                return
+        else:
+            return
+        self.stats.assignments += 1
+        self.stats.accepted += len(resp.accepted)
+        self.stats.rejected += len(resp.rejected)
+        for r in resp.rejected:
+            self.stats.rejected_reasons[r.reason] = self.stats.rejected_reasons.get(r.reason, 0) + 1
+        if resp.rejected:
+            log.warning("%d rollouts rejected: %s", len(resp.rejected),
+                        ", ".join(sorted({r.reason for r in resp.rejected})))
+
+    async def _status_loop(self) -> None:
+        while not self.stop_event.is_set():
+            s = self.stats
+            line = (f"\rstep {self.backend.policy_step if self.backend else -1} | {self.state:<10} | "
+                    f"{s.tokens_per_s:7.1f} tok/s | accepted {s.accepted} rejected {s.rejected}   ")
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            await _sleep_or_stop(self.stop_event, 1.0)
+        sys.stderr.write("\n")
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass
+
+
+async def _wait_event(ev: asyncio.Event, stop: asyncio.Event, seconds: float) -> None:
+    waiters = [asyncio.ensure_future(ev.wait()), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

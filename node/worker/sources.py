@@ -1,0 +1,42 @@
+"""Where checkpoint bytes come from. Every source is untrusted: the fetcher checks each shard
+against the signed manifest, so a source only ever costs a retry."""
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+import aiohttp
+
+from node.worker.client import MAX_MANIFEST_BYTES, Unreachable, read_limited
+
+
+class SourceError(Exception):
+    """A source failed; `data` holds the bytes received before it did (for a Range resume)."""
+
+    def __init__(self, msg: str, data: bytes = b""):
+        super().__init__(msg)
+        self.data = data
+
+
+class ShardSource(Protocol):
+    name: str
+    kind: str  # "coordinator" | "relay" | "peer"
+
+    async def listing(self) -> dict: ...
+    async def manifest(self, step: int) -> bytes: ...
+    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
+        """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        url = f"{self.base}/v1/checkpoints/{int(step)}/shards/{int(index)}"
+        got = bytearray()
+        try:
+            async with self.session.get(url, headers=headers) as resp:
+                if resp.status not in (200, 206) or (offset and resp.status != 206):
+                    raise SourceError(f"{self.name}: shard {index} of step {step} answered {resp.status}")
+                async for chunk in resp.content.iter_chunked(256 * 1024):
+                    got += chunk
+                    if len(got) > max_bytes - offset:
+                        raise SourceError(f"{self.name}: shard {index} of step {step} is larger than signed")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise SourceError(f"{self.name}: {e or type(e).__name__}", bytes(got)) from None
+        return bytes(got)
