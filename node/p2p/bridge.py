@@ -52,6 +52,13 @@ def _post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, *, result: Any =
         pass
 
 
+def unwrap(error: BaseException) -> BaseException:
+    """trio wraps errors in (nested) exception groups; callers want the one real error."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 class TrioBridge:
     def __init__(self, name: str = "p2p", *, grace_s: float = 5.0):
         self.name = name
@@ -159,7 +166,8 @@ class TrioBridge:
             _post(job.loop, job.fut, exc=P2PNotRunning(f"p2p node {self.name} stopped during the call"))
             raise
         except Exception as e:  # handed to the caller, who owns the error
-            _post(job.loop, job.fut, exc=e)
+            e = unwrap(e)
+            _post(job.loop, job.fut, exc=e if isinstance(e, Exception) else P2PError(repr(e)))
             return
         if not job.scope.cancelled_caught:
             _post(job.loop, job.fut, result=result)
@@ -195,6 +203,7 @@ class TrioBridge:
             self._token = None
             assert self._loop is not None
             if error is not None:
+                error = unwrap(error)
                 _post(self._loop, self._started, exc=error if isinstance(error, Exception) else P2PError(repr(error)))
             else:
                 _post(self._loop, self._started, exc=P2PNotRunning(f"p2p node {self.name} stopped before it started"))

@@ -160,7 +160,10 @@ class P2PNode:
             connect_timeout_s=self.connect_timeout_s, announce_max_age_s=self.announce_max_age_s,
             heartbeat_interval_s=self.heartbeat_interval_s)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
-        self.listen_addrs = await self._bridge.start(self._service.run)
+        try:
+            self.listen_addrs = await self._bridge.start(self._service.run)
+        except OSError as e:  # e.g. the listen port is taken
+            raise P2PError(f"p2p host could not start on {list(self.listen)}: {e}") from None
         log.info("p2p node %s listening on %s", self.peer_id, self.listen_addrs or "nothing (outbound-only)")
         return list(self.listen_addrs)
 

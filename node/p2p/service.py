@@ -119,8 +119,6 @@ class P2PService:
                         task_status.started(self.listen_addrs())
                         await stop.wait()
                         nursery.cancel_scope.cancel()
-        except OSError as e:  # e.g. the listen port is taken
-            raise P2PError(f"p2p host could not start: {e}") from None
         finally:
             # py-libp2p workaround: Pubsub's seen-message cache starts a sweeper thread that
             # nothing ever stops; without this every host leaks a thread (docs/P2P.md).

@@ -1,0 +1,119 @@
+"""Signed announcements over real gossipsub between real libp2p hosts on 127.0.0.1."""
+import asyncio
+import contextlib
+
+import pytest
+
+from node.p2p.announce import (
+    MAX_ANNOUNCEMENT_BYTES,
+    HaveAnnouncement,
+    ManifestAnnouncement,
+    encode_have_announcement,
+    encode_manifest_announcement,
+)
+from node.p2p.host import P2PNode
+from protocol.identity import Identity
+from protocol.signing import canonical_json
+
+pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
+
+RUN = "run-gossip"
+H = "ab" * 32
+
+
+@contextlib.asynccontextmanager
+async def swarm(coord: Identity, n_workers: int, **kw):
+    """A coordinator host and `n_workers` worker hosts, each worker dialling the coordinator only."""
+    nodes = [P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, name="coord", **kw)]
+    nodes += [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name=f"w{i}", **kw)
+              for i in range(n_workers)]
+    try:
+        for node in nodes:
+            await node.start()
+        hub = nodes[0]
+        for w in nodes[1:]:
+            assert await w.connect(hub.listen_addrs) == [hub.peer_id]
+        for w in nodes[1:]:  # both directions in the mesh: publishes reach everyone from here on
+            assert await w.wait_for_mesh(hub.peer_id, 5) and await hub.wait_for_mesh(w.peer_id, 5)
+        yield nodes
+    finally:
+        await asyncio.gather(*(node.stop() for node in nodes))
+
+
+async def publish_unvalidated(node: P2PNode, data: bytes) -> None:
+    """Act as a malicious peer: publish raw bytes, skipping this host's own validator."""
+
+    async def on_trio(service):
+        service.pubsub.remove_topic_validator(service.topic)
+        try:
+            await service.pubsub.publish(service.topic, data)
+        finally:
+            service.pubsub.set_topic_validator(service.topic, service._validate, False)
+
+    await node._bridge.call(on_trio, node._service)
+
+
+async def test_signed_announcements_reach_every_peer_and_forgeries_are_dropped():
+    coord = Identity.generate()
+    async with swarm(coord, 2) as (hub, w1, w2):
+        sub1, sub2 = w1.subscribe(), w2.subscribe()
+
+        # The coordinator's manifest announcement reaches both workers.
+        await hub.announce_manifest(5, H)
+        for sub in (sub1, sub2):
+            ev = await sub.get(timeout=10)
+            assert isinstance(ev.announcement, ManifestAnnouncement)
+            assert (ev.announcement.step, ev.peer_id) == (5, hub.peer_id)
+        assert w1.latest_manifest() == (5, H) == w2.latest_manifest()
+
+        # w1's "have" reaches w2 through the hub (w1 and w2 are not connected to each other).
+        await w1.announce_have(5, [0, 2], H)
+        ev = await sub2.get(timeout=10)
+        assert isinstance(ev.announcement, HaveAnnouncement) and ev.peer_id == w1.peer_id
+        assert ev.announcement.addrs == w1.listen_addrs
+        assert w2.peers_with(5, 2, manifest_hash=H) == [w1.peer_id] and w2.peers_with(5, 1) == []
+
+        # Forgeries published by w1, a malicious worker, with its host's own checks bypassed.
+        other = Identity.generate()
+        forged = {
+            "unsigned": canonical_json({"kind": "have", "run_id": RUN, "step": 5, "manifest_hash": H,
+                                        "indices": [1], "ts_ms": 1}),
+            # A manifest signed by a worker key, not the coordinator's.
+            "manifest_by_worker": encode_manifest_announcement(Identity.generate(), run_id=RUN, step=6,
+                                                               manifest_hash="66" * 32),
+            # A "have" for another node's key, sent from w1's peer id.
+            "have_for_other_key": encode_have_announcement(other, run_id=RUN, step=5, manifest_hash=H, indices=[1]),
+            "malformed": b'{"kind": "have", "oops"',
+            "too_large": b" " * (MAX_ANNOUNCEMENT_BYTES + 1),
+        }
+        for data in forged.values():
+            await publish_unvalidated(w1, data)
+        # A valid marker published after them: once it arrives, the forgeries had their chance.
+        await w1.announce_have(5, [3], H)
+        ev = await sub2.get(timeout=10)
+        assert ev.announcement.indices == [3]
+        await asyncio.sleep(0.2)
+        assert sub2._queue.empty(), "a forged announcement was delivered"
+        assert w2.latest_manifest() == (5, H)  # the fake step-6 manifest did not land
+        assert w2.peers_with(5, 1) == []
+        # The hub dropped (and counted) each one; being invalid, none was relayed to w2.
+        dropped = hub.stats.snapshot()["announcements_dropped"]
+        assert dropped == {"unsigned": 1, "wrong_key": 2, "malformed": 1, "too_large": 1}
+        assert w2.stats.snapshot()["announcements_dropped"] == {}
+        assert hub.stats.snapshot()["announcements_received"] == {"have": 2}
+
+        sub1.close()
+        with pytest.raises(StopAsyncIteration):
+            await sub1.get(timeout=1)
+
+
+async def test_announcements_of_another_run_are_dropped():
+    coord = Identity.generate()
+    async with swarm(coord, 1) as (hub, w1):
+        sub = hub.subscribe()
+        await publish_unvalidated(w1, encode_have_announcement(w1.identity, run_id="other-run", step=1,
+                                                               manifest_hash=H, indices=[0]))
+        await w1.announce_have(1, [0], H)
+        ev = await sub.get(timeout=10)
+        assert ev.announcement.run_id == RUN
+        assert hub.stats.snapshot()["announcements_dropped"] == {"wrong_run": 1}
