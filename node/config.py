@@ -82,7 +82,6 @@ class DistributionConfig(_Section):
     shard_size: int = Field(32 * 1024 * 1024, ge=4096)
     compression_level: int = Field(1, ge=1, le=22)
     full_every: int = Field(10, ge=1)  # a full checkpoint every N steps (and at step 0)
-    dtype: str = Field("bfloat16", pattern="^(float32|bfloat16|float16)$")  # broadcast weights
     relays: list[str] = Field(default_factory=list)
 
 

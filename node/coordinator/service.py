@@ -156,7 +156,7 @@ class Coordinator:
             run_id=self.cfg.run.run_id, node_id=node_id, coordinator_key=self.identity.public_hex,
             task=self.cfg.task.name, async_level=self.k, current_step=self.published_step,
             group_size=self.cfg.run.group_size, model_config_json=self.model_config, tokenizer_files=files,
-            eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.distribution.dtype,
+            eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.trainer.broadcast_dtype,
             p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
         )
 

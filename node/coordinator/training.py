@@ -36,17 +36,27 @@ class TrainingLoop:
         self.error: str | None = None
 
     # -- start-up ----------------------------------------------------------------------------------
-    def _make_trainer(self, resume_from: Path | None):
+    def _make_trainer(self, resume: bool):
         from node.trainer import Trainer
 
-        kwargs = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups,
-                      broadcast_dtype=self.cfg.distribution.dtype)
-        if resume_from is not None:
-            return Trainer.resume(resume_from, self.c.model_dir, self.cfg.trainer, **kwargs)
-        return Trainer(self.c.model_dir, self.cfg.trainer, **kwargs)
+        kwargs = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups)
+        if resume:
+            return Trainer.resume(self.state_root, self.cfg.trainer, **kwargs)
+        return Trainer(self.c.model_dir, self.cfg.trainer, state_dir=self.state_root, **kwargs)
 
-    def state_dir(self, step: int) -> Path:
-        return self.state_root / f"step_{step}"
+    def _rewind_trainer_state(self, step: int) -> bool:
+        """Point the trainer's LATEST at the snapshot of `step`, dropping newer ones (written before a
+        crash that the ledger never recorded). Returns False if that snapshot is missing."""
+        wanted = self.state_root / f"step-{step:08d}"  # node/trainer/state.py's snapshot layout
+        if not wanted.is_dir():
+            return False
+        for d in self.state_root.glob("step-*"):
+            if d.is_dir() and d.name > wanted.name:
+                shutil.rmtree(d, ignore_errors=True)
+        tmp = self.state_root / "LATEST.tmp"
+        tmp.write_text(wanted.name)
+        tmp.replace(self.state_root / "LATEST")
+        return True
 
     def restore_or_init(self) -> None:
         latest = self.c.ledger.latest_step()
@@ -54,16 +64,15 @@ class TrainingLoop:
         if latest is None:
             pub.discard_after(-1)
             shutil.rmtree(self.state_root, ignore_errors=True)
-            self.trainer = self._make_trainer(None)
+            self.trainer = self._make_trainer(resume=False)
             self._publish(0, {"note": "initial policy"}, [])
             return
         step = latest.step
         log.info("resuming from published step %d", step)
         pub.discard_after(step)
-        for d in self.state_root.glob("step_*"):
-            if int(d.name.split("_")[1]) > step:
-                shutil.rmtree(d, ignore_errors=True)
-        self.trainer = self._make_trainer(self.state_dir(step) if step > 0 else None)
+        if step > 0 and not self._rewind_trainer_state(step):
+            raise RuntimeError(f"trainer state for published step {step} is missing under {self.state_root}")
+        self.trainer = self._make_trainer(resume=step > 0)
         self.published_step = step
         for s in range(max(0, step - self.k - 1), step + 1):
             if pub.payload_path(s).is_file():
@@ -158,7 +167,7 @@ class TrainingLoop:
     def _publish(self, n: int, metrics: dict, fed: list[dict], dropped: dict | None = None) -> None:
         t0 = time.monotonic()
         if n > 0:
-            self.trainer.save_state(self.state_dir(n))
+            self.trainer.save_state()
         state = self.trainer.weights_for_broadcast()
         pub = self.c.publisher.publish(n, state)
         metrics = {**metrics, "publish_seconds": time.monotonic() - t0, "encoding": pub.encoding,
@@ -170,9 +179,6 @@ class TrainingLoop:
         self.published_step = n
         self.last_metrics = metrics
         removed = self.c.publisher.prune(n)
-        for d in self.state_root.glob("step_*"):
-            if int(d.name.split("_")[1]) < n:
-                shutil.rmtree(d, ignore_errors=True)
         consumed = Counter(g["batch_step"] for g in fed)
         gone = Counter(g["batch_step"] for gs in (dropped or {}).values() for g in gs)
         if self.c.loop is not None:

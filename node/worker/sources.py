@@ -24,6 +24,42 @@ class ShardSource(Protocol):
 
     async def listing(self) -> dict: ...
     async def manifest(self, step: int) -> bytes: ...
+    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes: ...
+
+
+class HttpSource:
+    """A coordinator or relay serving DESIGN §5's /v1/checkpoints paths."""
+
+    def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession):
+        self.base = base_url.rstrip("/")
+        self.name = f"{kind}:{self.base}"
+        self.kind = kind
+        self.session = session
+
+    async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
+        try:
+            async with self.session.get(self.base + path) as resp:
+                return resp.status, await read_limited(resp, limit)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise SourceError(f"{self.name}: {e or type(e).__name__}") from None
+        except Unreachable as e:
+            raise SourceError(str(e)) from None
+
+    async def listing(self) -> dict:
+        status, body = await self._get("/v1/checkpoints", 1024 * 1024)
+        if status != 200:
+            raise SourceError(f"{self.name}: /v1/checkpoints answered {status}")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise SourceError(f"{self.name}: /v1/checkpoints is not JSON") from None
+
+    async def manifest(self, step: int) -> bytes:
+        status, body = await self._get(f"/v1/checkpoints/{int(step)}/manifest", MAX_MANIFEST_BYTES)
+        if status != 200:
+            raise SourceError(f"{self.name}: manifest of step {step} answered {status}")
+        return body
+
     async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
         """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
         headers = {"Range": f"bytes={offset}-"} if offset else {}
