@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("coordinator", help="run the coordinator (trainer + HTTP API + dashboard)")
     _add_config_args(p, required=True)
+    p.add_argument("--ready-file", help=argparse.SUPPRESS)  # the demo learns the bound port from it
 
     p = sub.add_parser("join", help="join a run as a worker node")
     p.add_argument("--coordinator", required=True, metavar="URL")

@@ -1,0 +1,224 @@
+"""`prime-node demo`: an embedded local swarm that really trains.
+
+A coordinator and N worker nodes run as separate processes on 127.0.0.1 (the same commands a user
+would run), for S steps; then everything is stopped cleanly and a short report is printed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from node.config import load_config
+from protocol.errors import PrimeNodeError
+
+DEFAULT_CONFIG = Path("configs/local.toml")
+DEMO_DIR = Path("demo-out")  # everything the demo writes: logs, coordinator and worker storage, plot
+
+
+class DemoError(PrimeNodeError):
+    pass
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "node.cli", *args]
+
+
+def _get_json(url: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _wait_ready(ready: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> dict:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if ready.is_file():
+            return json.loads(ready.read_text())
+        if proc.poll() is not None:
+            raise DemoError(f"the coordinator exited with code {proc.returncode}; see {log}:\n"
+                            + log.read_text()[-2000:])
+        time.sleep(0.2)
+    raise DemoError(f"the coordinator did not start within {timeout:.0f} s; see {log}")
+
+
+def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def summarize(status: dict, wall: float) -> dict:
+    rewards = {r["step"]: r["reward"] for r in status["reward_curve"]}
+    hist = {int(k): v for k, v in status["staleness_histogram"].items()}
+    return {
+        "steps_completed": status["step"],
+        "async_level": status["async_level"],
+        "max_staleness_seen": max(hist, default=0),
+        "staleness_histogram": hist,
+        "accepted_rollouts": status["verification"]["accepted"],
+        "rejected_rollouts": status["verification"]["rejected"],
+        "rejected_by_reason": status["verification"]["rejected_by_reason"],
+        "reward_by_step": rewards,
+        "wall_seconds": round(wall, 1),
+        "trainer_idle_fraction": status["trainer"]["idle_fraction"],
+        "checkpoint_bytes_by_source": status["checkpoint_bytes_by_source"],
+        "nodes": len(status["nodes"]),
+    }
+
+
+def learning_ratio(rewards: dict[int, float]) -> float | None:
+    """Mean reward over the last fifth of the steps divided by the first fifth's."""
+    steps = sorted(rewards)
+    if len(steps) < 5:
+        return None
+    fifth = max(1, len(steps) // 5)
+    first = sum(rewards[s] for s in steps[:fifth]) / fifth
+    last = sum(rewards[s] for s in steps[-fifth:]) / fifth
+    return last / first if first > 0 else float("inf")
+
+
+def plot_rewards(rewards: dict[int, float], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(rewards)
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
+    ax.plot(steps, [rewards[s] for s in steps], marker="o", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("prime-node demo: reward per step")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def cmd_demo(args) -> int:
+    config_path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
+    cfg = load_config(config_path, args.overrides)
+    nodes = args.nodes or cfg.demo.nodes
+    steps = args.steps or cfg.demo.steps
+    if nodes < 1 or steps < 1:
+        raise DemoError("--nodes and --steps must be at least 1")
+    out = DEMO_DIR
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    common = ["--config", config_path or _write_default(out)] + [f"--set={o}" for o in args.overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    ready = out / "coordinator.ready"
+    clog = out / "coordinator.log"
+    coord = subprocess.Popen(
+        _cli("coordinator", *common,
+             f"--set=storage.dir={out / 'coordinator'}", f"--set=run.max_steps={steps}", "--set=server.port=0",
+             "--ready-file", str(ready)),
+        stdout=open(clog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    procs = [coord]
+    try:
+        info = _wait_ready(ready, coord, clog)
+        url = info["url"]
+        print(f"coordinator up at {url} (logs: {clog})")
+        print(f"dashboard: {url}/dashboard")
+        for i in range(nodes):
+            wlog = out / f"worker-{i}.log"
+            procs.append(subprocess.Popen(
+                _cli("join", "--coordinator", url, "--coordinator-key", info["key"], *common,
+                     f"--set=worker.storage_dir={out / f'worker-{i}'}", "--set=worker.heartbeat_seconds=1"),
+                stdout=open(wlog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        print(f"started {nodes} worker nodes; training {steps} steps (async level {cfg.run.async_level})")
+        status = _follow(url, steps, procs)
+        time.sleep(1.5)  # one more heartbeat, so byte counts include the last download
+        status = _get_json(url + "/v1/status")
+    finally:
+        _stop(procs[1:])
+        _stop(procs[:1])
+    wall = time.monotonic() - t0
+    summary = summarize(status, wall)
+    ratio = learning_ratio(summary["reward_by_step"])
+    summary["learning_ratio_last_vs_first_fifth"] = ratio
+    plot = out / "reward_curve.png"
+    if summary["reward_by_step"]:
+        plot_rewards(summary["reward_by_step"], plot)
+        summary["reward_plot"] = str(plot)
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(summary, indent=2))
+    _report(summary, ratio, plot, args.summary)
+    return 0
+
+
+def _write_default(out: Path) -> str:
+    """No config file given or found: write the defaults so every process reads the same tree."""
+    from node.config import Config, dump_toml
+
+    path = out / "config.toml"
+    path.write_text(dump_toml(Config()))
+    return str(path)
+
+
+def _follow(url: str, steps: int, procs: list[subprocess.Popen]) -> dict:
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, desc="training", unit="step", file=sys.stderr)
+    last = 0
+    status: dict = {}
+    while True:
+        if procs[0].poll() is not None:
+            bar.close()
+            raise DemoError(f"the coordinator exited early (code {procs[0].returncode}); see demo-out/coordinator.log")
+        try:
+            status = _get_json(url + "/v1/status")
+        except OSError:
+            time.sleep(1)
+            continue
+        if status["trainer"]["error"]:
+            bar.close()
+            raise DemoError(f"training failed: {status['trainer']['error']}")
+        step = status["step"]
+        if step > last:
+            bar.update(step - last)
+            last = step
+            curve = status["reward_curve"]
+            if curve:
+                bar.set_postfix(reward=f"{curve[-1]['reward']:.3f}", rejected=status["verification"]["rejected"])
+        if step >= steps:
+            bar.close()
+            return status
+        if all(p.poll() is not None for p in procs[1:]):
+            bar.close()
+            raise DemoError("every worker exited; see demo-out/worker-*.log")
+        time.sleep(0.5)
+
+
+def _report(s: dict, ratio: float | None, plot: Path, summary_path: str | None) -> None:
+    rewards = s["reward_by_step"]
+    steps = sorted(rewards)
+    print()
+    print("prime-node demo: done")
+    print(f"  steps trained        {s['steps_completed']} in {s['wall_seconds']:.0f} s with {s['nodes']} nodes")
+    print(f"  rollouts             {s['accepted_rollouts']} accepted, {s['rejected_rollouts']} rejected")
+    print(f"  staleness (k={s['async_level']})      max {s['max_staleness_seen']}, histogram {s['staleness_histogram']}")
+    print(f"  trainer idle         {100 * s['trainer_idle_fraction']:.1f}%")
+    print(f"  checkpoint bytes     {s['checkpoint_bytes_by_source']}")
+    if steps:
+        print(f"  reward               step {steps[0]}: {rewards[steps[0]]:.3f} -> step {steps[-1]}: {rewards[steps[-1]]:.3f}")
+    if ratio is not None:
+        print(f"  learning             last fifth / first fifth = {ratio:.2f}x")
+    if plot.is_file():
+        print(f"  reward curve         {plot}")
+    if summary_path:
+        print(f"  summary              {summary_path}")
