@@ -34,9 +34,13 @@ class TrioRateLimiter:
         import trio
 
         self._trio = trio
-        self._bucket = TokenBucket(rate, burst, now=trio.current_time())
+        self._bucket = TokenBucket(rate, burst)  # validates now; its clock starts at the first use
+        self._started = False
 
     async def acquire(self, n: int) -> None:
-        delay = self._bucket.reserve(n, self._trio.current_time())
+        now = self._trio.current_time()
+        if not self._started:
+            self._bucket._last, self._started = now, True
+        delay = self._bucket.reserve(n, now)
         if delay > 0:
             await self._trio.sleep(delay)

@@ -110,6 +110,9 @@ class P2PService:
         self.host.set_stream_handler(TProtocol(PROTOCOL_ID), self.server.handle)
         try:
             async with self.host.run(listen):
+                # py-libp2p's auto-connector would keep re-dialling every peer in the peerstore
+                # (up to 200 at a time); we dial only whom we decide to (bootstrap, fetch targets).
+                await self.host.get_network().auto_connector.stop()
                 async with background_trio_service(self.pubsub), background_trio_service(self.gossipsub):
                     await self.pubsub.wait_until_ready()
                     self.pubsub.set_topic_validator(self.topic, self._validate, False)

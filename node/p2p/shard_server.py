@@ -43,7 +43,13 @@ class ShardServer:
         self.max_concurrent = max_concurrent
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
-        self.limiter = TrioRateLimiter(upload_limit, burst=max(CHUNK_BYTES, upload_limit * 0.05)) if upload_limit > 0 else None
+        self.limiter = None
+        self.chunk_bytes = CHUNK_BYTES
+        if upload_limit > 0:
+            # Small chunks under a limit (≈50 ms of traffic each): the sender sleeps briefly and
+            # often, so a reader that went away is noticed at the next write, not many seconds later.
+            self.chunk_bytes = int(min(CHUNK_BYTES, max(1024, upload_limit // 20)))
+            self.limiter = TrioRateLimiter(upload_limit, burst=max(self.chunk_bytes, upload_limit * 0.05))
         self.active = 0
 
     async def handle(self, stream: Any) -> None:
@@ -91,7 +97,7 @@ class ShardServer:
                 return
             await self._write(stream, encode_header(Status.OK, body.size))
             sent = 0
-            for chunk in body.chunks(CHUNK_BYTES):
+            for chunk in body.chunks(self.chunk_bytes):
                 if self.limiter is not None:
                     await self.limiter.acquire(len(chunk))
                 await self._write(stream, chunk)

@@ -1,0 +1,215 @@
+"""Shard exchange over `/prime-node/shard/1.0.0` between real libp2p hosts on 127.0.0.1."""
+import asyncio
+import contextlib
+import hashlib
+import os
+import threading
+import time
+
+import pytest
+import zstandard
+
+from node.p2p.errors import (
+    P2PError,
+    ShardBusy,
+    ShardFetchTimeout,
+    ShardNotFound,
+    ShardPeerGone,
+    ShardTooLarge,
+)
+from node.p2p.host import P2PNode
+from node.p2p.shard_store import manifest_hash
+from protocol.identity import Identity
+from protocol.signing import canonical_json
+
+pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
+
+RUN = "run-shards"
+KIB = 1024
+
+
+def write_checkpoint(root, step: int, n_shards: int, raw_size: int) -> tuple[dict, list[bytes]]:
+    """A checkpoint directory as DESIGN §6 lays it out: real zstd shards and a manifest."""
+    rng = os.urandom(raw_size // 4)
+    shards = []
+    (root / str(step) / "shards").mkdir(parents=True)
+    for i in range(n_shards):
+        # Half random, half repetitive: compresses a little, like bf16 weights do.
+        raw = (rng + bytes([i]) * (raw_size // 4) + os.urandom(raw_size // 2))[:raw_size]
+        z = zstandard.ZstdCompressor(level=1).compress(raw)
+        (root / str(step) / "shards" / f"{i:05d}.zst").write_bytes(z)
+        shards.append(z)
+    manifest = {"format": "prime-node/checkpoint/v1", "run_id": RUN, "step": step,
+                "shards": [{"index": i, "zsize": len(z), "sha256": hashlib.sha256(z).hexdigest()}
+                           for i, z in enumerate(shards)]}
+    (root / str(step) / "manifest.json").write_bytes(canonical_json(manifest))
+    return manifest, shards
+
+
+@contextlib.asynccontextmanager
+async def running(*nodes: P2PNode):
+    try:
+        for node in nodes:
+            await node.start()
+        yield nodes
+    finally:
+        await asyncio.gather(*(node.stop() for node in nodes))
+
+
+def node(**kw) -> P2PNode:
+    return P2PNode(Identity.generate(), run_id=RUN, **kw)
+
+
+async def test_many_shards_in_parallel_byte_exact_with_manifest_check(tmp_path):
+    manifest, shards = write_checkpoint(tmp_path, 3, n_shards=24, raw_size=256 * KIB)  # ~5 MiB compressed
+    h = manifest_hash(manifest)
+    async with running(node(shard_root=tmp_path, max_concurrent_streams=8), node(listen=[])) as (server, client):
+        [peer] = await client.connect(server.listen_addrs)
+        limit = asyncio.Semaphore(8)  # what a fetcher does: no more in flight than the peer serves
+
+        async def get(i):
+            async with limit:
+                return await client.fetch_shard(peer, 3, i, max_bytes=1 << 20, manifest_hash=h)
+
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(get(i) for i in range(len(shards))))
+        elapsed = time.perf_counter() - t0
+        assert got == shards
+        for data, entry in zip(got, manifest["shards"]):
+            assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+        total = sum(map(len, shards))
+        assert total > 4 * 1024 * KIB
+        assert client.stats.bytes_fetched_by_peer() == {peer: total}
+        assert server.stats.bytes_served_by_peer() == {client.peer_id: total}
+        assert client.stats.snapshot()["shards_fetched_by_peer"] == {peer: len(shards)}
+        print(f"fetched {total / 2**20:.1f} MiB in {len(shards)} shards over loopback in {elapsed:.2f} s")
+
+        # The same step number of another checkpoint (another run, a re-published step): refused.
+        with pytest.raises(ShardNotFound):
+            await client.fetch_shard(peer, 3, 0, max_bytes=1 << 20, manifest_hash="00" * 32)
+        with pytest.raises(ShardNotFound, match="not found"):
+            await client.fetch_shard(peer, 3, 24, max_bytes=1 << 20)
+        with pytest.raises(ShardNotFound):
+            await client.fetch_shard(peer, 4, 0, max_bytes=1 << 20)
+        with pytest.raises(ShardTooLarge):
+            await client.fetch_shard(peer, 3, 0, max_bytes=len(shards[0]) - 1)
+        assert server.stats.snapshot()["requests_refused"] == {"not_found": 3, "too_large": 1}
+
+
+async def test_busy_when_over_the_concurrency_limit(tmp_path):
+    big = os.urandom(300 * KIB)
+    source = {(1, 0): big, (1, 1): b"small"}
+    # One slot and a thin uplink, so the first transfer is still running when the second asks.
+    server = node(shard_source=lambda s, i: source.get((s, i)), max_concurrent_streams=1, upload_limit=600 * KIB)
+    async with running(server, node()) as (server, client):
+        [peer] = await client.connect(server.listen_addrs)
+        first = asyncio.ensure_future(client.fetch_shard(peer, 1, 0, max_bytes=1 << 20))
+        while not client.stats.bytes_fetched_by_peer():
+            await asyncio.sleep(0.01)
+        with pytest.raises(ShardBusy, match="busy"):
+            await client.fetch_shard(peer, 1, 1, max_bytes=1 << 20)
+        assert await first == big
+        assert await client.fetch_shard(peer, 1, 1, max_bytes=1 << 20) == b"small"  # the slot is free again
+        assert server.stats.snapshot()["requests_refused"] == {"busy": 1}
+
+
+async def test_upload_limit_paces_the_transfer():
+    data = os.urandom(400 * KIB)
+    rate = 800 * KIB
+    async with running(node(shard_source=lambda s, i: data, upload_limit=rate), node()) as (server, client):
+        [peer] = await client.connect(server.listen_addrs)
+        t0 = time.perf_counter()
+        assert await client.fetch_shard(peer, 0, 0, max_bytes=1 << 20) == data
+        elapsed = time.perf_counter() - t0
+        # 400 KiB at 800 KiB/s, minus the 64 KiB burst: ≈ 0.42 s. Unlimited loopback takes ~10 ms.
+        assert 0.3 < elapsed < 3.0, elapsed
+
+
+async def test_peer_vanishing_mid_transfer_fails_cleanly_then_another_peer_serves(tmp_path):
+    data = os.urandom(2 * 1024 * KIB)
+    getter = lambda s, i: data if (s, i) == (9, 0) else None  # noqa: E731
+    slow = node(shard_source=getter, upload_limit=256 * KIB)  # would take ~8 s
+    fast = node(shard_source=getter)
+    client = node(listen=[], read_timeout_s=3.0)
+    async with running(slow, fast, client):
+        [slow_id, fast_id] = await client.connect(slow.listen_addrs + fast.listen_addrs)
+        transfer = asyncio.ensure_future(client.fetch_shard(slow_id, 9, 0, max_bytes=4 << 20))
+        while client.stats.bytes_fetched_by_peer().get(slow_id, 0) < 256 * KIB:
+            await asyncio.sleep(0.02)
+        t0 = time.perf_counter()
+        await slow.stop()  # the serving peer goes away with the transfer in flight
+        with pytest.raises(ShardPeerGone, match="connection lost") as err:
+            await transfer
+        assert time.perf_counter() - t0 < 2.0  # noticed from the closed connection, not a timeout
+        assert err.value.peer == slow_id and (err.value.step, err.value.index) == (9, 0)
+        assert isinstance(err.value, P2PError)
+        assert await client.fetch_shard(fast_id, 9, 0, max_bytes=4 << 20) == data
+        # Bytes are counted per source, including the partial transfer.
+        fetched = client.stats.bytes_fetched_by_peer()
+        assert fetched[fast_id] == len(data) and 0 < fetched[slow_id] < len(data)
+
+
+async def test_stalled_transfer_times_out():
+    data = os.urandom(256 * KIB)
+    # 2 KiB/s: after the first 64 KiB burst the server trickles; the client's idle timeout fires.
+    async with running(node(shard_source=lambda s, i: data, upload_limit=2 * KIB),
+                       node(read_timeout_s=0.5)) as (server, client):
+        [peer] = await client.connect(server.listen_addrs)
+        t0 = time.perf_counter()
+        with pytest.raises(ShardFetchTimeout, match="timed out"):
+            await client.fetch_shard(peer, 0, 0, max_bytes=1 << 20)
+        assert time.perf_counter() - t0 < 3.0
+        # The server noticed the reset (its blocked write fails) and freed its slot.
+        for _ in range(300):
+            if server._service.server.active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert server._service.server.active == 0
+
+
+async def test_outbound_only_node_fetches_and_serves_over_its_own_connection(tmp_path):
+    manifest, shards = write_checkpoint(tmp_path, 1, n_shards=3, raw_size=64 * KIB)
+    worker_data = {(2, 0): b"held by the NATed worker"}
+    listener = node(shard_root=tmp_path)
+    natted = node(listen=[], shard_source=lambda s, i: worker_data.get((s, i)))
+    async with running(listener, natted):
+        assert natted.listen_addrs == []
+        [peer] = await natted.connect(listener.listen_addrs)
+        for i, z in enumerate(shards):
+            assert await natted.fetch_shard(peer, 1, i, max_bytes=1 << 20, manifest_hash=manifest_hash(manifest)) == z
+        # The listener cannot dial the NATed node, but can use the connection the NATed node opened.
+        assert await listener.fetch_shard(natted.peer_id, 2, 0, max_bytes=1024) == b"held by the NATed worker"
+
+
+async def test_fetch_from_a_peer_learned_only_from_its_announcement(tmp_path):
+    """w2 never dialled w1: it learns w1's address from w1's signed `have` (relayed by the hub)."""
+    coord = Identity.generate()
+    data = os.urandom(100 * KIB)
+    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex)
+    w1 = node(coordinator_key=coord.public_hex, shard_source=lambda s, i: data if (s, i) == (4, 7) else None)
+    w2 = node(coordinator_key=coord.public_hex, listen=[])
+    async with running(hub, w1, w2):
+        await w1.connect(hub.listen_addrs)
+        await w2.connect(hub.listen_addrs)
+        assert await w1.wait_for_mesh(hub.peer_id) and await hub.wait_for_mesh(w2.peer_id)
+        sub = w2.subscribe()
+        await w1.announce_have(4, [7], "ee" * 32)
+        await sub.get(timeout=10)
+        [peer] = w2.peers_with(4, 7)
+        assert peer == w1.peer_id and w1.peer_id not in await w2.connected_peers()
+        assert await w2.fetch_shard(peer, 4, 7, max_bytes=1 << 20) == data
+
+
+async def test_unreachable_peer_is_a_clean_error():
+    async with running(node(connect_timeout_s=2.0)) as (client,):
+        ghost = Identity.generate()
+        with pytest.raises(P2PError):
+            await client.fetch_shard(ghost.node_id, 1, 0, max_bytes=10)
+        with pytest.raises(P2PError, match="could not reach"):
+            # A closed port on loopback with a valid peer id.
+            from node.p2p.keys import peer_id_for_node
+
+            await client.connect([f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_for_node(ghost.node_id).to_base58()}"])
+        with pytest.raises(P2PError, match="multiaddr"):
+            await client.connect(["not-an-address"])
+    assert not [t for t in threading.enumerate() if t.name.startswith("prime-node-")]
