@@ -1,0 +1,146 @@
+"""Contract tests of DESIGN §5 with a raw HTTP client: every status code and the happy path."""
+import random
+import time
+
+import aiohttp
+import pytest
+
+from tests.integration.coordinator_harness import RawNode, fake_rollouts, running_coordinator
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def test_contract_status_codes(tmp_path):
+    async with running_coordinator(tmp_path, "verification.fraction=0", "server.max_body_bytes=65536") as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            node = RawNode(base, s)
+            # 403: unknown node on a non-join endpoint
+            st, body = await node.post("/v1/work", {"policy_step": 0})
+            assert st == 403 and body["error"] == "unknown_node"
+            # happy path: join with {} -> run spec
+            st, spec = await node.post("/v1/join", {})
+            assert st == 200 and spec["node_id"] == node.pub and spec["async_level"] == 2
+            assert spec["coordinator_key"] == coord.identity.public_hex and spec["current_step"] == 0
+            # 401 bad signature
+            body = b'{"policy_step":0}'
+            h = node.headers("POST", "/v1/work", body)
+            h["X-Prime-Signature"] = "00" * 64
+            st, err = await node.post("/v1/work", body=body, headers=h)
+            assert st == 401 and err["error"] == "bad_signature"
+            # 401 body changed after signing
+            h = node.headers("POST", "/v1/work", body)
+            st, err = await node.post("/v1/work", body=b'{"policy_step":1}', headers=h)
+            assert st == 401
+            # 401 skewed clock
+            h = node.headers("POST", "/v1/work", body, ts=int(time.time() * 1000) - 120_000)
+            st, err = await node.post("/v1/work", body=body, headers=h)
+            assert st == 401 and err["error"] == "clock_skew"
+            # 200 then 401 replay of the very same request
+            h = node.headers("POST", "/v1/work", body)
+            st, work = await node.post("/v1/work", body=body, headers=h)
+            assert st == 200 and work["batch_step"] == 1 and work["min_policy_step"] == 0
+            st, err = await node.post("/v1/work", body=body, headers=h)
+            assert st == 401 and err["error"] == "replay"
+            # 400 malformed: not JSON, unknown field, wrong type, NaN
+            for bad in (b"{", b'{"policy_step":0,"extra":1}', b'{"policy_step":"x"}', b'{"policy_step":NaN}'):
+                st, err = await node.post("/v1/work", body=bad)
+                assert st == 400 and err["error"] == "malformed", bad
+            # 413: body over the limit
+            big = b'{"policy_step":0,"pad":"' + b"x" * 70_000 + b'"}'
+            st, err = await node.post("/v1/work", body=big)
+            assert st == 413
+            # submit: a valid submission is accepted per rollout
+            rng = random.Random(0)
+            rollouts = fake_rollouts(work, coord.eos_token_id, coord.vocab_size, rng)
+            st, res = await node.post("/v1/submit", {"assignment_id": work["assignment_id"], "policy_step": 0,
+                                                     "rollouts": rollouts})
+            assert st == 200 and len(res["accepted"]) == len(rollouts) and res["rejected"] == []
+            # 409 duplicate submission
+            st, err = await node.post("/v1/submit", {"assignment_id": work["assignment_id"], "policy_step": 0,
+                                                     "rollouts": rollouts})
+            assert st == 409 and err["error"] == "duplicate"
+            # 403 someone else's assignment; 404 unknown assignment
+            other = RawNode(base, s)
+            await other.post("/v1/join", {})
+            st, err = await other.post("/v1/submit", {"assignment_id": work["assignment_id"], "policy_step": 0,
+                                                      "rollouts": rollouts})
+            assert st == 403 and err["error"] == "not_your_assignment"
+            st, err = await other.post("/v1/submit", {"assignment_id": "nope", "policy_step": 0, "rollouts": rollouts})
+            assert st == 404
+            # per-rollout verdicts: bad rollouts are rejected with a reason, not a 4xx for the whole request
+            st, work2 = await other.post("/v1/work", {"policy_step": 0})
+            assert st == 200
+            rs = fake_rollouts(work2, coord.eos_token_id, coord.vocab_size, rng)
+            rs[0]["completion_ids"][0] = coord.vocab_size + 5
+            rs[1]["finish_reason"] = "length"
+            st, res = await other.post("/v1/submit", {"assignment_id": work2["assignment_id"], "policy_step": 0,
+                                                      "rollouts": rs})
+            assert st == 200
+            reasons = {(r["prompt_id"], r["sample_index"]): r["reason"] for r in res["rejected"]}
+            assert reasons[(rs[0]["prompt_id"], 0)] == "token_out_of_vocab"
+            assert reasons[(rs[1]["prompt_id"], 1)] == "length_not_reached"
+            # logprobs > 0 are malformed as a whole (schema)
+            rs2 = [dict(r, logprobs=[0.5] * len(r["completion_ids"])) for r in rs[:1]]
+            st, err = await other.post("/v1/submit", {"assignment_id": work2["assignment_id"], "policy_step": 0,
+                                                      "rollouts": rs2})
+            assert st == 400
+            # 409 stale policy: train until step 3 is out, then θ_0 is outside every open batch's window (k = 2)
+            import asyncio
+
+            deadline = time.monotonic() + 90
+            while coord.published_step < 3 and time.monotonic() < deadline:
+                held = coord.published_step
+                st, w = await other.post("/v1/work", {"policy_step": held})
+                if st == 204:
+                    await asyncio.sleep(0.1)
+                    continue
+                assert st == 200, w
+                st, _ = await other.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": held,
+                                                        "rollouts": fake_rollouts(w, coord.eos_token_id,
+                                                                                  coord.vocab_size, rng)})
+                assert st == 200
+            assert coord.published_step >= 3
+            st, err = await node.post("/v1/work", {"policy_step": 0})
+            assert st == 409 and err["error"] == "stale_policy"
+            st, err = await node.post("/v1/work", {"policy_step": 9})
+            assert st == 400
+            # unsigned GETs: status, metrics, checkpoints, manifest, shards with Range, 404s
+            async with s.get(base + "/v1/status") as r:
+                assert r.status == 200 and (await r.json())["async_level"] == 2
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+                assert r.status == 200 and "prime_step" in text and "prime_rollouts_rejected" in text
+            async with s.get(base + "/v1/checkpoints") as r:
+                listing = await r.json()
+                assert 0 in listing["steps"] and listing["newest"] >= 3
+            async with s.get(base + "/v1/checkpoints/0/manifest") as r:
+                manifest = await r.json()
+                assert manifest["step"] == 0 and manifest["signer"] == coord.identity.public_hex
+            z0 = manifest["shards"][0]["zsize"]
+            async with s.get(base + "/v1/checkpoints/0/shards/0") as r:
+                whole = await r.read()
+                assert r.status == 200 and len(whole) == z0
+            async with s.get(base + "/v1/checkpoints/0/shards/0", headers={"Range": "bytes=10-99"}) as r:
+                assert r.status == 206 and await r.read() == whole[10:100]
+                assert r.headers["Content-Range"] == f"bytes 10-99/{z0}"
+            async with s.get(base + "/v1/checkpoints/0/shards/0", headers={"Range": f"bytes={z0 + 5}-"}) as r:
+                assert r.status == 416
+            for path in ("/v1/checkpoints/7/manifest", "/v1/checkpoints/0/shards/999", "/v1/checkpoints/..%2f/manifest",
+                         "/v1/checkpoints/-1/manifest", "/nope"):
+                async with s.get(base + path) as r:
+                    assert r.status in (400, 404), path
+                    assert (await r.json())["error"]
+            async with s.get(base + "/dashboard") as r:
+                assert r.status == 200 and "prime-node" in await r.text()
+
+
+async def test_rate_limit_429(tmp_path):
+    async with running_coordinator(tmp_path, "server.rate_limit_per_second=1", "server.rate_limit_burst=5") as (_, base):
+        async with aiohttp.ClientSession() as s:
+            node = RawNode(base, s)
+            statuses = [(await node.post("/v1/join", {}))[0] for _ in range(10)]
+            assert statuses[:5] == [200] * 5 and statuses[-1] == 429
+            st, err = await node.post("/v1/heartbeat", {})
+            assert st == 429 and err["error"] == "rate_limited"
+            other = RawNode(base, s)  # the limit is per node
+            assert (await other.post("/v1/join", {}))[0] == 200
