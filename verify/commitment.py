@@ -149,6 +149,11 @@ class ChunkProof:
     coeffs: np.ndarray  # int64, k entries in [0, modulus)
 
 
+def points_per_chunk(n_elements: int) -> int:
+    """TOPK, but never more than a quarter of a small chunk: near-zero entries are all rounding noise."""
+    return max(1, min(TOPK, n_elements // 4))
+
+
 def chunk_bounds(n_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(s + CHUNK_TOKENS, n_tokens)) for s in range(0, n_tokens, CHUNK_TOKENS)]
 
@@ -161,7 +166,7 @@ def build_proofs(hidden) -> list[ChunkProof]:
     for s, e in chunk_bounds(hidden.shape[0]):
         bits = bf16_bits(hidden[s:e])
         bits = np.where((bits & 0x7F80) == 0x7F80, 0x7FC0, bits)  # all NaN/inf -> one canonical NaN
-        idx = _topk_by_magnitude(bits, min(TOPK, len(bits)))
+        idx = _topk_by_magnitude(bits, points_per_chunk(len(bits)))
         vals = bits[idx]
         p = choose_modulus(idx, int(vals.max()))
         proofs.append(ChunkProof(p, interpolate(idx % p, vals, p)))
@@ -237,7 +242,7 @@ def score_commitment(proofs: list[ChunkProof], hidden) -> CommitmentScores:
     worst = [0.0, 0.0, 0.0]
     for (s, e), pr in zip(bounds, proofs):
         bits = bf16_bits(hidden[s:e])
-        k = min(TOPK, len(bits))
+        k = points_per_chunk(len(bits))
         if len(pr.coeffs) != k:
             return CommitmentScores(1.0, 128.0, 128.0, len(bounds))
         idx = _topk_by_magnitude(bits, k)

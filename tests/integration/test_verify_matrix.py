@@ -1,0 +1,254 @@
+"""Attack matrix and honest matrix for per-rollout verification (real tiny Qwen2, real sampler,
+real commitments, real transformers forward passes; nothing mocked).
+
+Honest: >= 500 rollouts generated in bf16 and fp32, batch sizes 1..16, torch threads 1 and 2,
+verified in fp32 on CPU: none may be rejected.
+Attacks: each kind is tried on many rollouts and must be rejected every time.
+"""
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from node.worker.backends.base import GenRequest, GenResult
+from node.worker.backends.transformers_backend import TransformersBackend
+from verify.rollouts import RolloutClaim, RolloutVerifier, VerifyItem
+from verify.sampler import replay_scores
+
+VOCAB, EOS, MAX_TOKENS = 96, 2, 24
+SAMPLING = [(1.0, 1.0), (0.8, 0.9)]  # (temperature, top_p)
+
+
+def tiny_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.2, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def training_step(model, lr: float = 1e-3, seed: int = 7):
+    """One real AdamW step on a next-token loss: what the next checkpoint looks like."""
+    model = copy.deepcopy(model).train()
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, VOCAB, (8, 32), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    opt.step()
+    return model.eval()
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def verifier(base_model):
+    return RolloutVerifier(copy.deepcopy(base_model).float())
+
+
+def generate(model, prompt_list, seeds, *, dtype="float32", batch=8, threads=None, temperature=1.0, top_p=1.0,
+             max_tokens=MAX_TOKENS) -> list[GenResult]:
+    be = TransformersBackend(copy.deepcopy(model), dtype=dtype, device="cpu", max_batch_size=batch)
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return be.generate([GenRequest(p, s) for p, s in zip(prompt_list, seeds)], temperature=temperature,
+                           top_p=top_p, max_tokens=max_tokens, eos_token_id=EOS)
+    finally:
+        torch.set_num_threads(old)
+
+
+def items_for(prompt_list, seeds, results, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS):
+    return [VerifyItem(p, RolloutClaim(r.completion_ids, r.logprobs, r.finish_reason, r.commitment), s,
+                       temperature, top_p, max_tokens, EOS) for p, s, r in zip(prompt_list, seeds, results)]
+
+
+# --- honest ---------------------------------------------------------------------------------------
+
+HONEST_CONFIGS = [  # (dtype, batch size, threads, sampling index): 8 configs x 64 rollouts = 512
+    ("bfloat16", 1, 1, 0), ("bfloat16", 16, 2, 0), ("bfloat16", 5, 2, 1), ("bfloat16", 16, 1, 1),
+    ("float32", 1, 2, 0), ("float32", 16, 1, 0), ("float32", 3, 1, 1), ("bfloat16", 8, 1, 0),
+]
+
+
+def test_honest_matrix_never_rejected(base_model, verifier):
+    total, worst = 0, {}
+    for k, (dtype, batch, threads, si) in enumerate(HONEST_CONFIGS):
+        temperature, top_p = SAMPLING[si]
+        ps = prompts(64, seed=100 + k)
+        seeds = [10_000 * k + i for i in range(64)]
+        res = generate(base_model, ps, seeds, dtype=dtype, batch=batch, threads=threads,
+                       temperature=temperature, top_p=top_p)
+        verdicts = verifier.verify_many(items_for(ps, seeds, res, temperature, top_p))
+        for v in verdicts:
+            assert v.ok, f"honest rollout rejected ({dtype}, batch {batch}, {threads} threads): {v}"
+            for name, x in v.scores.items():
+                worst[name] = max(worst.get(name, 0), x)
+        total += len(verdicts)
+    assert total >= 500
+    print("worst honest scores:", worst)
+
+
+def test_same_rollouts_across_batch_sizes_and_threads(base_model):
+    ps, seeds = prompts(12, seed=5), list(range(500, 512))
+    a = generate(base_model, ps, seeds, batch=1, threads=1)
+    b = generate(base_model, ps, seeds, batch=12, threads=2)
+    assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+    for ra, rb in zip(a, b):
+        assert torch.allclose(torch.tensor(ra.logprobs), torch.tensor(rb.logprobs), atol=1e-4)
+
+
+# --- attacks --------------------------------------------------------------------------------------
+
+N_ATTACK = 24
+
+
+@pytest.fixture(scope="module")
+def honest(base_model):
+    ps, seeds = prompts(N_ATTACK, seed=42), [77_000 + i for i in range(N_ATTACK)]
+    return ps, seeds, generate(base_model, ps, seeds, dtype="bfloat16")
+
+
+def recomputed_logprobs(model, prompt, completion, seed, temperature=1.0, top_p=1.0) -> list[float]:
+    """What a forging attacker would submit: the true fp32 logprobs of its (dishonest) tokens."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model.float()(input_ids=ids).logits[0, len(prompt) - 1:-1]
+    rep = replay_scores(logits, seed, torch.arange(len(completion)), temperature, top_p, torch.tensor(completion))
+    return rep.logprob_hi.tolist()
+
+
+def assert_all_rejected(verifier, items, allowed: set[str], honest_results=None):
+    """Every attacked rollout is rejected. With `honest_results`, an attack that happened to reproduce
+    the honest rollout exactly (e.g. both seeds sample EOS first) is no attack and is skipped."""
+    if honest_results is not None:
+        real = [it for it, h in zip(items, honest_results) if it.rollout.completion_ids != h.completion_ids]
+        assert len(real) >= 0.9 * len(items), "the attack reproduced the honest output too often"
+        items = real
+    verdicts = verifier.verify_many(items)
+    for it, v in zip(items, verdicts):
+        assert not v.ok, f"attack accepted: scores {v.scores}"
+        assert v.reason in allowed, f"rejected for {v.reason!r}, expected one of {allowed}: {v}"
+
+
+def test_attack_different_model(verifier, honest):
+    ps, seeds, _ = honest
+    res = generate(tiny_model(1), ps, seeds, dtype="bfloat16")
+    assert_all_rejected(verifier, items_for(ps, seeds, res), {"commitment", "logprobs", "sampling"})
+
+
+def test_attack_different_step(base_model, verifier, honest):
+    ps, seeds, _ = honest
+    # lr 5e-3 moves weights by ~2.5% (relative): 2.5x the smallest step caught in bench/verify_cost.py.
+    res = generate(training_step(base_model, lr=5e-3), ps, seeds, dtype="bfloat16")
+    assert_all_rejected(verifier, items_for(ps, seeds, res), {"commitment", "logprobs", "sampling"})
+
+
+def test_attack_tokens_edited(verifier, honest):
+    ps, seeds, res = honest
+    rng = random.Random(3)
+    edited = []
+    for r in res:
+        ids = list(r.completion_ids)
+        j = rng.randrange(len(ids) - 1) if len(ids) > 1 else 0
+        ids[j] = 3 + (ids[j] + rng.randrange(1, VOCAB - 4)) % (VOCAB - 3)  # another non-EOS token
+        edited.append(replace(r, completion_ids=ids))
+    assert_all_rejected(verifier, items_for(ps, seeds, edited), {"commitment", "logprobs", "sampling", "termination"})
+
+
+def test_attack_logprobs_copied_from_another_rollout(verifier, honest):
+    ps, seeds, res = honest
+    forged = []
+    for i, r in enumerate(res):
+        other = res[(i + 1) % len(res)].logprobs
+        lp = (other * (len(r.logprobs) // len(other) + 1))[:len(r.logprobs)]
+        forged.append(replace(r, logprobs=lp))
+    assert_all_rejected(verifier, items_for(ps, seeds, forged), {"logprobs"})
+
+
+def test_attack_logprobs_recomputed_and_perturbed(verifier, honest):
+    ps, seeds, res = honest
+    rng = random.Random(4)
+    forged = []
+    for r in res:  # claim 25% more log-likelihood everywhere, or move one token by 1 nat
+        if rng.random() < 0.5:
+            lp = [x * 0.75 for x in r.logprobs]
+        else:
+            lp = list(r.logprobs)
+            j = rng.randrange(len(lp))
+            lp[j] = lp[j] + 1.0 if lp[j] < -1.0 else lp[j] - 1.0
+        forged.append(replace(r, logprobs=lp))
+    assert_all_rejected(verifier, items_for(ps, seeds, forged), {"logprobs"})
+
+
+def test_attack_other_seed(verifier, honest, base_model):
+    ps, seeds, _ = honest
+    res = generate(base_model, ps, [s + 1 for s in seeds], dtype="bfloat16")
+    assert_all_rejected(verifier, items_for(ps, seeds, res), {"sampling", "termination", "shape"}, honest_results=honest[2])
+
+
+def test_attack_greedy_with_forged_logprobs(verifier, honest, base_model):
+    ps, seeds, _ = honest
+    res = generate(base_model, ps, seeds, temperature=0.0)
+    ref = copy.deepcopy(base_model).float()
+    res = [replace(r, logprobs=recomputed_logprobs(ref, p, r.completion_ids, s)) for p, s, r in zip(ps, seeds, res)]
+    assert_all_rejected(verifier, items_for(ps, seeds, res), {"sampling", "termination", "shape"}, honest_results=honest[2])
+
+
+def test_attack_other_temperature(verifier, honest, base_model):
+    ps, seeds, _ = honest
+    res = generate(base_model, ps, seeds, dtype="bfloat16", temperature=0.6)
+    assert_all_rejected(verifier, items_for(ps, seeds, res), {"logprobs", "sampling", "termination", "shape"}, honest_results=honest[2])
+
+
+def test_attack_prompt_swapped(verifier, honest, base_model):
+    ps, seeds, _ = honest
+    other_prompts = prompts(N_ATTACK, seed=43)
+    res = generate(base_model, other_prompts, seeds, dtype="bfloat16")
+    assert_all_rejected(verifier, items_for(ps, seeds, res), {"commitment", "logprobs", "sampling", "termination"})
+
+
+def test_attack_truncated_but_claims_stop(verifier, base_model):
+    ps, seeds = prompts(N_ATTACK, seed=44), [88_000 + i for i in range(N_ATTACK)]
+    res = generate(base_model, ps, seeds, dtype="bfloat16", max_tokens=12)
+    cut = []
+    for i, r in enumerate(res):
+        n = max(1, len(r.completion_ids) // 2)
+        if i % 2:  # plain truncation, no EOS
+            ids, lp = r.completion_ids[:n], r.logprobs[:n]
+        else:  # truncation with an EOS glued on (and a plausible logprob for it)
+            ids, lp = r.completion_ids[:n - 1] + [EOS], r.logprobs[:n - 1] + [r.logprobs[n - 1]]
+        from verify.commitment import make_commitment  # a fresh, well-formed commitment of the right size
+        cut.append(GenResult(ids, lp, "stop", make_commitment(torch.randn(len(ids), 64))))
+    items = items_for(ps, seeds, cut, max_tokens=12)
+    assert_all_rejected(verifier, items, {"termination", "commitment", "sampling", "logprobs"})
+    # The honest version of the same generations passes: the rejection is about the edit.
+    assert all(v.ok for v in verifier.verify_many(items_for(ps, seeds, res, max_tokens=12)))
+
+
+def test_attack_commitment_copied(verifier, honest):
+    ps, seeds, res = honest
+    by_chunks: dict[int, list[int]] = {}
+    for i, r in enumerate(res):
+        by_chunks.setdefault((len(r.completion_ids) + 31) // 32, []).append(i)
+    forged = []
+    for i, r in enumerate(res):
+        group = by_chunks[(len(r.completion_ids) + 31) // 32]
+        donor = group[(group.index(i) + 1) % len(group)] if len(group) > 1 else (i + 1) % len(res)
+        forged.append(replace(r, commitment=res[donor].commitment))
+    assert_all_rejected(verifier, items_for(ps, seeds, forged), {"commitment", "shape"})
