@@ -113,6 +113,9 @@ class P2PService:
                 # py-libp2p's auto-connector would keep re-dialling every peer in the peerstore
                 # (up to 200 at a time); we dial only whom we decide to (bootstrap, fetch targets).
                 await self.host.get_network().auto_connector.stop()
+                if listen and not self.host.get_transport_addrs():
+                    # py-libp2p logs a failed bind (e.g. port in use) and carries on without a listener.
+                    raise P2PError(f"could not listen on {', '.join(map(str, listen))} (address in use?)")
                 async with background_trio_service(self.pubsub), background_trio_service(self.gossipsub):
                     await self.pubsub.wait_until_ready()
                     self.pubsub.set_topic_validator(self.topic, self._validate, False)
