@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
+from node.coordinator.faults import crash_point
 from node.coordinator.verification import RolloutCheck
 from protocol import messages as M
 
@@ -108,6 +109,7 @@ class Intake:
         rep = rep - vc.reputation_penalty if cheating else min(vc.reputation_start, rep + vc.reputation_reward)
         banned = rep < vc.ban_below
         c.ledger.record_submission(a["assignment_id"], node["node_id"], groups, rejections, rep, banned)
+        crash_point("intake")
         if banned:
             log.warning("node %s banned (reputation %.2f)", node["node_id"][:12], rep)
 

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from node.coordinator.faults import crash_point
 from node.coordinator.ledger import StepRow, now_ms
 from node.coordinator.scheduler import min_policy_for_batch
 
@@ -172,6 +173,8 @@ class TrainingLoop:
         pub = self.c.publisher.publish(n, state)
         metrics = {**metrics, "publish_seconds": time.monotonic() - t0, "encoding": pub.encoding,
                    "compressed_bytes": pub.compressed_bytes}
+        if n > 0:
+            crash_point("publish")
         self.c.ledger.publish_step(StepRow(n, now_ms(), pub.manifest_hash, pub.encoding, pub.base_step,
                                            pub.compressed_bytes, _jsonable(metrics)),
                                    [g["group_id"] for g in fed])
