@@ -5,9 +5,9 @@ Public API (asyncio side), see `node.p2p.host` for the full story:
     P2PNode(identity, *, run_id, listen=["/ip4/127.0.0.1/tcp/0"], coordinator_key=None,
             shard_root=None | shard_source=None, upload_limit=0, max_concurrent_streams=8,
             max_shard_bytes=64 MiB, read_timeout_s=10, connect_timeout_s=10,
-            announce_max_age_s=600, heartbeat_interval_s=1)
+            announce_max_age_s=600, heartbeat_interval_s=1, bootstrap=(), announce_addrs=None)
     P2PNode.from_config(identity, P2PConfig, *, run_id, coordinator_key, shard_root=None)
-    await node.start() -> list[str]            listen multiaddrs with /p2p/<peer id>
+    await node.start() -> list[str]            listen multiaddrs with /p2p/<peer id>; dials bootstrap
     await node.stop()                          idempotent; joins the trio thread
     await node.connect(addrs) -> list[str]     peer ids reached
     await node.connected_peers() -> list[str]
@@ -20,7 +20,7 @@ Public API (asyncio side), see `node.p2p.host` for the full story:
     node.manifest_hash(step) -> str | None ; node.latest_manifest() -> (step, hash) | None
     await node.fetch_shard(peer, step, index, max_bytes, *, manifest_hash=None, timeout_s=None) -> bytes
     node.stats.snapshot() / .bytes_served_by_peer() / .bytes_fetched_by_peer()
-    node.peer_id, node.node_id, node.listen_addrs
+    node.peer_id, node.node_id, node.listen_addrs, node.announce_addrs, node.running
 
 Shard stores: a directory `<root>/<step>/shards/NNNNN.zst` (+ `<root>/<step>/manifest.json` for
 manifest-hash checks), a callable `(step, index) -> bytes | None`, or any object with

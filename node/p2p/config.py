@@ -17,6 +17,9 @@ class P2PConfig(BaseModel):
     listen: bool = True
     # Multiaddrs (with /p2p/<peer id>) dialled at start, besides those the coordinator hands out.
     bootstrap: list[str] = Field(default_factory=list, max_length=64)
+    # Public multiaddrs put in this node's announcements (e.g. "/ip4/203.0.113.7/tcp/4001") when
+    # the listen address is not what peers can dial (port forwarding, 0.0.0.0). Empty = listen addrs.
+    announce_addrs: list[str] = Field(default_factory=list, max_length=8)
     # Shard streams served at once; further requests are answered "busy" instead of queueing.
     max_concurrent_streams: int = Field(8, ge=1, le=1024)
     # Total bytes/s this node uploads to peers (0 = unlimited).

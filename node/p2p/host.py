@@ -98,7 +98,8 @@ class P2PNode:
                  shard_source: ShardStore | ShardGetter | None = None,
                  upload_limit: int = 0, max_concurrent_streams: int = 8, max_shard_bytes: int = 64 * MIB,
                  read_timeout_s: float = 10.0, connect_timeout_s: float = 10.0, announce_max_age_s: float = 600.0,
-                 heartbeat_interval_s: int = 1, name: str | None = None):
+                 heartbeat_interval_s: int = 1, bootstrap: Sequence[str] = (),
+                 announce_addrs: Sequence[str] | None = None, name: str | None = None):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -122,12 +123,18 @@ class P2PNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscriptions: set[AnnouncementSubscription] = set()
         self._listeners: list[Callable[[AnnouncementEvent], None]] = []
+        self.bootstrap = tuple(bootstrap)
+        self._announce_override = tuple(announce_addrs) if announce_addrs is not None else None
         self.listen_addrs: list[str] = []
+        self.announce_addrs: list[str] = []
 
     @classmethod
     def from_config(cls, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
                     shard_root: str | os.PathLike | None = None, **kw: Any) -> "P2PNode":
         listen = [f"/ip4/{cfg.listen_host}/tcp/{cfg.listen_port}"] if cfg.listen else []
+        kw.setdefault("bootstrap", cfg.bootstrap)
+        if cfg.announce_addrs:
+            kw.setdefault("announce_addrs", cfg.announce_addrs)
         return cls(identity, run_id=run_id, listen=listen, coordinator_key=coordinator_key, shard_root=shard_root,
                    upload_limit=cfg.upload_limit, max_concurrent_streams=cfg.max_concurrent_streams,
                    max_shard_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
@@ -149,7 +156,8 @@ class P2PNode:
         return self._bridge.running
 
     async def start(self) -> list[str]:
-        """Start the host; return its listen multiaddrs (with /p2p/<peer id>; empty if outbound-only)."""
+        """Start the host and dial `bootstrap` (best effort); return the listen multiaddrs (with
+        /p2p/<peer id>; empty if outbound-only). A P2PNode is started once: make a new one to restart."""
         from .service import P2PService, ServiceSettings  # libp2p + trio load here, not at import
 
         self._loop = asyncio.get_running_loop()
@@ -164,8 +172,23 @@ class P2PNode:
             self.listen_addrs = await self._bridge.start(self._service.run)
         except OSError as e:  # e.g. the listen port is taken
             raise P2PError(f"p2p host could not start on {list(self.listen)}: {e}") from None
+        self.announce_addrs = self._addrs_to_announce()
         log.info("p2p node %s listening on %s", self.peer_id, self.listen_addrs or "nothing (outbound-only)")
+        if self.bootstrap:
+            try:
+                await self.connect(self.bootstrap)
+            except P2PError as e:  # the coordinator's list may be stale; the node can run without peers
+                log.warning("p2p bootstrap: %s", e)
         return list(self.listen_addrs)
+
+    def _addrs_to_announce(self) -> list[str]:
+        """What peers should dial: the operator's public addresses if given, else our listen addresses
+        minus wildcard ones (0.0.0.0 / :: mean "all interfaces" here, and "this machine" to a dialer)."""
+        suffix = f"/p2p/{self.peer_id}"
+        if self._announce_override is not None:
+            return [a if a.endswith(suffix) else a + suffix for a in self._announce_override][:8]
+        wildcard = ("/ip4/0.0.0.0/", "/ip6/::/")
+        return [a for a in self.listen_addrs if not a.startswith(wildcard)][:8]
 
     async def stop(self) -> None:
         """Stop the host, end every subscription, join the thread. Idempotent."""
@@ -186,6 +209,8 @@ class P2PNode:
         """Dial every multiaddr (each ending in /p2p/<peer id>) at once; return the peer ids reached.
         Raises PeerUnavailable only if addresses were given and none could be reached."""
         addrs = list(addrs)
+        if not self.running:
+            raise P2PNotRunning("start the p2p node before connecting")
         results = await asyncio.gather(*(self._bridge.call(self._service.connect, a) for a in addrs),
                                        return_exceptions=True)
         reached, errors = [], []
@@ -229,7 +254,7 @@ class P2PNode:
     async def announce_have(self, step: int, indices: Iterable[int], manifest_hash: str) -> None:
         """ "I hold shards `indices` of `step`" (signed with our key, which is our peer id)."""
         data = encode_have_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash,
-                                        indices=list(indices), addrs=self.listen_addrs)
+                                        indices=list(indices), addrs=self.announce_addrs)
         await self._bridge.call(self._service.publish, data)
 
     def peers_with(self, step: int, index: int, manifest_hash: str | None = None) -> list[str]:

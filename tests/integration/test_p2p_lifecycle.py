@@ -80,12 +80,27 @@ async def test_listen_port_in_use_is_a_clean_error():
         node.subscribe()
 
 
-async def test_from_config_outbound_only_and_bound_identity():
+async def test_from_config_bootstrap_announce_addrs_and_bound_identity():
     ident = Identity.generate()
-    node = P2PNode.from_config(ident, P2PConfig(listen=False, upload_limit=1000), run_id=RUN, coordinator_key=None)
-    async with node:
-        assert node.listen_addrs == []
-        assert node.upload_limit == 1000
-        from node.p2p.keys import node_id_for_peer, parse_peer_id
+    async with P2PNode(Identity.generate(), run_id=RUN) as hub:
+        cfg = P2PConfig(listen=False, upload_limit=1000, bootstrap=hub.listen_addrs,
+                        announce_addrs=["/ip4/127.0.0.1/tcp/4001"])
+        async with P2PNode.from_config(ident, cfg, run_id=RUN, coordinator_key=None) as node:
+            assert node.listen_addrs == [] and node.upload_limit == 1000
+            assert await node.connected_peers() == [hub.peer_id]  # dialled its bootstrap list at start
+            assert node.announce_addrs == [f"/ip4/127.0.0.1/tcp/4001/p2p/{node.peer_id}"]
+            from node.p2p.keys import node_id_for_peer, parse_peer_id
 
-        assert node_id_for_peer(parse_peer_id(node.peer_id)) == ident.node_id
+            assert node_id_for_peer(parse_peer_id(node.peer_id)) == ident.node_id
+        # A stale bootstrap entry does not stop a node from starting.
+        dead = P2PConfig(bootstrap=[f"/ip4/127.0.0.1/tcp/9/p2p/{hub.peer_id}"], connect_timeout_s=2)
+        async with P2PNode.from_config(Identity.generate(), dead, run_id=RUN, coordinator_key=None) as lonely:
+            assert await lonely.connected_peers() == []
+
+
+def test_wildcard_listen_addresses_are_not_announced():
+    node = P2PNode(Identity.generate(), run_id=RUN)
+    pid = node.peer_id
+    node.listen_addrs = [f"/ip4/0.0.0.0/tcp/4001/p2p/{pid}", f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}",
+                         f"/ip6/::/tcp/4001/p2p/{pid}"]
+    assert node._addrs_to_announce() == [f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}"]

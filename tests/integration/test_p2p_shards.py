@@ -213,3 +213,47 @@ async def test_unreachable_peer_is_a_clean_error():
         with pytest.raises(P2PError, match="multiaddr"):
             await client.connect(["not-an-address"])
     assert not [t for t in threading.enumerate() if t.name.startswith("prime-node-")]
+
+
+async def test_server_refuses_malformed_requests_and_stalled_clients():
+    """A malicious client speaking the protocol badly: garbage, oversized, traversal, silence."""
+    import trio
+    from libp2p.custom_types import TProtocol
+
+    from node.p2p.shard_wire import PROTOCOL_ID, REQUEST_PREFIX, Status, decode_header
+    from node.p2p.stream_io import StreamClosedEarly, read_exactly
+
+    async def raw_exchange(service, peer, wire: bytes) -> tuple[Status, bytes] | str:
+        stream = await service.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+        try:
+            if wire:
+                await stream.write(wire)
+            with trio.fail_after(5):
+                status, length = decode_header(await read_exactly(stream, 9))
+                return status, await read_exactly(stream, length)
+        except StreamClosedEarly:
+            return "closed"
+        finally:
+            await stream.reset()
+
+    traversal = b'{"step":1,"index":0,"max_bytes":10,"path":"../../../etc/passwd"}'
+    cases = {
+        "oversized_length": REQUEST_PREFIX.pack(10**9) + b"x",
+        "not_json": REQUEST_PREFIX.pack(5) + b"hello",
+        "traversal_field": REQUEST_PREFIX.pack(len(traversal)) + traversal,
+    }
+    server = node(shard_source=lambda s, i: b"secret", read_timeout_s=0.5)
+    async with running(server, node()) as (server, client):
+        [peer] = await client.connect(server.listen_addrs)
+        pid = client._peer_id(peer)
+        for name, wire in cases.items():
+            status, reason = await client._bridge.call(raw_exchange, client._service, pid, wire)
+            assert status is Status.BAD_REQUEST, name
+            assert b"secret" not in reason
+        # A client that opens a stream and says nothing is cut off after read_timeout_s.
+        t0 = asyncio.get_running_loop().time()
+        assert await client._bridge.call(raw_exchange, client._service, pid, b"") == "closed"
+        assert asyncio.get_running_loop().time() - t0 < 3
+        assert server.stats.snapshot()["requests_refused"] == {"bad_request": 3}
+        assert server._service.server.active == 0
+        assert await client.fetch_shard(peer, 1, 0, max_bytes=100) == b"secret"  # still serving
