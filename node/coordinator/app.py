@@ -7,14 +7,11 @@ import json
 from aiohttp import web
 
 from node.coordinator.http import (
-    ApiError, RateLimiter, UploadThrottle, error_middleware, file_response, int_param, parse_body, read_signed,
+    MAX_BODY_BYTES, ApiError, RateLimiter, UploadThrottle, error_middleware, file_response, int_param, parse_body, read_signed,
     shard_path,
 )
 from protocol import messages as M
 from protocol.signing import RequestVerifier
-
-COORD = web.AppKey("coordinator", object)
-
 
 def _json(model_or_dict, status: int = 200) -> web.Response:
     if hasattr(model_or_dict, "model_dump_json"):
@@ -34,8 +31,7 @@ def build_app(coord) -> web.Application:
 
     # count_requests is outermost so it also counts the JSON error responses.
     app = web.Application(middlewares=[count_requests, error_middleware], client_max_size=cfg.max_body_bytes)
-    app[COORD] = coord
-    app["max_body_bytes"] = cfg.max_body_bytes
+    app[MAX_BODY_BYTES] = cfg.max_body_bytes
     verifier = RequestVerifier()
     limiter = RateLimiter(cfg.rate_limit_per_second, cfg.rate_limit_burst)
     throttle = UploadThrottle(coord.cfg.distribution.origin_upload_limit)

@@ -19,6 +19,9 @@ from protocol.signing import RequestVerifier, strict_json_loads
 log = logging.getLogger("prime_node.http")
 
 
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+
+
 class ApiError(Exception):
     """An error meant for the client: status + short code + one human sentence (DESIGN §5)."""
 
@@ -119,7 +122,7 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
 
 async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: RateLimiter) -> tuple[str, bytes]:
     """Read the (size-limited) body and check its signature. Returns (signer node id, body)."""
-    limit = request.app["max_body_bytes"]
+    limit = request.app[MAX_BODY_BYTES]
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds {limit}")
     body = await request.content.read(limit + 1)

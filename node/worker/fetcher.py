@@ -252,7 +252,7 @@ class Fetcher:
             candidates = self.usable()
             if not candidates:
                 raise FetchError("every source was dropped after serving bad data")
-            src = candidates[attempts % len(candidates)]
+            src = candidates[(i + attempts) % len(candidates)]  # spread shards over sources, best first
             attempts += 1
             offset = part.stat().st_size if part.exists() and src.kind != "peer" else 0
             if offset >= entry.zsize:
