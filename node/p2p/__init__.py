@@ -5,7 +5,8 @@ Public API (asyncio side), see `node.p2p.host` for the full story:
     P2PNode(identity, *, run_id, listen=["/ip4/127.0.0.1/tcp/0"], coordinator_key=None,
             shard_root=None | shard_source=None, upload_limit=0, max_concurrent_streams=8,
             max_shard_bytes=64 MiB, read_timeout_s=10, connect_timeout_s=10,
-            announce_max_age_s=600, heartbeat_interval_s=1, bootstrap=(), announce_addrs=None)
+            announce_max_age_s=600, heartbeat_interval_s=1, gossip_rate_limit=100,
+            bootstrap=(), announce_addrs=None)
     P2PNode.from_config(identity, P2PConfig, *, run_id, coordinator_key, shard_root=None)
     await node.start() -> list[str]            listen multiaddrs with /p2p/<peer id>; dials bootstrap
     await node.stop()                          idempotent; joins the trio thread

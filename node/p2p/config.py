@@ -29,5 +29,7 @@ class P2PConfig(BaseModel):
     # Seconds a single read may stall before the transfer is abandoned (not the whole transfer).
     read_timeout_s: float = Field(10.0, gt=0, le=600)
     connect_timeout_s: float = Field(10.0, gt=0, le=600)
+    # Gossip messages/s accepted from one forwarding peer (a hub relays everyone's announcements).
+    gossip_rate_limit: int = Field(100, ge=10, le=10_000)
     # Announcements older than this (or this far in the future) are dropped as replays.
     announce_max_age_s: float = Field(600.0, gt=0)

@@ -19,8 +19,10 @@ and trio load when the node starts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 from protocol.identity import Identity
@@ -43,6 +45,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 MIB = 1024 * 1024
+# Our own announcements per second. Gossipsub drops, without telling anyone, what a peer sends
+# beyond its per-forwarder limit (10/s in stock py-libp2p, which we apply to ourselves as well):
+# pacing here turns a would-be silent loss into a short wait.
+PUBLISH_PER_SECOND = 8
 
 
 class AnnouncementSubscription:
@@ -98,7 +104,7 @@ class P2PNode:
                  shard_source: ShardStore | ShardGetter | None = None,
                  upload_limit: int = 0, max_concurrent_streams: int = 8, max_shard_bytes: int = 64 * MIB,
                  read_timeout_s: float = 10.0, connect_timeout_s: float = 10.0, announce_max_age_s: float = 600.0,
-                 heartbeat_interval_s: int = 1, bootstrap: Sequence[str] = (),
+                 heartbeat_interval_s: int = 1, gossip_rate_limit: int = 100, bootstrap: Sequence[str] = (),
                  announce_addrs: Sequence[str] | None = None, name: str | None = None):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
@@ -116,6 +122,7 @@ class P2PNode:
         self.connect_timeout_s = connect_timeout_s
         self.announce_max_age_s = announce_max_age_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.gossip_rate_limit = gossip_rate_limit
         self.stats = P2PStats()
         self.table = PeerTable()
         self._bridge = TrioBridge(name or identity.node_id[:8])
@@ -123,6 +130,8 @@ class P2PNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscriptions: set[AnnouncementSubscription] = set()
         self._listeners: list[Callable[[AnnouncementEvent], None]] = []
+        self._published: collections.deque[float] = collections.deque()
+        self._publish_lock = asyncio.Lock()
         self.bootstrap = tuple(bootstrap)
         self._announce_override = tuple(announce_addrs) if announce_addrs is not None else None
         self.listen_addrs: list[str] = []
@@ -138,7 +147,8 @@ class P2PNode:
         return cls(identity, run_id=run_id, listen=listen, coordinator_key=coordinator_key, shard_root=shard_root,
                    upload_limit=cfg.upload_limit, max_concurrent_streams=cfg.max_concurrent_streams,
                    max_shard_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
-                   connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s, **kw)
+                   connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s,
+                   gossip_rate_limit=cfg.gossip_rate_limit, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -166,7 +176,7 @@ class P2PNode:
             max_concurrent_streams=self.max_concurrent_streams, upload_limit=self.upload_limit,
             max_shard_bytes=self.max_shard_bytes, read_timeout_s=self.read_timeout_s,
             connect_timeout_s=self.connect_timeout_s, announce_max_age_s=self.announce_max_age_s,
-            heartbeat_interval_s=self.heartbeat_interval_s)
+            heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
@@ -249,13 +259,23 @@ class P2PNode:
     async def announce_manifest(self, step: int, manifest_hash: str) -> None:
         """Coordinator only: "the signed manifest for `step` is available" (signed with our key)."""
         data = encode_manifest_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash)
-        await self._bridge.call(self._service.publish, data)
+        await self._publish(data)
 
     async def announce_have(self, step: int, indices: Iterable[int], manifest_hash: str) -> None:
         """ "I hold shards `indices` of `step`" (signed with our key, which is our peer id)."""
         data = encode_have_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash,
                                         indices=list(indices), addrs=self.announce_addrs)
-        await self._bridge.call(self._service.publish, data)
+        await self._publish(data)
+
+    async def _publish(self, data: bytes) -> None:
+        async with self._publish_lock:  # one sliding window of PUBLISH_PER_SECOND per node
+            while len(self._published) >= PUBLISH_PER_SECOND:
+                wait = self._published[0] + 1.0 - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                self._published.popleft()
+            await self._bridge.call(self._service.publish, data)
+            self._published.append(time.monotonic())
 
     def peers_with(self, step: int, index: int, manifest_hash: str | None = None) -> list[str]:
         return self.table.peers_with(step, index, manifest_hash)

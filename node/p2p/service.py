@@ -62,6 +62,9 @@ class ServiceSettings:
     connect_timeout_s: float
     announce_max_age_s: float
     heartbeat_interval_s: int = 1
+    # Messages/s gossipsub accepts from one forwarding peer on our topic (py-libp2p's default is
+    # 10, which a hub relaying many workers' announcements exceeds; excess is dropped silently).
+    gossip_rate_limit: int = 100
 
 
 def parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
@@ -105,6 +108,7 @@ class P2PService:
         self.gossipsub = GossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
             heartbeat_interval=self.settings.heartbeat_interval_s,
+            max_messages_per_topic_per_second=float(self.settings.gossip_rate_limit),
         )
         self.pubsub = Pubsub(self.host, self.gossipsub, strict_signing=True, allowed_topics={self.topic})
         self.host.set_stream_handler(TProtocol(PROTOCOL_ID), self.server.handle)

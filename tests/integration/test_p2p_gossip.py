@@ -117,3 +117,18 @@ async def test_announcements_of_another_run_are_dropped():
         ev = await sub.get(timeout=10)
         assert ev.announcement.run_id == RUN
         assert hub.stats.snapshot()["announcements_dropped"] == {"wrong_run": 1}
+
+
+async def test_a_burst_of_announcements_is_paced_not_silently_dropped():
+    """py-libp2p's gossipsub drops (silently) what one peer sends beyond its per-second limit,
+    even our own publishes; P2PNode paces its announcements so a burst all arrives, also at
+    peers that keep the stock limit of 10 messages/s."""
+    coord = Identity.generate()
+    async with swarm(coord, 1, gossip_rate_limit=10) as (hub, w1):
+        sub = w1.subscribe()
+        burst = 20
+        for step in range(burst):
+            await hub.announce_manifest(step, H)
+        steps = [(await sub.get(timeout=10)).announcement.step for _ in range(burst)]
+        assert sorted(steps) == list(range(burst))
+        assert w1.latest_manifest() == (burst - 1, H)
