@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
+import re
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from protocol.identity import Identity
+from protocol.identity import Identity, parse_public_key
 
 from .announce import (
     AnnouncementEvent,
@@ -44,6 +46,7 @@ from .stats import P2PStats
 log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+RUN_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # the announcement schema's RunId
 MIB = 1024 * 1024
 # Our own announcements per second. Gossipsub drops, without telling anyone, what a peer sends
 # beyond its per-forwarder limit (10/s in stock py-libp2p, which we apply to ourselves as well):
@@ -110,6 +113,13 @@ class P2PNode:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
             raise ValueError("upload_limit must be ≥ 0 (0 = unlimited)")
+        if not RUN_ID_RE.fullmatch(run_id):
+            raise P2PError(f"run id {run_id[:80]!r} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        if coordinator_key is not None:
+            try:
+                parse_public_key(coordinator_key)
+            except ValueError as e:  # a typo here would silently drop every manifest announcement
+                raise P2PError(f"coordinator key is not an Ed25519 public key: {e}") from None
         self.identity = identity
         self.run_id = run_id
         self.listen = tuple(listen)
@@ -155,7 +165,7 @@ class P2PNode:
     def node_id(self) -> str:
         return self.identity.node_id
 
-    @property
+    @functools.cached_property
     def peer_id(self) -> str:
         from .keys import peer_id_for_node
 

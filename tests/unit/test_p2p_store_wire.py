@@ -180,3 +180,19 @@ def test_p2p_package_import_is_light():
             "bad = [m for m in ('libp2p', 'trio', 'torch') if m in sys.modules]; print(json.dumps(bad))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_node_arguments_are_checked_up_front():
+    from node.p2p.errors import P2PError
+    from node.p2p.host import P2PNode
+    from protocol.identity import Identity
+
+    ident = Identity.generate()
+    with pytest.raises(P2PError, match="run id"):
+        P2PNode(ident, run_id="has space")
+    with pytest.raises(P2PError, match="coordinator key"):
+        P2PNode(ident, run_id="r", coordinator_key="zz" * 32)
+    with pytest.raises(ValueError):
+        P2PNode(ident, run_id="r", shard_root="/tmp", shard_source=lambda s, i: None)
+    node = P2PNode(ident, run_id="r", coordinator_key=ident.public_hex.upper())
+    assert node.coordinator_key == ident.public_hex and node.peer_id.startswith("12D3KooW")
