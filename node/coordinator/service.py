@@ -127,8 +127,10 @@ class Coordinator:
     def published_step(self) -> int:
         return self.training.published_step if self.training else 0
 
-    def on_step_published(self, step: int, consumed: dict[int, int], dropped: dict[int, int]) -> None:
+    def on_step_published(self, step: int, consumed: dict[int, int], dropped: dict[int, int],
+                          keep_rate: float) -> None:
         """Called on the loop by the training thread after the ledger committed `step`."""
+        self.scheduler.keep_rate = keep_rate  # oversample prompts when filters drop groups
         self.scheduler.on_step_published(step, consumed, dropped)
         self.metrics.step.set(step)
 

@@ -185,7 +185,8 @@ class TrainingLoop:
         consumed = Counter(g["batch_step"] for g in fed)
         gone = Counter(g["batch_step"] for gs in (dropped or {}).values() for g in gs)
         if self.c.loop is not None:
-            self.c.loop.call_soon_threadsafe(self.c.on_step_published, n, dict(consumed), dict(gone))
+            self.c.loop.call_soon_threadsafe(self.c.on_step_published, n, dict(consumed), dict(gone),
+                                             float(self.trainer.keep_rate))
         log.info("step %d published (%s, %d bytes, reward %.3f)%s", n, pub.encoding, pub.compressed_bytes,
                  metrics.get("reward_mean", 0.0), f"; pruned {removed}" if removed else "")
 
