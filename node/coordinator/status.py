@@ -61,6 +61,11 @@ def build_status(c) -> dict:
         "verification": {"accepted": counts["accepted_rollouts"], "rejected": counts["rejected_rollouts"],
                          "rejected_by_reason": c.ledger.rejection_counts()},
         "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")} for r in steps if r.step > 0],
+        "step_log": [{"step": r.step, "published_ms": r.published_ms, "encoding": r.encoding,
+                      "compressed_bytes": r.compressed_bytes, "loss_tokens": r.metrics.get("loss_tokens", 0),
+                      "idle_seconds": r.metrics.get("idle_seconds", 0.0), "busy_seconds": r.metrics.get("busy_seconds", 0.0),
+                      "publish_seconds": r.metrics.get("publish_seconds", 0.0), "max_staleness": r.metrics.get("max_staleness", 0)}
+                     for r in steps[-200:]],
         "checkpoints": c.publisher.listing(),
         "checkpoint_bytes_by_source": {k: bytes_by_source.get(k, 0) for k in ("coordinator", "relay", "peer")},
         "bytes_served": int(sum(c.bytes_by_source.values())),

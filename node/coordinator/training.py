@@ -118,6 +118,7 @@ class TrainingLoop:
         from node.trainer import Group, Rollout
 
         ledger = self.c.ledger
+        idle0, busy0 = self.idle_seconds, self.busy_seconds
         min_m = min_policy_for_batch(n, self.k)
         fed: list[dict] = []
         seen: set[int] = set()
@@ -161,6 +162,8 @@ class TrainingLoop:
             "staleness_hist": dict(Counter(staleness)),
             "train_seconds": time.monotonic() - t0,
         })
+        metrics["idle_seconds"] = self.idle_seconds - idle0  # waiting for rollouts during this step
+        metrics["busy_seconds"] = self.busy_seconds - busy0 + time.monotonic() - t0  # up to publishing
         self._publish(n, metrics, fed, dropped)
         self.busy = False
         self.busy_seconds += time.monotonic() - t0
