@@ -219,23 +219,35 @@ class RolloutVerifier:
 
     def _verify_batch(self, items: Sequence[VerifyItem], idx: list[int], verdicts: list) -> None:
         logits, hidden = self._prefill(items, idx)
+        # Replay the sampler for every rollout sharing (temperature, top_p) in one vectorised call.
+        groups: dict[tuple[float, float], list[int]] = {}
         for row, i in enumerate(idx):
-            verdicts[i] = self._judge(items[i], logits[row], hidden[row])
+            groups.setdefault((items[i].temperature, items[i].top_p), []).append(row)
+        for (temperature, top_p), rows in groups.items():
+            lens = [len(items[idx[r]].rollout.completion_ids) for r in rows]
+            flat_logits = torch.cat([logits[r, :n] for r, n in zip(rows, lens)])
+            dev = flat_logits.device
+            chosen = torch.tensor([t for r in rows for t in items[idx[r]].rollout.completion_ids], device=dev)
+            seeds = torch.tensor([items[idx[r]].seed for r, n in zip(rows, lens) for _ in range(n)], device=dev)
+            positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+            rep = replay_scores(flat_logits, seeds, positions, temperature, top_p, chosen,
+                                nucleus_slack=self.thresholds.nucleus_slack)
+            parts = [torch.stack(x).cpu().split(lens, dim=1)
+                     for x in [(rep.margin, rep.outside, rep.logprob_lo, rep.logprob_hi)]][0]
+            for r, part in zip(rows, parts):
+                verdicts[idx[r]] = self._judge(items[idx[r]], part, hidden[r])
 
-    def _judge(self, it: VerifyItem, logits: torch.Tensor, hidden: torch.Tensor) -> Verdict:
+    def _judge(self, it: VerifyItem, replay: torch.Tensor, hidden: torch.Tensor) -> Verdict:
+        """replay: [4, n] = margin, outside, logprob_lo, logprob_hi per completion position."""
         th = self.thresholds
         r = it.rollout
         n = len(r.completion_ids)
-        logits, hidden = logits[:n], hidden[:n]
-        chosen = torch.tensor(r.completion_ids, dtype=torch.int64, device=logits.device)
-        rep = replay_scores(logits, it.seed, torch.arange(n, device=logits.device), it.temperature, it.top_p,
-                            chosen, nucleus_slack=th.nucleus_slack)
-        submitted = torch.tensor(r.logprobs, dtype=torch.float32, device=logits.device)
+        margins, outside, lp_lo, lp_hi = replay
+        submitted = torch.tensor(r.logprobs, dtype=torch.float32)
         # Distance from the submitted logprob to the interval the nucleus uncertainty allows.
-        dev = torch.clamp(rep.logprob_lo - submitted, min=0) + torch.clamp(submitted - rep.logprob_hi, min=0)
-        com = score_commitment(parse_commitment(r.commitment), hidden)
-        margins = rep.margin.cpu()
-        bad_pick = (margins > th.sample_margin) | (rep.outside.cpu() > th.nucleus_slack)
+        dev = torch.clamp(lp_lo - submitted, min=0) + torch.clamp(submitted - lp_hi, min=0)
+        com = score_commitment(parse_commitment(r.commitment), hidden[:n])
+        bad_pick = (margins > th.sample_margin) | (outside > th.nucleus_slack)
         scores = {
             "logprob_mean": float(dev.mean()), "logprob_max": float(dev.max()),
             "sample_margin_max": float(margins.max()), "sample_bad_positions": int(bad_pick.sum()),

@@ -145,14 +145,19 @@ class ReplayScores:
     logprob_lo: torch.Tensor
 
 
-def replay_scores(logits: torch.Tensor, seed: int, positions: torch.Tensor, temperature: float, top_p: float,
-                  chosen_ids: torch.Tensor, *, nucleus_slack: float = 0.0) -> ReplayScores:
+def replay_scores(logits: torch.Tensor, seed: int | torch.Tensor, positions: torch.Tensor, temperature: float,
+                  top_p: float, chosen_ids: torch.Tensor, *, nucleus_slack: float = 0.0) -> ReplayScores:
     """Replay the sampler on recomputed logits [T, V] for the chosen tokens [T].
 
+    `seed` is one int, or a [T] int64 tensor (one per row, to replay many rollouts in one call).
     `nucleus_slack` widens the nucleus boundary both ways so that a token whose membership depends on
     numerical noise is neither required nor forbidden.
     """
-    check_seed(seed)
+    if isinstance(seed, torch.Tensor):
+        if seed.shape != positions.shape or (seed < 0).any():
+            raise ValueError("per-row seeds must be non-negative and match positions")
+    else:
+        check_seed(seed)
     check_sampling(temperature, top_p)
     logits = logits.float()
     dev = logits.device
@@ -172,7 +177,8 @@ def replay_scores(logits: torch.Tensor, seed: int, positions: torch.Tensor, temp
     else:
         surely_in = maybe_in = torch.ones_like(scaled, dtype=torch.bool)
         outside = torch.full((scaled.shape[0],), -1.0, device=dev)
-    seeds = torch.full((scaled.shape[0],), seed, dtype=torch.int64, device=dev)
+    seeds = (seed.to(dev, torch.int64) if isinstance(seed, torch.Tensor)
+             else torch.full((scaled.shape[0],), seed, dtype=torch.int64, device=dev))
     perturbed = scaled + gumbel_noise_batch(seeds, positions.to(dev, torch.int64), scaled.shape[-1])
     best = torch.where(surely_in, perturbed, neg_inf).max(dim=-1).values
     margin = best - perturbed.gather(-1, chosen)[:, 0]

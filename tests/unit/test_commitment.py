@@ -1,0 +1,136 @@
+"""Prime-field TOPLOC commitments: interpolation, modulus choice, wire format, scoring."""
+from __future__ import annotations
+
+import base64
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from verify.commitment import (CHUNK_TOKENS, FIELD_MAX, TOPK, CommitmentError, ChunkProof, bf16_bits,
+                               build_proofs, choose_modulus, decode_proofs, encode_proofs, evaluate, interpolate,
+                               is_prime, make_commitment, parse_commitment, score_commitment)
+from verify.commitment import _topk_by_magnitude
+
+
+def lagrange_reference(xs, ys, x, p):
+    """Independent evaluation with Python big ints (Lagrange form)."""
+    total = 0
+    for i, (xi, yi) in enumerate(zip(xs, ys)):
+        num, den = 1, 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num = num * (x - xj) % p
+                den = den * (xi - xj) % p
+        total = (total + yi * num * pow(den, p - 2, p)) % p
+    return total
+
+
+def test_interpolation_matches_independent_lagrange():
+    rng = np.random.default_rng(0)
+    p = 65521
+    xs = rng.choice(p, 20, replace=False)
+    ys = rng.integers(0, 65535, 20)
+    coeffs = interpolate(xs, ys, p)
+    assert len(coeffs) == 20 and coeffs.max() < p
+    assert (evaluate(coeffs, xs, p) == ys % p).all()
+    for x in (0, 1, 777, 65520):
+        assert int(evaluate(coeffs, np.array([x]), p)[0]) == lagrange_reference(xs.tolist(), ys.tolist(), x, p)
+
+
+def test_full_size_interpolation_round_trip():
+    rng = np.random.default_rng(1)
+    for p in (65521, 65519, 65497):
+        xs = rng.choice(p, TOPK, replace=False)
+        ys = rng.integers(0, 57000, TOPK)
+        assert (evaluate(interpolate(xs, ys, p), xs, p) == ys).all()
+
+
+def test_modulus_is_always_prime_and_injective():
+    rng = np.random.default_rng(2)
+    for trial in range(100):
+        hidden = torch.randn(CHUNK_TOKENS, int(rng.choice([64, 896, 4096, 8192])))
+        for pr, (s, e) in zip(build_proofs(hidden), [(0, CHUNK_TOKENS)]):
+            assert is_prime(pr.modulus)
+            bits = bf16_bits(hidden[s:e])
+            idx = _topk_by_magnitude(bits, len(pr.coeffs))
+            assert len(np.unique(idx % pr.modulus)) == len(idx)
+
+
+def test_colliding_indices_force_a_smaller_prime():
+    idx = np.array([5, 5 + FIELD_MAX, 5 + 2 * 65519, 10])  # collide mod 65521 and mod 65519
+    p = choose_modulus(idx, max_value=100)
+    assert is_prime(p) and p < 65519 and len(np.unique(idx % p)) == len(idx)
+    # The modulus must also exceed every committed value so values survive reduction.
+    assert choose_modulus(np.array([1, 2]), max_value=65500) > 65500
+
+
+def test_commitment_round_trip_and_scores():
+    torch.manual_seed(0)
+    hidden = torch.randn(70, 256) * 3
+    text = make_commitment(hidden)
+    proofs = parse_commitment(text)
+    assert len(proofs) == 3 and all(len(p.coeffs) == TOPK for p in proofs)
+    exact = score_commitment(proofs, hidden)
+    assert exact.exp_mismatch_frac == 0 and exact.mant_err_mean == 0 and exact.mant_err_median == 0
+    noisy = score_commitment(proofs, hidden * (1 + 0.003 * torch.randn_like(hidden)))
+    assert noisy.mant_err_mean < 2 and noisy.exp_mismatch_frac < 0.1
+    other = score_commitment(proofs, torch.randn(70, 256) * 3)
+    assert other.exp_mismatch_frac > 0.5
+    # Wrong number of tokens -> wrong chunk count -> maximal error.
+    assert score_commitment(proofs, hidden[:40]).exp_mismatch_frac == 1.0
+
+
+def test_bytes_per_32_tokens_within_budget():
+    for hidden_size in (64, 896, 4096):
+        raw = base64.b64decode(make_commitment(torch.randn(320, hidden_size)))
+        per_chunk = (len(raw) - 3) / 10
+        assert per_chunk == 3 + 2 * TOPK == 259 and per_chunk <= 300
+
+
+def test_small_chunks_commit_to_a_quarter_of_entries():
+    proofs = build_proofs(torch.randn(2, 64))  # 128 entries -> 32 points
+    assert len(proofs[0].coeffs) == 32
+
+
+def test_nan_and_inf_are_canonicalised():
+    h = torch.randn(4, 64)
+    h[0, 0], h[1, 1] = float("nan"), float("inf")
+    proofs = build_proofs(h)
+    assert is_prime(proofs[0].modulus)
+
+
+def _valid_bytes():
+    return encode_proofs(build_proofs(torch.randn(40, 128)))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b + b"\x00", "trailing"),
+    (lambda b: b"\x02" + b[1:], "version"),
+    (lambda b: b[:3] + struct.pack("<H", 65520) + b[5:], "bad chunk header"),  # 65520 is not prime
+    (lambda b: b[:5] + b"\x00" + b[6:], "bad chunk header"),  # k = 0
+    (lambda b: b[:6] + struct.pack("<H", 65530) + b[8:], "outside the field"),
+    (lambda b: b"", "truncated"),
+])
+def test_malformed_commitments_rejected(mutate, message):
+    with pytest.raises(CommitmentError, match=message):
+        decode_proofs(mutate(_valid_bytes()))
+
+
+def test_bad_base64_and_oversize_rejected():
+    with pytest.raises(CommitmentError, match="base64"):
+        parse_commitment("not base64!!")
+    with pytest.raises(CommitmentError, match="bounded size"):
+        parse_commitment("A" * 10_000_000)
+    with pytest.raises(CommitmentError):
+        parse_commitment(None)  # type: ignore[arg-type]
+
+
+def test_encode_decode_identity():
+    proofs = build_proofs(torch.randn(33, 100))
+    again = decode_proofs(encode_proofs(proofs))
+    assert [p.modulus for p in again] == [p.modulus for p in proofs]
+    assert all(np.array_equal(a.coeffs, b.coeffs) for a, b in zip(again, proofs))
+    assert isinstance(again[0], ChunkProof)
