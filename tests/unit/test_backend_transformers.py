@@ -1,0 +1,150 @@
+"""Transformers inference backend: replayable sampling, termination, in-place weight swap."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from node.worker.backends import load_backend
+from node.worker.backends.base import GenRequest, InferenceBackend
+from node.worker.backends.transformers_backend import TransformersBackend
+from verify.rollouts import RolloutClaim, RolloutVerifier
+from verify.sampler import replay_scores
+
+VOCAB = 80
+
+
+def tiny(seed=0, tie=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def requests(n=6, seed=0):
+    rng = random.Random(seed)
+    return [GenRequest([rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 9))], 1000 + i) for i in range(n)]
+
+
+def test_is_an_inference_backend():
+    assert isinstance(TransformersBackend(tiny(), device="cpu"), InferenceBackend)
+    with pytest.raises(ValueError, match="unknown inference backend"):
+        load_backend("tgi", tiny())
+
+
+def test_logprobs_equal_an_independent_full_forward():
+    model = tiny()
+    be = TransformersBackend(copy.deepcopy(model), device="cpu", max_batch_size=4)
+    reqs = requests(6)
+    for temperature, top_p in [(1.0, 1.0), (0.7, 0.9)]:
+        results = be.generate(reqs, temperature=temperature, top_p=top_p, max_tokens=20, eos_token_id=2)
+        for q, r in zip(reqs, results):
+            ids = torch.tensor([q.prompt_ids + r.completion_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(q.prompt_ids) - 1:-1]
+            n = len(r.completion_ids)
+            rep = replay_scores(logits, q.seed, torch.arange(n), temperature, top_p, torch.tensor(r.completion_ids))
+            assert torch.allclose(torch.tensor(r.logprobs), rep.logprob_hi, atol=1e-4)
+            assert (rep.margin <= 1e-4).all()  # the independent forward replays the same choices
+
+
+def test_batch_composition_does_not_change_outputs():
+    be = TransformersBackend(tiny(), device="cpu")
+    reqs = requests(7, seed=1)
+    together = be.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=16, eos_token_id=2)
+    alone = [be.generate([q], temperature=1.0, top_p=1.0, max_tokens=16, eos_token_id=2)[0] for q in reversed(reqs)]
+    assert [r.completion_ids for r in together] == [r.completion_ids for r in reversed(alone)]
+
+
+def test_termination_stop_and_length():
+    be = TransformersBackend(tiny(), device="cpu")
+    reqs = requests(8, seed=2)
+    first = be.generate(reqs[:1], temperature=1.0, top_p=1.0, max_tokens=1, eos_token_id=0)[0].completion_ids[0]
+    eos = first  # the first request's first sampled token: it must stop right there
+    results = be.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=12, eos_token_id=eos)
+    assert results[0].completion_ids == [eos] and results[0].finish_reason == "stop"
+    for r in results:
+        assert len(r.logprobs) == len(r.completion_ids)
+        if r.finish_reason == "stop":
+            assert r.completion_ids[-1] == eos and eos not in r.completion_ids[:-1]
+        else:
+            assert r.finish_reason == "length" and len(r.completion_ids) == 12 and eos not in r.completion_ids
+    assert any(r.finish_reason == "length" for r in results)
+
+
+def test_in_place_weight_swap_and_model_dir(tmp_path):
+    old, new = tiny(0), tiny(5)
+    new.save_pretrained(tmp_path / "m", safe_serialization=True)
+    be = TransformersBackend(copy.deepcopy(old), device="cpu")
+    params_before = {n: p.data_ptr() for n, p in be.model.named_parameters()}
+    reqs = requests(4, seed=3)
+    be.load_state_dict(new.state_dict(), step=7)
+    assert be.policy_step == 7
+    assert {n: p.data_ptr() for n, p in be.model.named_parameters()} == params_before  # really in place
+    from_dir = TransformersBackend(tmp_path / "m", device="cpu")
+    a = be.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=10, eos_token_id=2)
+    b = from_dir.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=10, eos_token_id=2)
+    assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+    assert [r.commitment for r in a] == [r.commitment for r in b]
+
+
+def test_weight_swap_with_tied_embeddings_and_bad_states():
+    be = TransformersBackend(tiny(0, tie=True), device="cpu")
+    state = {k: v for k, v in tiny(3, tie=True).state_dict().items() if k != "lm_head.weight"}
+    be.load_state_dict(state, step=1)  # the tied head is not needed
+    assert torch.equal(be.model.lm_head.weight, state["model.embed_tokens.weight"])
+    with pytest.raises(ValueError, match="unknown"):
+        be.load_state_dict({**state, "extra.weight": torch.zeros(1)}, step=2)
+    with pytest.raises(ValueError, match="lacks"):
+        be.load_state_dict({k: v for k, v in state.items() if "layers.0" not in k}, step=2)
+    with pytest.raises(ValueError, match="shape"):
+        be.load_state_dict({**state, "model.norm.weight": torch.ones(3)}, step=2)
+    assert be.policy_step == 1
+
+
+def test_bad_requests_rejected():
+    be = TransformersBackend(tiny(), device="cpu")
+    for reqs, kw in [([GenRequest([], 1)], {}), ([GenRequest([VOCAB], 1)], {}), ([GenRequest([3], -1)], {}),
+                     ([GenRequest([3], 1)], {"max_tokens": 0})]:
+        with pytest.raises(ValueError):
+            be.generate(reqs, **{"temperature": 1.0, "top_p": 1.0, "max_tokens": 4, "eos_token_id": 2, **kw})
+
+
+def test_bf16_generation_verifies_in_fp32():
+    model = tiny(0)
+    be = TransformersBackend(copy.deepcopy(model), dtype="bfloat16", device="cpu")
+    reqs = requests(10, seed=4)
+    results = be.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=40, eos_token_id=2)
+    verifier = RolloutVerifier(copy.deepcopy(model).float())
+    for q, r in zip(reqs, results):
+        v = verifier.verify(q.prompt_ids, RolloutClaim.of(r.__dict__), q.seed, 1.0, 1.0, 40, 2)
+        assert v.ok, v
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _vllm_available(), reason="vllm (the `gpu` extra) and a CUDA GPU are required; not run here")
+def test_vllm_backend_matches_verifier(tmp_path):
+    model = tiny(0)
+    model.save_pretrained(tmp_path / "m", safe_serialization=True)
+    be = load_backend("vllm", tmp_path / "m", dtype="bfloat16")
+    reqs = requests(8, seed=6)
+    results = be.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=32, eos_token_id=2)
+    verifier = RolloutVerifier(copy.deepcopy(model).float())
+    for q, r in zip(reqs, results):
+        v = verifier.verify(q.prompt_ids, RolloutClaim.of(r.__dict__), q.seed, 1.0, 1.0, 32, 2)
+        assert v.ok, v
+    be.load_state_dict(tiny(9).state_dict(), step=3)
+    assert be.policy_step == 3
