@@ -10,12 +10,18 @@ before the window's start, so a node that holds nothing can always rebuild the n
 """
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.identity import Identity
+
+
+def checkpoint_listing(manifests) -> list[dict]:
+    """The `checkpoints` array of GET /v1/checkpoints, from (step, Manifest) pairs."""
+    return [{"step": s, "encoding": m.encoding, "base_step": m.base_step, "num_shards": m.num_shards,
+             "total_size": m.total_size, "compressed_size": m.compressed_size,
+             "manifest_hash": m.canonical_hash()} for s, m in manifests]
 
 
 @dataclass
@@ -64,14 +70,7 @@ class Publisher:
         return self.payload_dir / f"{int(step)}.safetensors"
 
     def listing(self) -> list[dict]:
-        out = []
-        for s in self.steps():
-            m = self.manifest(s)
-            out.append({"step": s, "encoding": m.encoding, "base_step": m.base_step,
-                        "num_shards": len(m.shards), "total_size": m.total_size,
-                        "compressed_size": m.compressed_size,
-                        "manifest_hash": m.canonical_hash()})
-        return out
+        return checkpoint_listing((s, self.manifest(s)) for s in self.steps())
 
     # -- writing -----------------------------------------------------------------------------------
     def publish(self, step: int, state) -> Published:
@@ -127,6 +126,3 @@ class Publisher:
             if int(p.stem) < window_start:
                 p.unlink(missing_ok=True)
         return removed
-
-    def summary_json(self) -> str:
-        return json.dumps(self.listing())

@@ -80,11 +80,20 @@ class CheckpointStore:
         self._manifests[step] = manifest
 
     def prune(self, keep: int) -> None:
+        """Keep the newest `keep` steps plus the delta chain back to a full checkpoint (so peers and
+        relays can serve a node that holds nothing); drop partial downloads that are superseded."""
         held = self.held_steps()
-        for s in held[:-keep] if keep > 0 else []:
-            shutil.rmtree(self.ckpt_dir / str(s), ignore_errors=True)
-            self.payload_path(s).unlink(missing_ok=True)
-            self._manifests.pop(s, None)
+        kept = set(held[-keep:]) if keep > 0 else set()
+        oldest = min(kept, default=None)
+        while oldest is not None and (m := self.manifest(oldest)) is not None and m.encoding == "xor-delta" \
+                and m.base_step in held:
+            oldest = m.base_step
+            kept.add(oldest)
+        for s in held:
+            if s not in kept:
+                shutil.rmtree(self.ckpt_dir / str(s), ignore_errors=True)
+                self.payload_path(s).unlink(missing_ok=True)
+                self._manifests.pop(s, None)
         newest = held[-1] if held else -1
         for p in self.ckpt_dir.glob(".partial-*"):
             if int(p.name.split("-")[1]) <= newest:
