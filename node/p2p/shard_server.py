@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 import trio
+from libp2p.network.stream.exceptions import StreamError
 
 from .rate_limit import TrioRateLimiter
 from .shard_store import ShardStore
@@ -56,8 +57,8 @@ class ShardServer:
         peer = stream_peer(stream)
         try:
             await self._serve(stream, peer)
-        except (StreamClosedEarly, trio.TooSlowError) as e:
-            log.info("shard stream from %s ended early: %s", peer, e)
+        except (StreamClosedEarly, StreamError, trio.TooSlowError) as e:  # the client left or stalled
+            log.info("shard stream from %s ended early: %r", peer, e)
             await _reset(stream)
         except Exception as e:  # never let libp2p swallow it silently
             log.warning("shard stream from %s failed: %r", peer, e)

@@ -257,3 +257,43 @@ async def test_server_refuses_malformed_requests_and_stalled_clients():
         assert server.stats.snapshot()["requests_refused"] == {"bad_request": 3}
         assert server._service.server.active == 0
         assert await client.fetch_shard(peer, 1, 0, max_bytes=100) == b"secret"  # still serving
+
+
+async def test_checkpoint_spreads_through_peers_not_the_coordinator(tmp_path):
+    """End to end: the coordinator announces a manifest and serves once over a thin uplink; later
+    workers find the shards through gossip and take them from an earlier worker instead."""
+    coord_id = Identity.generate()
+    manifest, shards = write_checkpoint(tmp_path / "coord", 6, n_shards=6, raw_size=96 * KIB)
+    h = manifest_hash(manifest)
+    total = sum(map(len, shards))
+    coord = P2PNode(coord_id, run_id=RUN, coordinator_key=coord_id.public_hex, shard_root=tmp_path / "coord",
+                    upload_limit=1024 * KIB)
+    held = [dict() for _ in range(3)]
+    workers = [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord_id.public_hex,
+                       shard_source=lambda s, i, mine=mine: mine.get((s, i))) for mine in held]
+    async with running(coord, *workers):
+        subs = [w.subscribe() for w in workers]
+        for w in workers:
+            await w.connect(coord.listen_addrs)
+            assert await coord.wait_for_mesh(w.peer_id) and await w.wait_for_mesh(coord.peer_id)
+        await coord.announce_manifest(6, h)
+        for w, sub in zip(workers, subs):
+            assert (await sub.get(timeout=10)).announcement.manifest_hash == h == w.manifest_hash(6)
+        for w, mine in zip(workers, held):
+            for i, entry in enumerate(manifest["shards"]):
+                sources = [p for p in w.peers_with(6, i, manifest_hash=h) if p != w.peer_id] + [coord.peer_id]
+                data = await w.fetch_shard(sources[0], 6, i, max_bytes=1 << 20, manifest_hash=h)
+                assert hashlib.sha256(data).hexdigest() == entry["sha256"]  # what the fetcher checks
+                mine[(6, i)] = data
+            await w.announce_have(6, range(len(shards)), h)
+            # Give the announcement time to reach the next worker before it starts.
+            for other_sub in subs[workers.index(w) + 1:]:
+                while True:
+                    ev = await other_sub.get(timeout=10)
+                    if ev.peer_id == w.peer_id:
+                        break
+        assert all(mine == {(6, i): z for i, z in enumerate(shards)} for mine in held)
+        served = coord.stats.bytes_served_by_peer()
+        assert sum(served.values()) == total  # the coordinator's uplink carried the checkpoint once
+        # The two later workers were fed by peers (newest announcer first: w0 fed w1, w1 fed w2).
+        assert [w.stats.snapshot()["bytes_served"] for w in workers] == [total, total, 0]
