@@ -63,6 +63,33 @@ def left_pad(seqs: Sequence[Sequence[int]], *, pad_id: int, device: torch.device
     return ids.to(device), mask.to(device), pos.to(device)
 
 
+@torch.inference_mode()
+def recompute(model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched prefill: fp32 logits [B, C, V] and final hidden states [B, C, H] at the positions
+    that produced each completion token (row b is valid for its first len(completions[b]) entries).
+
+    Prompts are left-padded and completions right-padded, so every completion starts in the same
+    column and the last C columns (C = longest completion) are exactly the positions needed.
+    Used by the verifier, and by backends that cannot expose hidden states while decoding (vLLM).
+    """
+    device = next(model.parameters()).device
+    c = max(len(x) for x in completions)
+    ids, mask, _ = left_pad(prompts, pad_id=0)
+    tail = torch.zeros((len(prompts), c - 1), dtype=torch.int64)
+    tail_mask = torch.zeros_like(tail)
+    for row, comp in enumerate(completions):
+        comp = list(comp[:-1])  # the last token is never an input
+        tail[row, :len(comp)] = torch.tensor(comp, dtype=torch.int64)
+        tail_mask[row, :len(comp)] = 1
+    ids = torch.cat([ids, tail], 1).to(device)
+    mask = torch.cat([mask, tail_mask], 1).to(device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with capture_final_hidden(model) as captured:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=c)
+    return out.logits.float(), captured[-1]
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Acceptance limits (calibrated in bench/verify_cost.py; see docs/BENCHMARKS.md)."""
@@ -194,28 +221,9 @@ class RolloutVerifier:
         return (len(idx) * (p + c) <= self.max_batch_tokens
                 and len(idx) * c * self.vocab_size <= self.max_logit_elems)
 
-    @torch.inference_mode()
     def _prefill(self, items: Sequence[VerifyItem], idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, C, V] and final hidden states [B, C, H] at each row's completion positions.
-
-        Prompts are left-padded and completions right-padded, so every completion starts in the same
-        column and the last C columns (C = longest completion) are exactly the positions needed.
-        """
-        c = max(len(items[i].rollout.completion_ids) for i in idx)
-        ids, mask, _ = left_pad([items[i].prompt_ids for i in idx], pad_id=0)
-        tail = torch.zeros((len(idx), c - 1), dtype=torch.int64)
-        tail_mask = torch.zeros_like(tail)
-        for row, i in enumerate(idx):
-            comp = items[i].rollout.completion_ids[:-1]  # the last token is never an input
-            tail[row, :len(comp)] = torch.tensor(comp, dtype=torch.int64)
-            tail_mask[row, :len(comp)] = 1
-        ids = torch.cat([ids, tail], 1).to(self.device)
-        mask = torch.cat([mask, tail_mask], 1).to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        with capture_final_hidden(self.model) as captured:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                             logits_to_keep=c)
-        return out.logits.float(), captured[-1]
+        return recompute(self.model, [items[i].prompt_ids for i in idx],
+                         [items[i].rollout.completion_ids for i in idx])
 
     def _verify_batch(self, items: Sequence[VerifyItem], idx: list[int], verdicts: list) -> None:
         logits, hidden = self._prefill(items, idx)
