@@ -29,6 +29,8 @@ def cmd_pack(args) -> int:
         if parent.run_id != args.run_id:
             raise PrimeNodeError(f"parent {args.parent} belongs to run {parent.run_id!r}; "
                                  f"pass --run-id {parent.run_id}")
+        if args.step <= parent.step:
+            raise PrimeNodeError(f"--step {args.step} does not move forward from parent step {parent.step}")
     want_delta = parent is not None and args.encoding != "full"
     explicit = args.encoding == "xor-delta"
     if explicit and parent is None:
