@@ -98,9 +98,10 @@ def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: 
                   for g in meta["queued_groups"]]
     except (KeyError, TypeError) as e:
         raise TrainerStateError(f"{snap}: queued groups are malformed: {e}") from None
-    for g in groups:  # already selected and given advantages: straight into the queue
+    # Already selected and given advantages: straight into the queue. In stream mode this replays their
+    # forward/backward, and the window's loss-token count (the gradient divisor) includes them again.
+    for g in groups:
         trainer._enqueue(g)
-    trainer._reset_window()
     return trainer
 
 
