@@ -18,7 +18,8 @@ from pathlib import Path
 from node.config import load_config
 from protocol.errors import PrimeNodeError
 
-DEFAULT_CONFIG = Path("configs/local.toml")
+# The demo's settings; present in a source checkout (make demo installs it editable).
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
 DEMO_DIR = Path("demo-out")  # everything the demo writes: logs, coordinator and worker storage, plot
 
 

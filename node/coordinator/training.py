@@ -40,7 +40,9 @@ class TrainingLoop:
     def _make_trainer(self, resume: bool):
         from node.trainer import Trainer
 
-        kwargs = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups)
+        # The trainer's logprobs must be of the distribution the sampler used (temperature-scaled).
+        kwargs = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups,
+                      temperature=self.cfg.sampling.temperature)
         if resume:
             return Trainer.resume(self.state_root, self.cfg.trainer, **kwargs)
         return Trainer(self.c.model_dir, self.cfg.trainer, state_dir=self.state_root, **kwargs)

@@ -1,0 +1,30 @@
+"""`prime-node demo` end to end: separate processes on loopback, summary JSON with the contract keys."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.coordinator_harness import REPO
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+
+KEYS = {"steps_completed", "async_level", "max_staleness_seen", "accepted_rollouts", "rejected_rollouts",
+        "reward_by_step", "wall_seconds", "trainer_idle_fraction", "checkpoint_bytes_by_source"}
+
+
+def test_demo_runs_and_writes_summary(tmp_path):
+    summary = tmp_path / "summary.json"
+    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "2", "--steps", "6",
+                        "--summary", str(summary)], cwd=tmp_path, capture_output=True, text=True, timeout=380,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "prime-node demo: done" in r.stdout and "dashboard: http://127.0.0.1:" in r.stdout
+    s = json.loads(summary.read_text())
+    assert KEYS <= set(s)
+    assert s["steps_completed"] == 6 and s["async_level"] == 2
+    assert 0 <= s["max_staleness_seen"] <= 2
+    assert s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
+    assert sorted(int(k) for k in s["reward_by_step"]) == list(range(1, 7))
+    assert s["checkpoint_bytes_by_source"]["coordinator"] > 0
+    assert (tmp_path / "demo-out" / "reward_curve.png").is_file()
