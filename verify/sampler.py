@@ -1,16 +1,30 @@
-"""Seeded, replayable sampling: Gumbel-max with a counter-based hash (DESIGN §7).
+"""Seeded, replayable sampling: two-level Gumbel-max with a counter-based hash (DESIGN §7).
 
-The coordinator hands out one integer seed per sample. The noise added to token `v` at completion
-position `t` (0-based index within the completion) is a pure function of (seed, t, v):
+The coordinator hands out one integer seed per sample. Every random number is a pure function of
+(seed, t, what) where t is the 0-based position within the completion:
 
-    u = (hash32(seed, t, v) + 0.5) / 2**32          uniform in (0, 1), never 0 or 1
+    u = (hash53(seed, t, what) + 0.5) / 2**53       uniform in (0, 1), never 0 or 1
     g = -log(-log(u))                               standard Gumbel
-    token = argmax over the top-p nucleus of (logits / T + g)
 
 so a verifier that recomputes the logits can replay every choice, whatever batch size, position in
-the batch, thread count or device the worker used. The hash is murmur3's 32-bit finaliser on int64
-tensors where every product stays below 2**63 (16-bit limbs times 32-bit constants): no signed
-overflow and no arithmetic-shift surprises, hence bit-identical on CPU and CUDA.
+the batch, thread count or device the worker used.
+
+Two levels, because hashing the whole vocabulary at every position (150k hashes per token) costs as
+much as a small model's forward pass. The vocabulary is cut into blocks of BLOCK = 256 token ids:
+
+    s_v      = logits_v / T on the top-p nucleus, -inf elsewhere
+    block    = argmax_j ( logsumexp_{v in block j} s_v + g(seed, t, block j) )
+    token    = argmax_{v in block} ( s_v + g(seed, t, token v) )
+
+By the Gumbel-max property the block is drawn with probability equal to its mass and the token with
+its probability within the block, so the token is an exact sample of softmax(s): only
+V/256 + 256 hashes per position instead of V.
+
+hash53 is SplitMix64: the row key mixes seed and position; token v takes the (v+1)-th output of the
+SplitMix64 stream at that key, block j the (j+1)-th output of the stream at a second key (top 53
+bits). It runs on int64 tensors: multiplication wraps modulo 2**64 as SplitMix64 wants, and right
+shifts are masked to be logical, so CPU and CUDA produce identical bits (tests compare with a
+pure-Python reference).
 
 Top-p: the nucleus is the smallest set of most likely tokens whose probability reaches `top_p`, i.e.
 the tokens whose probability mass strictly before them (in descending order) is `< top_p`.
@@ -24,58 +38,76 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
-_MASK16 = 0xFFFF
-_C1 = 0x85EBCA6B  # murmur3 fmix32 constants
-_C2 = 0xC2B2AE35
-_GOLDEN = 0x9E3779B9  # separates the fields fed into the hash
 MAX_SEED = 2**63 - 1
+BLOCK = 256  # token ids per first-level block (part of the sampling contract: changing it changes samples)
 
 
-def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """(a * c) mod 2**32 for 0 <= a < 2**32 without overflowing int64: split a into 16-bit limbs."""
-    hi = ((a >> 16) * c) & _MASK16  # only the low 16 bits of hi*c survive the << 16 below
-    return ((hi << 16) + (a & _MASK16) * c) & _MASK32
+def _signed(x: int) -> int:
+    """A 64-bit constant as the int64 with the same bits (torch has no uint64 arithmetic to speak of)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    # Values are kept in [0, 2**32) so >> is a logical shift.
-    h = h ^ (h >> 16)
-    h = _mul32(h, _C1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, _C2)
-    return h ^ (h >> 16)
+_GAMMA = _signed(0x9E3779B97F4A7C15)  # SplitMix64's stream increment
+_M1 = _signed(0xBF58476D1CE4E5B9)  # SplitMix64 finaliser multipliers
+_M2 = _signed(0x94D049BB133111EB)
+_POS = _signed(0xD6E8FEB86659FD93)  # separates the position from the seed
+_BLOCK_TAG = _signed(0xA0761D6478BD642F)  # separates the block stream from the token stream
 
 
-def _mix(h: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
-    """Fold one more 32-bit field into the running hash."""
-    return _fmix32(_mul32(h ^ (x & _MASK32), _GOLDEN) ^ 0x27D4EB2F)
+def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift on int64: >> is arithmetic for negative values, so mask the copied sign bits."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _fmix64(z: torch.Tensor) -> torch.Tensor:
+    # int64 multiplication wraps modulo 2**64 on CPU and CUDA, which is exactly SplitMix64's arithmetic.
+    z = (z ^ _srl(z, 30)) * _M1
+    z = (z ^ _srl(z, 27)) * _M2
+    return z ^ _srl(z, 31)
 
 
 def _row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per (seed, position) row; seeds are 63-bit non-negative ints."""
-    seeds = seeds.to(torch.int64)
-    h = _fmix32(seeds & _MASK32)
-    h = _mix(h, (seeds >> 32) & 0x7FFFFFFF)
-    return _mix(h, positions.to(torch.int64))
+    """One 64-bit key per (seed, position) row; seeds are 63-bit non-negative ints."""
+    h = _fmix64(seeds.to(torch.int64) + _GAMMA)
+    return _fmix64(h ^ (positions.to(torch.int64) * _POS))
+
+
+def _stream_uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """keys [B], ids [B, K] (or [K]) -> float64 [B, K]: output ids+1 of each row's SplitMix64 stream."""
+    ids = ids.to(torch.int64)
+    if ids.dim() == 1:
+        ids = ids[None, :]
+    bits = _srl(_fmix64(keys[:, None] + (ids + 1) * _GAMMA), 11)
+    return (bits.to(torch.float64) + 0.5) / 2.0**53
+
+
+def token_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[B] seeds x [B] positions x [B, K] (or [K]) token ids -> [B, K] float64 uniforms in (0, 1)."""
+    return _stream_uniform(_row_keys(seeds, positions), token_ids)
+
+
+def block_uniform(seeds: torch.Tensor, positions: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Same for first-level blocks (an independent stream)."""
+    return _stream_uniform(_fmix64(_row_keys(seeds, positions) ^ _BLOCK_TAG), block_ids)
 
 
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B] seeds x [B] positions -> [B, V] float64 uniforms in (0, 1)."""
-    keys = _row_keys(seeds, positions)[:, None]
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]
-    h = _mix(_mix(keys, tokens), 0x5BD1E995)  # two rounds so neighbouring token ids decorrelate
-    return (h.to(torch.float64) + 0.5) / 2.0**32
+    """[B, V] token-level uniforms for the whole vocabulary (tests and diagnostics)."""
+    return token_uniform(seeds, positions, torch.arange(vocab_size, device=seeds.device))
 
 
-def gumbel_noise_batch(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] fp32 Gumbel noise. Computed in float64 so CPU/CUDA agree to within fp32 rounding."""
-    u = hash_uniform(seeds, positions, vocab_size)
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    # float64 logs, then fp32: CPU and CUDA agree to within fp32 rounding.
     return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
+def gumbel_noise_batch(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] token-level Gumbel noise."""
+    return _gumbel(hash_uniform(seeds, positions, vocab_size))
+
+
 def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[V] Gumbel noise for one (seed, position)."""
+    """[V] token-level Gumbel noise for one (seed, position)."""
     check_seed(seed)
     s = torch.tensor([seed], dtype=torch.int64, device=device)
     p = torch.tensor([position], dtype=torch.int64, device=device)
@@ -105,6 +137,23 @@ def nucleus_mass_before(scaled: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(before_sorted).scatter_(-1, order, before_sorted)
 
 
+def _blocks(masked: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B, nb, BLOCK], padded with -inf."""
+    b, v = masked.shape
+    nb = -(-v // BLOCK)
+    padded = torch.nn.functional.pad(masked, (0, nb * BLOCK - v), value=float("-inf"))
+    return padded.view(b, nb, BLOCK)
+
+
+def _block_gumbel(seeds: torch.Tensor, positions: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    return _gumbel(block_uniform(seeds, positions, torch.arange(n_blocks, device=seeds.device)))
+
+
+def _inner_gumbel(seeds: torch.Tensor, positions: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    ids = block[:, None] * BLOCK + torch.arange(BLOCK, device=block.device)[None, :]
+    return _gumbel(token_uniform(seeds, positions, ids))
+
+
 def sample_step(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
                 top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step for a batch. logits [B, V] (any float dtype), seeds/positions [B] int.
@@ -114,15 +163,20 @@ def sample_step(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     """
     check_sampling(temperature, top_p)
     logits = logits.float()
+    dev = logits.device
     if temperature == 0.0:
         tokens = torch.argmax(logits, dim=-1)
-        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=dev)
+    seeds, positions = seeds.to(dev, torch.int64), positions.to(dev, torch.int64)
     scaled = logits / temperature
-    in_nucleus = nucleus_mass_before(scaled) < top_p if top_p < 1.0 else torch.ones_like(scaled, dtype=torch.bool)
-    noise = gumbel_noise_batch(seeds.to(logits.device), positions.to(logits.device), logits.shape[-1])
-    perturbed = torch.where(in_nucleus, scaled + noise, torch.tensor(float("-inf"), device=logits.device))
-    tokens = torch.argmax(perturbed, dim=-1)
-    masked = torch.where(in_nucleus, scaled, torch.tensor(float("-inf"), device=logits.device))
+    masked = scaled if top_p >= 1.0 else torch.where(nucleus_mass_before(scaled) < top_p, scaled,
+                                                     torch.tensor(float("-inf"), device=dev))
+    blocks = _blocks(masked)
+    block_scores = torch.logsumexp(blocks, dim=-1)  # log-mass of each block (-inf when empty)
+    block = torch.argmax(block_scores + _block_gumbel(seeds, positions, blocks.shape[1]), dim=-1)
+    rows = torch.arange(blocks.shape[0], device=dev)
+    inner = blocks[rows, block] + _inner_gumbel(seeds, positions, block)
+    tokens = block * BLOCK + torch.argmax(inner, dim=-1)
     logprobs = torch.log_softmax(masked, dim=-1).gather(-1, tokens[:, None])[:, 0]
     return tokens, logprobs
 
@@ -131,8 +185,9 @@ def sample_step(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
 class ReplayScores:
     """Per-position replay of one completion (all [T] fp32 tensors).
 
-    margin: best perturbed score among tokens surely in the nucleus minus the chosen token's
-        (<= 0 when the chosen token is the argmax; small positive values are numerical near-ties).
+    margin: how far the chosen token's perturbed score falls short of the best, at whichever level
+        (block or token) is worse; <= 0 when the sampler picks it, small positive values are numerical
+        near-ties.
     outside: how far the chosen token lies outside the nucleus, in probability mass
         (mass_before - top_p; <= 0 when inside).
     logprob_hi / logprob_lo: the chosen token's logprob with the smallest / largest nucleus that
@@ -151,7 +206,8 @@ def replay_scores(logits: torch.Tensor, seed: int | torch.Tensor, positions: tor
 
     `seed` is one int, or a [T] int64 tensor (one per row, to replay many rollouts in one call).
     `nucleus_slack` widens the nucleus boundary both ways so that a token whose membership depends on
-    numerical noise is neither required nor forbidden.
+    numerical noise is neither required nor forbidden: competitors come from the surely-in set, the
+    chosen token's block is scored with the maybe-in set (the lenient side of each comparison).
     """
     if isinstance(seed, torch.Tensor):
         if seed.shape != positions.shape or (seed < 0).any():
@@ -161,6 +217,7 @@ def replay_scores(logits: torch.Tensor, seed: int | torch.Tensor, positions: tor
     check_sampling(temperature, top_p)
     logits = logits.float()
     dev = logits.device
+    n, v = logits.shape
     chosen = chosen_ids.to(dev, torch.int64)[:, None]
     if temperature == 0.0:
         margin = logits.max(dim=-1).values - logits.gather(-1, chosen)[:, 0]
@@ -168,22 +225,32 @@ def replay_scores(logits: torch.Tensor, seed: int | torch.Tensor, positions: tor
         return ReplayScores(margin, zero - 1.0, zero, zero)
     scaled = logits / temperature
     neg_inf = torch.tensor(float("-inf"), device=dev)
+    is_chosen = torch.arange(v, device=dev)[None, :] == chosen
     if top_p < 1.0:
         before = nucleus_mass_before(scaled)
-        surely_in = before < max(top_p - nucleus_slack, 0.0)
-        surely_in |= before == 0.0  # the most likely token is always in
+        surely_in = (before < max(top_p - nucleus_slack, 0.0)) | (before == 0.0)  # the top token is always in
         maybe_in = before < min(top_p + nucleus_slack, 1.0 + 1e-6)
         outside = before.gather(-1, chosen)[:, 0] - top_p
+        sure = torch.where(surely_in | is_chosen, scaled, neg_inf)
+        maybe = torch.where(maybe_in | is_chosen, scaled, neg_inf)
     else:
-        surely_in = maybe_in = torch.ones_like(scaled, dtype=torch.bool)
-        outside = torch.full((scaled.shape[0],), -1.0, device=dev)
+        sure = maybe = scaled
+        outside = torch.full((n,), -1.0, device=dev)
     seeds = (seed.to(dev, torch.int64) if isinstance(seed, torch.Tensor)
-             else torch.full((scaled.shape[0],), seed, dtype=torch.int64, device=dev))
-    perturbed = scaled + gumbel_noise_batch(seeds, positions.to(dev, torch.int64), scaled.shape[-1])
-    best = torch.where(surely_in, perturbed, neg_inf).max(dim=-1).values
-    margin = best - perturbed.gather(-1, chosen)[:, 0]
+             else torch.full((n,), seed, dtype=torch.int64, device=dev))
+    positions = positions.to(dev, torch.int64)
+    block_c = chosen[:, 0] // BLOCK
+    rows = torch.arange(n, device=dev)
+    # Level 1: the chosen token's block against every block.
+    sure_blocks = _blocks(sure)
+    gb = _block_gumbel(seeds, positions, sure_blocks.shape[1])
+    best_block = (torch.logsumexp(sure_blocks, dim=-1) + gb).max(dim=-1).values
+    chosen_block = torch.logsumexp(_blocks(maybe)[rows, block_c], dim=-1) + gb[rows, block_c]
+    # Level 2: the chosen token against the others in its block.
+    inner = sure_blocks[rows, block_c] + _inner_gumbel(seeds, positions, block_c)
+    chosen_inner = inner[rows, chosen[:, 0] - block_c * BLOCK]
+    margin = torch.maximum(best_block - chosen_block, inner.max(dim=-1).values - chosen_inner)
     # Smallest nucleus -> largest logprob; largest nucleus -> smallest.
-    lp_hi = torch.log_softmax(torch.where(surely_in | (torch.arange(scaled.shape[-1], device=dev)[None] == chosen),
-                                          scaled, neg_inf), dim=-1).gather(-1, chosen)[:, 0]
-    lp_lo = torch.log_softmax(torch.where(maybe_in, scaled, neg_inf), dim=-1).gather(-1, chosen)[:, 0]
+    lp_hi = torch.log_softmax(sure, dim=-1).gather(-1, chosen)[:, 0]
+    lp_lo = torch.log_softmax(maybe, dim=-1).gather(-1, chosen)[:, 0]
     return ReplayScores(margin, outside, lp_hi, torch.minimum(lp_lo, lp_hi))

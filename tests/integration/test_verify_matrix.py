@@ -82,7 +82,7 @@ def items_for(prompt_list, seeds, results, temperature=1.0, top_p=1.0, max_token
 
 HONEST_CONFIGS = [  # (dtype, batch size, threads, sampling index): 8 configs x 64 rollouts = 512
     ("bfloat16", 1, 1, 0), ("bfloat16", 16, 2, 0), ("bfloat16", 5, 2, 1), ("bfloat16", 16, 1, 1),
-    ("float32", 1, 2, 0), ("float32", 16, 1, 0), ("float32", 3, 1, 1), ("bfloat16", 8, 1, 0),
+    ("float32", 2, 2, 0), ("float32", 16, 1, 0), ("float32", 3, 1, 1), ("bfloat16", 8, 1, 0),
 ]
 
 

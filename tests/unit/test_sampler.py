@@ -6,40 +6,49 @@ import math
 import pytest
 import torch
 
-from verify.sampler import (MAX_SEED, gumbel_noise, gumbel_noise_batch, hash_uniform, nucleus_mass_before,
+from verify.sampler import (BLOCK, MAX_SEED, block_uniform, gumbel_noise, gumbel_noise_batch, hash_uniform, nucleus_mass_before,
                             replay_scores, sample_step)
 
-M32 = 0xFFFFFFFF
+M64 = (1 << 64) - 1
 
 
-def _fmix(h: int) -> int:
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & M32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
+def _fmix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
 
 
-def _mix(h: int, x: int) -> int:
-    return _fmix((((h ^ (x & M32)) * 0x9E3779B9) & M32) ^ 0x27D4EB2F)
+GAMMA = 0x9E3779B97F4A7C15
+
+
+def _key(seed: int, position: int) -> int:
+    return _fmix64(_fmix64((seed + GAMMA) & M64) ^ ((position * 0xD6E8FEB86659FD93) & M64))
+
+
+def _stream(key: int, index: int) -> float:
+    return ((_fmix64((key + (index + 1) * GAMMA) & M64) >> 11) + 0.5) / 2.0**53
 
 
 def reference_uniform(seed: int, position: int, token: int) -> float:
-    """Independent pure-Python (arbitrary precision ints) implementation of the documented hash."""
-    h = _fmix(seed & M32)
-    h = _mix(h, (seed >> 32) & 0x7FFFFFFF)
-    h = _mix(h, position)
-    h = _mix(_mix(h, token), 0x5BD1E995)
-    return (h + 0.5) / 2.0**32
+    """Independent pure-Python (unsigned big-int) SplitMix64 implementation of the documented hash."""
+    return _stream(_key(seed, position), token)
+
+
+def reference_block_uniform(seed: int, position: int, block: int) -> float:
+    return _stream(_fmix64(_key(seed, position) ^ 0xA0761D6478BD642F), block)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 + 7, 2**40 + 3, MAX_SEED])
 def test_hash_matches_pure_python_reference(seed):
     positions = torch.tensor([0, 1, 77, 4095])
     u = hash_uniform(torch.full((4,), seed, dtype=torch.int64), positions, 300)
+    seeds = torch.full((4,), seed, dtype=torch.int64)
+    ub = block_uniform(seeds, positions, torch.arange(7))
     for row, pos in enumerate(positions.tolist()):
         for tok in (0, 1, 2, 150, 299):
             assert u[row, tok].item() == reference_uniform(seed, pos, tok)
+        for blk in (0, 3, 6):
+            assert ub[row, blk].item() == reference_block_uniform(seed, pos, blk)
 
 
 def test_uniforms_in_open_interval_and_gumbel_moments():
@@ -56,6 +65,22 @@ def test_seeds_and_positions_decorrelate():
     for other in (gumbel_noise(2, 0, 5000), gumbel_noise(1, 1, 5000), gumbel_noise(1 + 2**32, 0, 5000)):
         corr = torch.corrcoef(torch.stack([a, other]))[0, 1].item()
         assert abs(corr) < 0.05
+
+
+def test_two_level_samples_follow_softmax_over_many_blocks():
+    torch.manual_seed(3)
+    v = 3 * BLOCK + 40  # four blocks, the last one partial
+    logits = torch.randn(v) * 2.5
+    n = 40_000
+    tokens, lps = sample_step(logits.repeat(n, 1), torch.arange(n), torch.zeros(n, dtype=torch.int64), 1.0, 1.0)
+    probs = torch.softmax(logits.double(), 0)
+    freq = torch.bincount(tokens, minlength=v).double() / n
+    block_freq = torch.tensor([freq[i:i + BLOCK].sum() for i in range(0, v, BLOCK)])
+    block_mass = torch.tensor([probs[i:i + BLOCK].sum() for i in range(0, v, BLOCK)])
+    assert torch.allclose(block_freq, block_mass, atol=0.01)
+    top = probs.argsort(descending=True)[:10]
+    assert torch.allclose(freq[top], probs[top], atol=0.006)
+    assert torch.allclose(lps, probs.log().float()[tokens], atol=1e-5)
 
 
 def test_samples_follow_softmax():
