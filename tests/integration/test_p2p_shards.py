@@ -97,7 +97,7 @@ async def test_many_shards_in_parallel_byte_exact_with_manifest_check(tmp_path):
 
 
 async def test_busy_when_over_the_concurrency_limit(tmp_path):
-    big = os.urandom(300 * KIB)
+    big = os.urandom(600 * KIB)  # ≥ 0.9 s at the limit below: plenty of time to ask again
     source = {(1, 0): big, (1, 1): b"small"}
     # One slot and a thin uplink, so the first transfer is still running when the second asks.
     server = node(shard_source=lambda s, i: source.get((s, i)), max_concurrent_streams=1, upload_limit=600 * KIB)
@@ -140,7 +140,7 @@ async def test_peer_vanishing_mid_transfer_fails_cleanly_then_another_peer_serve
         await slow.stop()  # the serving peer goes away with the transfer in flight
         with pytest.raises(ShardPeerGone, match="connection lost") as err:
             await transfer
-        assert time.perf_counter() - t0 < 2.0  # noticed from the closed connection, not a timeout
+        assert time.perf_counter() - t0 < 5.0  # no hang (and the error type says: not a timeout)
         assert err.value.peer == slow_id and (err.value.step, err.value.index) == (9, 0)
         assert isinstance(err.value, P2PError)
         assert await client.fetch_shard(fast_id, 9, 0, max_bytes=4 << 20) == data
@@ -151,16 +151,17 @@ async def test_peer_vanishing_mid_transfer_fails_cleanly_then_another_peer_serve
 
 async def test_stalled_transfer_times_out():
     data = os.urandom(256 * KIB)
-    # 2 KiB/s: after the first 64 KiB burst the server trickles; the client's idle timeout fires.
-    async with running(node(shard_source=lambda s, i: data, upload_limit=2 * KIB),
-                       node(read_timeout_s=0.5)) as (server, client):
+    # 1 KiB/s: the server sends one 1 KiB chunk per second; a 0.3 s idle timeout fires between
+    # two chunks (a chunk can arrive late under load, never early).
+    async with running(node(shard_source=lambda s, i: data, upload_limit=1 * KIB),
+                       node(read_timeout_s=0.3)) as (server, client):
         [peer] = await client.connect(server.listen_addrs)
         t0 = time.perf_counter()
         with pytest.raises(ShardFetchTimeout, match="timed out"):
             await client.fetch_shard(peer, 0, 0, max_bytes=1 << 20)
-        assert time.perf_counter() - t0 < 3.0
-        # The server noticed the reset (its blocked write fails) and freed its slot.
-        for _ in range(300):
+        assert time.perf_counter() - t0 < 5.0
+        # The server notices the reset at its next write (≤ 1 s later) and frees its slot.
+        for _ in range(500):
             if server._service.server.active == 0:
                 break
             await asyncio.sleep(0.01)
