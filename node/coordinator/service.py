@@ -51,6 +51,7 @@ class Coordinator:
         self.recent_staleness: deque[int] = deque(maxlen=10_000)
         self._submitting: set[str] = set()
         self._tasks: list[asyncio.Task] = []
+        self.p2p = None
         self.started_ms = now_ms()
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -89,7 +90,9 @@ class Coordinator:
         await asyncio.to_thread(self.training.restore_or_init)
         self._restore_scheduler()
         self.training.start()
-        self._tasks.append(asyncio.create_task(self._expire_loop(), name="expire-assignments"))
+        if self.cfg.p2p.enabled:
+            await self._start_p2p()
+        self._spawn(self._expire_loop(), "expire-assignments")
 
     def _restore_scheduler(self) -> None:
         s = self.scheduler
@@ -101,11 +104,14 @@ class Coordinator:
             s.inflight[a["assignment_id"]] = [PromptSlot.from_json(p) for p in a["prompts"]]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.training is not None:
             await asyncio.to_thread(self.training.stop)
+        if self.p2p is not None:
+            await self.p2p.stop()
         if hasattr(self, "verifier"):
             self.verifier.close()
         self.ledger.close()
@@ -133,6 +139,21 @@ class Coordinator:
         self.scheduler.keep_rate = keep_rate  # oversample prompts when filters drop groups
         self.scheduler.on_step_published(step, consumed, dropped)
         self.metrics.step.set(step)
+        if self.p2p is not None:
+            self._spawn(self.p2p.announce_manifest(step, self.publisher.manifest(step).canonical_hash()),
+                        f"announce-{step}")
+
+    def _spawn(self, coro, name: str) -> None:
+        """A background task owned by the coordinator: cancelled by stop(), failures logged."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.remove(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("%s failed: %s", name, t.exception())
+
+        task.add_done_callback(done)
 
     # -- API operations ----------------------------------------------------------------------------
     def _known_node(self, node_id: str) -> dict:
@@ -162,8 +183,17 @@ class Coordinator:
             p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
         )
 
+    async def _start_p2p(self) -> None:
+        """A libp2p host that nodes bootstrap from and that gossips "step n is out". It serves no
+        shards: every byte the coordinator uploads goes over HTTP, under the one upload cap."""
+        from node.p2p import P2PNode
+
+        self.p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=self.cfg.run.run_id,
+                                       coordinator_key=self.identity.public_hex)
+        await self.p2p.start()
+
     def p2p_bootstrap(self) -> list[str]:
-        return []
+        return list(self.p2p.announce_addrs) if self.p2p is not None else []
 
     def heartbeat(self, node_id: str, req: M.HeartbeatRequest) -> M.HeartbeatResponse:
         self._known_node(node_id)

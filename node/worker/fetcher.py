@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import shutil
 import sys
 import time
@@ -25,6 +26,9 @@ from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, chec
                                  shard_file_name, verify_manifest, verify_shard)
 
 log = logging.getLogger("prime_node.fetcher")
+
+
+SOURCE_RANK = {"peer": 0, "relay": 1, "coordinator": 2}
 
 
 class FetchError(Exception):
@@ -112,6 +116,8 @@ class Fetcher:
     scores: dict[str, SourceScore] = field(default_factory=dict)
     bytes_by_kind: Counter = field(default_factory=Counter)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    on_shards: Callable[[int, str, list[int]], None] = lambda step, manifest_hash, indices: None
+    manifest_hashes: dict[int, str] = field(default_factory=dict)  # shared with a PeerSource
 
     def score(self, src: ShardSource) -> SourceScore:
         return self.scores.setdefault(src.name, SourceScore())
@@ -217,17 +223,22 @@ class Fetcher:
         shards_dir.mkdir(parents=True, exist_ok=True)
         (partial / "manifest.json").write_bytes(m.to_json_bytes())
         todo = [i for i in range(m.num_shards) if not self._have_shard(m, shards_dir, i)]
+        self.manifest_hashes[step] = m.canonical_hash()
+        self.on_shards(step, m.canonical_hash(), [i for i in range(m.num_shards) if i not in todo])
         bar = _bar(self.progress, m.compressed_size, f"step {step}")
         bar.update(m.compressed_size - sum(m.shards[i].zsize for i in todo))
-        sem = asyncio.Semaphore(self.parallel)
+        remaining = set(todo)
 
-        async def one(i: int) -> None:
-            async with sem:
+        async def slot() -> None:
+            while remaining:
+                i = self._pick(step, remaining)
+                remaining.discard(i)
                 await self._fetch_shard(m, shards_dir, i)
                 bar.update(m.shards[i].zsize)
+                self.on_shards(step, m.canonical_hash(), [i])
 
         try:
-            await asyncio.gather(*(one(i) for i in todo))
+            await asyncio.gather(*(slot() for _ in range(min(self.parallel, len(todo)))))
         finally:
             bar.close()
         base = None
@@ -240,6 +251,19 @@ class Fetcher:
         await asyncio.to_thread(reconstruct_payload, m, reader, tmp, base_payload=base)
         self.store.commit(step, m, tmp)
         log.info("holding step %d (%s, %d shards, %.2f MB)", step, m.encoding, m.num_shards, m.compressed_size / 1e6)
+
+    def _pick(self, step: int, remaining: set[int]) -> int:
+        """Rarest first among shards some peer already holds, else a random one: nodes that start
+        together pull different shards from the origin and then trade them."""
+        counts = {i: sum(len(h(step, i)) for h in self._holder_fns()) for i in remaining}
+        with_peers = [i for i in remaining if counts[i] > 0]
+        if with_peers:
+            rarest = min(counts[i] for i in with_peers)
+            return random.choice([i for i in with_peers if counts[i] == rarest])
+        return random.choice(sorted(remaining))
+
+    def _holder_fns(self):
+        return [s.holders for s in self.sources if hasattr(s, "holders") and not self.score(s).banned]
 
     @staticmethod
     def _have_shard(m: Manifest, shards_dir: Path, i: int) -> bool:
@@ -258,10 +282,12 @@ class Fetcher:
         part = shards_dir / (shard_file_name(i) + ".part")
         attempts = 0
         while True:
-            candidates = self.usable()
+            candidates = [s for s in self.usable() if not hasattr(s, "has") or s.has(m.step, i)]
             if not candidates:
-                raise FetchError("every source was dropped after serving bad data")
-            src = candidates[(i + attempts) % len(candidates)]  # spread shards over sources, best first
+                raise FetchError(f"no source can serve shard {i} of step {m.step}")
+            # The origin's uplink is the scarce resource: peers first, then relays, then the coordinator.
+            candidates.sort(key=lambda s: SOURCE_RANK.get(s.kind, 1))
+            src = candidates[attempts % len(candidates)]
             attempts += 1
             offset = part.stat().st_size if part.exists() and src.kind != "peer" else 0
             if offset >= entry.zsize:
@@ -288,7 +314,10 @@ class Fetcher:
                 verify_shard(m, i, whole)
             except CheckpointError as e:
                 part.unlink(missing_ok=True)
-                self._ban(src, f"shard {i} of step {m.step} failed verification: {e}")
+                if hasattr(src, "report_bad"):  # a swarm source drops the one peer, not every peer
+                    src.report_bad(m.step, i)
+                else:
+                    self._ban(src, f"shard {i} of step {m.step} failed verification: {e}")
                 continue
             final = shards_dir / shard_file_name(i)
             tmp = final.with_suffix(".tmp")

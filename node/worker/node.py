@@ -119,18 +119,46 @@ class WorkerNode:
             self.backend = await asyncio.to_thread(self._build_backend, spec)
             sources = [HttpSource(self.url, "coordinator", session)]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
-            self.fetcher = Fetcher(CheckpointStore(self.root), sources, key, keep=spec.async_level + 1,
+            store = CheckpointStore(self.root)
+            self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1,
                                    on_new_step=self._on_new_step, progress=self.status_line)
-            held = self.fetcher.store.held_steps()
+            held = store.held_steps()
             if held:
-                self._on_new_step(held[-1], self.fetcher.store.payload_path(held[-1]))
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.fetcher.run(self.stop_event), name="fetch")
-                tg.create_task(self._heartbeat_loop(), name="heartbeat")
-                tg.create_task(self._work_loop(), name="work")
-                if self.status_line:
-                    tg.create_task(self._status_loop(), name="status")
+                self._on_new_step(held[-1], store.payload_path(held[-1]))
+            self.p2p = await self._start_p2p(spec, key, store) if self.cfg.p2p.enabled else None
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self.fetcher.run(self.stop_event), name="fetch")
+                    tg.create_task(self._heartbeat_loop(), name="heartbeat")
+                    tg.create_task(self._work_loop(), name="work")
+                    if self.p2p is not None:
+                        tg.create_task(self.announcer.run(self.stop_event), name="announce")
+                    if self.status_line:
+                        tg.create_task(self._status_loop(), name="status")
+            finally:
+                if self.p2p is not None:
+                    await self.p2p.stop()
         log.info("worker stopped (accepted %d, rejected %d rollouts)", self.stats.accepted, self.stats.rejected)
+
+    async def _start_p2p(self, spec: M.RunSpec, key: str, store: CheckpointStore):
+        """Join the run's libp2p swarm: peers become one more shard source, and we serve ours."""
+        from node.p2p import P2PNode
+        from node.worker.peers import HaveAnnouncer, PeerSource, local_shard_getter
+
+        p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=spec.run_id, coordinator_key=key,
+                                  shard_source=local_shard_getter(store),
+                                  bootstrap=[*self.cfg.p2p.bootstrap, *spec.p2p_bootstrap])
+        await p2p.start()
+        self.fetcher.sources.append(PeerSource(p2p, self.fetcher.manifest_hashes))
+        self.announcer = HaveAnnouncer(p2p)
+        self.fetcher.on_shards = self.announcer.add
+
+        def on_announcement(event) -> None:  # a new manifest: fetch now rather than at the next poll
+            if event.announcement.kind == "manifest":
+                self.fetcher.wake.set()
+
+        p2p.add_listener(on_announcement)
+        return p2p
 
     async def _join(self) -> M.RunSpec:
         backoff = 1.0

@@ -1,0 +1,103 @@
+"""The libp2p swarm as one shard source of the fetcher, plus batched "I hold shards" announcements.
+
+Peers are untrusted like every source: the fetcher verifies each shard against the signed manifest
+and reports a bad one here, which drops that peer (not the whole swarm) for the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import defaultdict
+
+from node.worker.sources import SourceError
+from protocol.checkpoint import shard_file_name
+
+log = logging.getLogger("prime_node.peers")
+
+
+class PeerSource:
+    kind = "peer"
+    name = "peer:swarm"
+
+    def __init__(self, p2p, manifest_hashes: dict[int, str]):
+        self.p2p = p2p
+        self.hashes = manifest_hashes  # step -> manifest hash, filled by the fetcher
+        self.banned: set[str] = set()
+        self._last: dict[tuple[int, int], str] = {}
+
+    def holders(self, step: int, index: int) -> list[str]:
+        h = self.hashes.get(step)
+        return [p for p in self.p2p.peers_with(step, index, h)
+                if p not in self.banned and p != self.p2p.peer_id] if h else []
+
+    def has(self, step: int, index: int) -> bool:
+        return bool(self.holders(step, index))
+
+    async def listing(self) -> dict:
+        raise SourceError("peers do not list checkpoints")
+
+    async def manifest(self, step: int) -> bytes:
+        raise SourceError("manifests come from the coordinator or a relay")
+
+    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
+        from protocol.errors import PrimeNodeError
+
+        holders = self.holders(step, index)
+        if not holders:
+            raise SourceError(f"no peer holds shard {index} of step {step}")
+        peer = random.choice(holders[:4])  # among the freshest announcers, spread the load
+        self._last[(step, index)] = peer
+        try:
+            return await self.p2p.fetch_shard(peer, step, index, max_bytes, manifest_hash=self.hashes[step])
+        except PrimeNodeError as e:
+            raise SourceError(f"peer {peer[:12]}: {e}") from None
+
+    def report_bad(self, step: int, index: int) -> None:
+        peer = self._last.get((step, index))
+        if peer:
+            self.banned.add(peer)
+            log.warning("dropping peer %s for this run: it served a bad shard %d of step %d", peer, index, step)
+
+
+class HaveAnnouncer:
+    """Collects verified shard indices and announces them in batches (gossip has a rate limit)."""
+
+    def __init__(self, p2p, interval: float = 0.3):
+        self.p2p = p2p
+        self.interval = interval
+        self._pending: dict[tuple[int, str], set[int]] = defaultdict(set)
+        self._wake = asyncio.Event()
+
+    def add(self, step: int, manifest_hash: str, indices) -> None:
+        self._pending[(step, manifest_hash)].update(indices)
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            except TimeoutError:
+                continue
+            await asyncio.sleep(self.interval)  # let a few more shards join the batch
+            self._wake.clear()
+            batch, self._pending = self._pending, defaultdict(set)
+            for (step, h), idx in batch.items():
+                try:
+                    await self.p2p.announce_have(step, sorted(idx), h)
+                except Exception as e:  # announcing is best effort; downloads go on without it
+                    log.debug("announce failed: %s", e)
+
+
+def local_shard_getter(store):
+    """Serve shards we hold, including verified ones of a step still downloading."""
+
+    def get(step: int, index: int) -> bytes | None:
+        name = shard_file_name(int(index))
+        for d in (store.ckpt_dir / str(int(step)) / "shards", store.partial_dir(step) / "shards"):
+            p = d / name
+            if p.is_file():
+                return p.read_bytes()
+        return None
+
+    return get
