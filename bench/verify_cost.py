@@ -108,7 +108,9 @@ def training_step(model, lr: float):
     return model.eval()
 
 
+@torch.no_grad()
 def relative_change(a, b) -> float:
+    """||theta_b - theta_a|| / ||theta_a|| over all parameters."""
     num = sum((pa - pb).float().pow(2).sum() for pa, pb in zip(a.parameters(), b.parameters()))
     den = sum(pa.float().pow(2).sum() for pa in a.parameters())
     return float((num / den).sqrt())
@@ -167,7 +169,7 @@ def plot(calib: dict, thresholds: Thresholds, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("mant_err_mean", thresholds.mant_err_mean, "TOPLOC mean mantissa error (ulps, worst chunk)"),
+    panels = [("commitment_ratio", 1.0, "TOPLOC worst chunk statistic / its limit"),
               ("exp_mismatch_frac", thresholds.exp_mismatch_frac, "TOPLOC exponent mismatches (fraction)"),
               ("logprob_mean", thresholds.logprob_mean, "mean |logprob deviation| (nats)"),
               ("sample_margin_max", thresholds.sample_margin, "max sampling replay margin")]
@@ -202,7 +204,7 @@ def main() -> int:
     for name, scores in calib["scores"].items():
         summary[name] = {k: {"median": float(np.median([s[k] for s in scores])), "max": float(max(s[k] for s in scores))}
                          for k in ("logprob_mean", "logprob_max", "sample_margin_max", "exp_mismatch_frac",
-                                   "mant_err_mean", "mant_err_median")}
+                                   "mant_err_mean", "mant_err_median", "commitment_ratio")}
     out = {"bench": "verify_cost", "quick": args.quick, "host": platform.processor() or platform.machine(),
            "torch": torch.__version__, "cost": cost, "thresholds": asdict(th),
            "calibration": {"verdicts": calib["verdicts"], "score_summary": summary,

@@ -225,36 +225,43 @@ def parse_commitment(text: str) -> list[ChunkProof]:
 
 
 @dataclass(frozen=True)
-class CommitmentScores:
-    """Worst chunk's statistics (each chunk is checked on its own; one bad chunk fails the rollout)."""
-
+class ChunkScore:
     exp_mismatch_frac: float  # fraction of top-k entries whose sign/exponent differ
     mant_err_mean: float  # mean |mantissa difference| in bf16 ulps over exponent matches
     mant_err_median: float
-    chunks: int
+    points: int  # how many entries were compared (statistics over fewer points are noisier)
 
 
-def score_commitment(proofs: list[ChunkProof], hidden) -> CommitmentScores:
-    """Compare proofs against recomputed hidden states [N, H]. A chunk-count mismatch is maximal error."""
+MISMATCH = ChunkScore(1.0, 128.0, 128.0, TOPK)  # what a structurally wrong proof scores
+
+
+def score_commitment(proofs: list[ChunkProof], hidden) -> list[ChunkScore]:
+    """Compare proofs against recomputed hidden states [N, H], one score per 32-token chunk.
+
+    Each chunk is judged on its own (one bad chunk fails the rollout). A chunk-count or point-count
+    mismatch scores as a complete mismatch.
+    """
     bounds = chunk_bounds(hidden.shape[0])
     if len(proofs) != len(bounds):
-        return CommitmentScores(1.0, 128.0, 128.0, len(bounds))
-    worst = [0.0, 0.0, 0.0]
+        return [MISMATCH]
+    scores = []
     for (s, e), pr in zip(bounds, proofs):
         bits = bf16_bits(hidden[s:e])
         k = points_per_chunk(len(bits))
         if len(pr.coeffs) != k:
-            return CommitmentScores(1.0, 128.0, 128.0, len(bounds))
+            return [MISMATCH]
         idx = _topk_by_magnitude(bits, k)
         claimed = evaluate(pr.coeffs, idx % pr.modulus, pr.modulus)
         actual = bits[idx]
         exp_ok = (claimed >> 7) == (actual >> 7)  # sign + 8 exponent bits
         mant = np.abs((claimed & 0x7F) - (actual & 0x7F))[exp_ok]
-        mismatch = float(1.0 - exp_ok.mean())
-        mean = float(mant.mean()) if len(mant) else 128.0
-        median = float(np.median(mant)) if len(mant) else 128.0
-        worst = [max(worst[0], mismatch), max(worst[1], mean), max(worst[2], median)]
-    return CommitmentScores(worst[0], worst[1], worst[2], len(bounds))
+        scores.append(ChunkScore(
+            exp_mismatch_frac=float(1.0 - exp_ok.mean()),
+            mant_err_mean=float(mant.mean()) if len(mant) else 128.0,
+            mant_err_median=float(np.median(mant)) if len(mant) else 128.0,
+            points=k,
+        ))
+    return scores
 
 
 @contextlib.contextmanager

@@ -73,13 +73,18 @@ def test_commitment_round_trip_and_scores():
     proofs = parse_commitment(text)
     assert len(proofs) == 3 and all(len(p.coeffs) == TOPK for p in proofs)
     exact = score_commitment(proofs, hidden)
-    assert exact.exp_mismatch_frac == 0 and exact.mant_err_mean == 0 and exact.mant_err_median == 0
+    assert len(exact) == 3 and all(c.points == TOPK for c in exact)
+    assert all(c.exp_mismatch_frac == 0 and c.mant_err_mean == 0 and c.mant_err_median == 0 for c in exact)
     noisy = score_commitment(proofs, hidden * (1 + 0.003 * torch.randn_like(hidden)))
-    assert noisy.mant_err_mean < 2 and noisy.exp_mismatch_frac < 0.1
+    assert all(c.mant_err_mean < 2 and c.exp_mismatch_frac < 0.1 for c in noisy)
     other = score_commitment(proofs, torch.randn(70, 256) * 3)
-    assert other.exp_mismatch_frac > 0.5
+    assert all(c.exp_mismatch_frac > 0.5 for c in other)
+    # Only the middle chunk differs: it alone scores badly.
+    mixed = hidden.clone()
+    mixed[32:64] = torch.randn(32, 256) * 3
+    assert [c.exp_mismatch_frac > 0.5 for c in score_commitment(proofs, mixed)] == [False, True, False]
     # Wrong number of tokens -> wrong chunk count -> maximal error.
-    assert score_commitment(proofs, hidden[:40]).exp_mismatch_frac == 1.0
+    assert score_commitment(proofs, hidden[:40])[0].exp_mismatch_frac == 1.0
 
 
 def test_bytes_per_32_tokens_within_budget():
