@@ -25,7 +25,8 @@ from typing import Any, Callable
 from protocol.checkpoint import (MAX_MANIFEST_BYTES, CheckpointError, DirShardReader, Manifest, check_forward,
                                  check_parent, decompress_shard, load_manifest, open_base, read_manifest_bytes,
                                  resolve_base, scan_shard_dir, verify_shard, verify_signature, xor_into)
-from protocol.checkpoint.parallel import ordered_map
+from protocol.checkpoint.parallel import BufferPool, ordered_map
+from protocol.checkpoint.reconstruct import pooled_reader
 
 HTTP_TIMEOUT_S = 30.0
 _STEP_IN_URL = re.compile(r"/v1/checkpoints/([0-9]+)$")
@@ -138,17 +139,27 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
         base, can_hash = None, False
     digest = hashlib.sha256()
 
+    window = threads + 1
+    buffers = BufferPool(manifest.shards[0].size, window + 1)
+    read_shard = pooled_reader(manifest, reader)
+
     def check(index: int) -> bytearray:
-        data = reader(index)
-        verify_shard(manifest, index, data)
-        return decompress_shard(manifest, index, data)
+        with read_shard(index) as data:
+            verify_shard(manifest, index, data)
+            buf = buffers.acquire()
+            try:
+                decompress_shard(manifest, index, data, out=memoryview(buf)[:manifest.shards[index].size])
+            except BaseException:
+                buffers.release(buf)
+                raise
+        return buf
 
     todo = [i for i in range(manifest.num_shards) if i not in skip]
     can_hash = can_hash and not skip
     try:
         with tqdm(total=manifest.total_size, unit="B", unit_scale=True, desc=f"verify step {manifest.step}",
                   file=sys.stderr, disable=not progress, leave=False) as bar:
-            for index, fut in ordered_map(check, todo, threads=threads):
+            for index, fut in ordered_map(check, todo, threads=threads, window=window):
                 err = fut.exception()
                 if err is not None:
                     if not isinstance(err, CheckpointError):
@@ -157,12 +168,15 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
                     can_hash = False
                     continue
                 report.shards_ok += 1
-                raw = memoryview(fut.result())
+                buf = fut.result()
+                raw = memoryview(buf)[:manifest.shards[index].size]
                 bar.update(len(raw))
                 if can_hash:
                     if base is not None:
                         xor_into(raw, base.read(manifest.shard_offset(index), len(raw)))
                     digest.update(raw)
+                raw.release()
+                buffers.release(buf)
     finally:
         if base is not None and base is not base_payload:
             base.close()

@@ -27,6 +27,36 @@ def compress_shard(raw: bytes | bytearray | memoryview, level: int) -> bytes:
     return cctx.compress(raw)
 
 
+class _HashingWriter:
+    """File-like sink for zstd's stream writer: hashes and writes each compressed chunk as it comes."""
+
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def compress_shard_to(raw: bytes | bytearray | memoryview, level: int, f) -> tuple[int, str]:
+    """Compress `raw` as one zstd frame straight into the open binary file `f`; return (zsize, sha256).
+
+    Streams through zstd's small output buffer instead of materializing the compressed shard, which
+    saves a shard-sized allocation (and its page faults) per shard.
+    """
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    sink = _HashingWriter(f)
+    with cctx.stream_writer(sink, size=len(raw), write_size=1 << 20, closefd=False) as writer:
+        writer.write(raw)
+    return sink.size, sink.sha.hexdigest()
+
+
 def _entry(manifest: Manifest, index: int):
     if not (type(index) is int and 0 <= index < manifest.num_shards):
         raise CheckpointError("shard_index", f"shard {index!r} does not exist (the manifest lists "

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ..identity import Identity
-from .codec import compress_shard, xor_into
+from .codec import compress_shard_to, xor_into
 from .errors import CheckpointError
 from .manifest import (DEFAULT_SHARD_SIZE, FORMAT, MAX_SHARD_SIZE, MAX_SHARDS, MIN_SHARD_SIZE, Manifest,
                        sign_manifest)
-from .parallel import ordered_map
+from .parallel import BufferPool, ordered_map
 from .payload import PayloadLayout, open_layout
 from .reconstruct import BasePayload, open_base
 from .shard_files import MANIFEST_NAME, SHARDS_DIR, shard_file_name
@@ -100,31 +100,36 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
             payload_tmp = Path(payload_out).with_name(f".{Path(payload_out).name}.tmp-{uuid.uuid4().hex[:12]}")
             payload_file = open(payload_tmp, "wb")
 
-        def compress_and_write(item: tuple[int, bytearray]) -> dict[str, Any]:
-            index, raw = item
-            z = compress_shard(raw, level)
-            with open(tmp / SHARDS_DIR / shard_file_name(index), "xb") as f:
-                f.write(z)
-            return {"index": index, "size": len(raw), "zsize": len(z), "sha256": hashlib.sha256(z).hexdigest()}
+        window = threads + 1
+        buffers = BufferPool(min(shard_size, total), window + 1)
+
+        def compress_and_write(item: tuple[int, bytearray, int]) -> dict[str, Any]:
+            index, buf, size = item
+            try:
+                with open(tmp / SHARDS_DIR / shard_file_name(index), "xb") as f:
+                    zsize, digest = compress_shard_to(memoryview(buf)[:size], level, f)
+            finally:
+                buffers.release(buf)
+            return {"index": index, "size": size, "zsize": zsize, "sha256": digest}
 
         def produce():
             # Runs in this thread, lazily, as the pool asks for more: fill, hash, (XOR), hand over.
             for index in range(num_shards):
                 offset = index * shard_size
-                raw = bytearray(min(shard_size, total - offset))
-                view = memoryview(raw)
+                size = min(shard_size, total - offset)
+                buf = buffers.acquire()
+                view = memoryview(buf)[:size]
                 layout.read_into(offset, view)
                 payload_hash.update(view)
                 if payload_file is not None:
                     payload_file.write(view)
                 if base is not None:
-                    xor_into(view, base.read(offset, len(raw)))
-                yield index, raw
+                    xor_into(view, base.read(offset, size))
+                yield index, buf, size
 
         entries = []
         with _progress_bar(progress, total, f"pack step {step}") as bar:
-            for (index, raw), fut in ordered_map(compress_and_write, produce(), threads=threads,
-                                                 window=threads + 1):
+            for _, fut in ordered_map(compress_and_write, produce(), threads=threads, window=window):
                 entries.append(fut.result())
                 bar.update(entries[-1]["size"])
         if payload_file is not None:

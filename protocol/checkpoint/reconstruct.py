@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 from .codec import decompress_shard, verify_shard, xor_into
 from .errors import CheckpointError
 from .manifest import Manifest, verify_manifest
-from .parallel import ordered_map
+from .parallel import BufferPool, ordered_map
 from .payload import MAX_HEADER_BYTES
 from .shard_files import MANIFEST_NAME, DirShardReader, load_manifest, scan_shard_dir
 
@@ -30,11 +30,15 @@ ShardReader = Callable[[int], bytes]
 
 @dataclass
 class BasePayload:
-    """Random access to the base step's raw payload (bytes in memory or a file read with os.preadv)."""
+    """Random access to the base step's raw payload (bytes in memory or a file read with os.preadv).
+
+    A slice returned by `read` is only valid until the next `read` (not thread-safe: one reader thread).
+    """
 
     size: int
     _data: memoryview | None = None
     _fd: int | None = None
+    _scratch: bytearray | None = None
 
     def read(self, offset: int, length: int) -> memoryview:
         if offset < 0 or offset + length > self.size:
@@ -42,8 +46,10 @@ class BasePayload:
                                                    f"byte {offset + length} was needed")
         if self._data is not None:
             return self._data[offset:offset + length]
-        buf = bytearray(length)
-        view, done = memoryview(buf), 0
+        # One scratch buffer, reused: callers XOR the slice right away (fresh buffers cost page faults).
+        if self._scratch is None or len(self._scratch) < length:
+            self._scratch = bytearray(length)
+        view, done = memoryview(self._scratch)[:length], 0
         while done < length:
             n = os.preadv(self._fd, [view[done:]], offset + done)
             if n <= 0:
@@ -82,10 +88,37 @@ def open_base(base: Any) -> BasePayload:
     raise CheckpointError("base_mismatch", f"a base payload must be bytes or a path, not {type(base).__name__}")
 
 
+def pooled_reader(manifest: Manifest, shard_reader: ShardReader):
+    """`read(i)` as a context manager giving the compressed bytes of shard i.
+
+    Readers that offer `read_into(index, buffer) -> memoryview` (DirShardReader does) fill a reusable
+    per-thread buffer, so streaming a checkpoint does not allocate (and page-fault) every shard anew.
+    """
+    import contextlib
+    import threading
+
+    read_into = getattr(shard_reader, "read_into", None)
+    local = threading.local()
+    largest = max(s.zsize for s in manifest.shards)
+
+    @contextlib.contextmanager
+    def read(index: int):
+        if read_into is None:
+            yield shard_reader(index)
+            return
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(largest + 1)
+        yield read_into(index, buf)
+
+    return read
+
+
 def iter_payload(manifest: Manifest, shard_reader: ShardReader, *, base: BasePayload | None = None,
                  threads: int = 2) -> Iterator[tuple[int, memoryview]]:
     """Yield (index, raw payload slice) in order, every shard verified and decompressed within bounds.
 
+    The slice is only valid until the next iteration (shard buffers are recycled); copy it to keep it.
     Does not check the whole-payload hash; `reconstruct_payload` does.
     """
     if manifest.encoding == "xor-delta":
@@ -96,16 +129,35 @@ def iter_payload(manifest: Manifest, shard_reader: ShardReader, *, base: BasePay
             raise CheckpointError("base_mismatch", f"base payload is {base.size} bytes but step "
                                                    f"{manifest.step} has {manifest.total_size}: wrong base")
 
-    def fetch(index: int) -> bytearray:
-        compressed = shard_reader(index)
-        verify_shard(manifest, index, compressed)
-        return decompress_shard(manifest, index, compressed)
+    window = threads + 1
+    buffers = BufferPool(manifest.shards[0].size, window + 1)
 
-    for index, fut in ordered_map(fetch, range(manifest.num_shards), threads=threads):
-        raw = memoryview(fut.result())
+    read_shard = pooled_reader(manifest, shard_reader)
+
+    def fetch(index: int) -> tuple[bytearray, memoryview]:
+        with read_shard(index) as compressed:
+            verify_shard(manifest, index, compressed)
+            buf = buffers.acquire()
+            try:
+                view = memoryview(buf)[:manifest.shards[index].size]
+                decompress_shard(manifest, index, compressed, out=view)
+            except BaseException:
+                buffers.release(buf)
+                raise
+        return buf, view
+
+    for index, fut in ordered_map(fetch, range(manifest.num_shards), threads=threads, window=window):
+        buf, raw = fut.result()
         if manifest.encoding == "xor-delta":
             xor_into(raw, base.read(manifest.shard_offset(index), len(raw)))
-        yield index, raw
+        try:
+            yield index, raw
+        finally:
+            try:
+                raw.release()  # the buffer is reused: a view kept by the consumer must not see later shards
+            except BufferError:
+                pass
+            buffers.release(buf)
 
 
 def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path: str | os.PathLike | None,

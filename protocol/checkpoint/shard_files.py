@@ -42,9 +42,8 @@ def parse_shard_index(text: str, num_shards: int | None = None) -> int:
     return index
 
 
-def read_regular_file(path: Path, limit: int, *, what: str, missing_code: str = "missing_shard",
-                      shard: int | None = None) -> bytes:
-    """Read at most `limit` bytes of a regular, non-symlink file; more than `limit` is an error."""
+def _open_regular(path: Path, *, what: str, missing_code: str, shard: int | None) -> int:
+    """fd of a regular file that is not a symlink (O_NOFOLLOW), or a CheckpointError saying why not."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
@@ -53,9 +52,22 @@ def read_regular_file(path: Path, limit: int, *, what: str, missing_code: str = 
         if e.errno == errno.ELOOP:
             raise CheckpointError("bad_shard_name", f"{what} is a symlink (refused)", shard=shard) from None
         raise CheckpointError("io_error", f"{what}: {e.strerror}", shard=shard) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError("bad_shard_name", f"{what} is not a regular file", shard=shard)
+    return fd
+
+
+def _too_large(what: str, limit: int, shard: int | None) -> CheckpointError:
+    return CheckpointError("shard_size" if shard is not None else "manifest_too_large",
+                           f"{what} is larger than the {limit} bytes allowed", shard=shard)
+
+
+def read_regular_file(path: Path, limit: int, *, what: str, missing_code: str = "missing_shard",
+                      shard: int | None = None) -> bytes:
+    """Read at most `limit` bytes of a regular, non-symlink file; more than `limit` is an error."""
+    fd = _open_regular(path, what=what, missing_code=missing_code, shard=shard)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError("bad_shard_name", f"{what} is not a regular file", shard=shard)
         chunks, total = [], 0
         while total <= limit:
             chunk = os.read(fd, min(limit + 1 - total, 64 * 1024 * 1024))
@@ -66,9 +78,26 @@ def read_regular_file(path: Path, limit: int, *, what: str, missing_code: str = 
     finally:
         os.close(fd)
     if total > limit:
-        raise CheckpointError("shard_size" if shard is not None else "manifest_too_large",
-                              f"{what} is larger than the {limit} bytes allowed", shard=shard)
+        raise _too_large(what, limit, shard)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def read_regular_file_into(path: Path, buf: bytearray, limit: int, *, what: str,
+                           shard: int | None = None) -> memoryview:
+    """Like `read_regular_file`, into `buf` (len >= limit + 1); returns the filled slice."""
+    fd = _open_regular(path, what=what, missing_code="missing_shard", shard=shard)
+    view, total = memoryview(buf), 0
+    try:
+        while total <= limit:
+            n = os.readv(fd, [view[total:limit + 1]])
+            if n == 0:
+                break
+            total += n
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise _too_large(what, limit, shard)
+    return view[:total]
 
 
 def _check_shards_dir(ckpt_dir: Path) -> Path:
@@ -136,3 +165,9 @@ class DirShardReader:
         entry = self.manifest.shards[index]
         return read_regular_file(self.shards_dir / shard_file_name(index), entry.zsize,
                                  what=f"shard {index} ({shard_relpath(index)})", shard=index)
+
+    def read_into(self, index: int, buf: bytearray) -> memoryview:
+        """The shard's bytes read into `buf` (at least zsize + 1 long): no allocation per shard."""
+        entry = self.manifest.shards[index]
+        return read_regular_file_into(self.shards_dir / shard_file_name(index), buf, entry.zsize,
+                                      what=f"shard {index} ({shard_relpath(index)})", shard=index)
