@@ -253,3 +253,34 @@ def test_attack_commitment_copied(verifier, honest):
         donor = group[(group.index(i) + 1) % len(group)] if len(group) > 1 else (i + 1) % len(res)
         forged.append(replace(r, commitment=res[donor].commitment))
     assert_all_rejected(verifier, items_for(ps, seeds, forged), {"commitment", "shape"})
+
+
+def test_shape_and_termination_checks(verifier, honest):
+    ps, seeds, res = honest
+    r = next(x for x in res if x.finish_reason == "length")
+    i = res.index(r)
+    p, s = ps[i], seeds[i]
+
+    def verdict(claim, **kw):
+        args = dict(seed=s, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, eos_token_id=EOS)
+        args.update(kw)
+        return verifier.verify(p, claim, **args)
+
+    assert verdict(r).ok
+    cases = {
+        "shape": [replace(r, logprobs=r.logprobs[:-1]), replace(r, logprobs=[0.5] + r.logprobs[1:]),
+                  replace(r, finish_reason="abort"), replace(r, completion_ids=[VOCAB] + r.completion_ids[1:]),
+                  replace(r, commitment="!!"), replace(r, completion_ids=[], logprobs=[]),
+                  replace(r, logprobs=[float("nan")] + r.logprobs[1:])],
+        "termination": [replace(r, finish_reason="stop"),  # no EOS at the end
+                        replace(r, completion_ids=r.completion_ids[:3] + [EOS] + r.completion_ids[4:])],
+    }
+    for reason, claims in cases.items():
+        for claim in claims:
+            v = verdict(claim)
+            assert not v.ok and v.reason == reason, (claim, v)
+    assert verdict(r, max_tokens=MAX_TOKENS - 1).reason == "shape"  # more tokens than allowed
+    assert verdict(r, max_tokens=MAX_TOKENS + 1).reason == "termination"  # "length" before max_tokens
+    assert verdict(r, seed=-5).reason == "shape"
+    # Dicts (as parsed from JSON) are accepted too.
+    assert verifier.verify(p, r.__dict__, s, 1.0, 1.0, MAX_TOKENS, EOS).ok
