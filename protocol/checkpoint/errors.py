@@ -9,9 +9,10 @@ class CheckpointError(PrimeNodeError):
 
     `code` is a short machine reason, stable for callers to branch on (a fetcher retries another peer on
     "shard_hash" but gives up on "bad_signature"). Codes: manifest_schema, manifest_too_large,
-    bad_signature, unknown_signer, rollback, run_mismatch, parent_chain, shard_index, shard_size,
+    missing_manifest, bad_signature, unknown_signer, rollback, run_mismatch, parent_chain, shard_index, shard_size,
     shard_hash, decompress_bomb, decompress_error, missing_shard, extra_shard, bad_shard_name,
-    payload_hash, base_mismatch, delta_layout, bad_payload, out_exists, io_error.
+    payload_hash, base_mismatch, delta_layout, bad_payload, out_exists, step_mismatch (URL vs manifest),
+    io_error.
     `shard` is the shard index the failure is about, or None.
     """
 

@@ -113,7 +113,7 @@ def _check_shards_dir(ckpt_dir: Path) -> Path:
 
 def read_manifest_bytes(ckpt_dir: str | os.PathLike) -> bytes:
     return read_regular_file(Path(ckpt_dir) / MANIFEST_NAME, MAX_MANIFEST_BYTES,
-                             what=f"{Path(ckpt_dir) / MANIFEST_NAME}", missing_code="manifest_schema")
+                             what=f"{Path(ckpt_dir) / MANIFEST_NAME}", missing_code="missing_manifest")
 
 
 def load_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
