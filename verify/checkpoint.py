@@ -119,7 +119,12 @@ def _as_manifest(parent: Any, trusted_keys: set[str], report: Report) -> Manifes
     if parent is None or isinstance(parent, Manifest):
         return parent
     try:
-        manifest = load_manifest(parent)
+        if is_url(str(parent)):
+            base_url = str(parent).rstrip("/").removesuffix("/manifest")
+            manifest = Manifest.from_json_bytes(http_get(f"{base_url}/manifest", MAX_MANIFEST_BYTES,
+                                                         what="parent manifest"))
+        else:
+            manifest = load_manifest(parent)
         verify_signature(manifest, trusted_keys)
         return manifest
     except CheckpointError as e:

@@ -1,6 +1,5 @@
 """`prime-node checkpoint pack|unpack` and `prime-node verify checkpoint` as real processes, plus HTTP."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +129,11 @@ def test_verify_url_served_by_real_aiohttp(packed):
         assert "payload sha256 verified" in out.stdout
         r = verify_checkpoint_url(server.url(1), {pub}, parent=root / "c0", base=root / "c0")
         assert r.ok and r.payload_verified, r.failures
+        out = cli("verify", "checkpoint", server.url(1), "--key", pub, "--parent", server.url(0), "--base",
+                  root / "c0", check_rc=0)  # the parent can be a URL too
+        assert "payload sha256 verified" in out.stdout
+        line = one_clear_line(cli("verify", "checkpoint", server.url(0), "--key", pub, "--parent", server.url(1)))
+        assert "parent_chain" in line
         line = one_clear_line(cli("verify", "checkpoint", server.url(7), "--key", pub))
         assert "HTTP 404" in line
         import urllib.error
