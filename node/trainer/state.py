@@ -80,6 +80,7 @@ def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: 
     meta = _read_json(snap / "trainer.json")
     if meta.get("format") != FORMAT:
         raise TrainerStateError(f"{snap}: not a prime-node trainer state ({meta.get('format')!r})")
+    kwargs.pop("state_dir", None)  # snapshots keep going to the directory resumed from
     trainer = cls(snap / "model", cfg, state_dir=state_dir, **kwargs)
     trainer.model_dir = snap / "model"
     structure = _read_json(snap / "optimizer.json")

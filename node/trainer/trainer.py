@@ -8,6 +8,7 @@ each group as it arrives, step when the batch is full) identical to training on 
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +36,8 @@ _TOKEN_WEIGHTED = ("masked_frac", "clipped_frac", "mean_ratio", "kl", "nll", "te
 
 
 class Trainer:
+    """Not thread-safe: call every method from one thread (the coordinator's trainer thread)."""
+
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig | None = None, *, batch_prompts: int = 8,
                  state_dir: str | Path | None = None, stream: bool = False, temperature: float = 1.0,
                  max_sequence_tokens: int = 32768, device: str = "cpu", attn_implementation: str = "sdpa") -> None:
@@ -51,6 +54,9 @@ class Trainer:
         self.model = load_model(model_dir, dtype="float32", attn_implementation=attn_implementation, device=device)
         self.model.train()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if positions:  # a longer sequence would index past the position table
+            self.max_sequence_tokens = min(self.max_sequence_tokens, int(positions))
         self.optimizer = self._new_optimizer(self.cfg.lr)
         self.loss_fn = resolve_loss(self.cfg.mode, self.cfg.loss)
         self.advantage_fn = resolve_advantage(self.cfg.advantage)
@@ -184,11 +190,13 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.div_(tokens)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if tokens else 0.0
-        if tokens > 0 and torch.isfinite(torch.tensor(grad_norm)):
+        # A non-finite gradient (a custom loss gone wrong) must not poison the weights: skip the update.
+        skipped = not (tokens > 0 and math.isfinite(grad_norm))
+        if not skipped:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return {"loss": self._win["loss_sum"] / max(tokens, 1), "grad_norm": grad_norm,
-                "loss_tokens": tokens, "lr": optimizer.param_groups[0]["lr"]}
+                "loss_tokens": tokens, "lr": optimizer.param_groups[0]["lr"], "optimizer_skipped": skipped}
 
     def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
         # foreach=False: the single-tensor path is bit-reproducible across save/resume.

@@ -201,3 +201,22 @@ def test_weights_for_broadcast(model_dir):
     assert emb.abs().sum() > 0
     f32 = Trainer(model_dir, TrainerConfig(broadcast_dtype="float32"), batch_prompts=1).weights_for_broadcast()
     assert all(v.dtype == torch.float32 for v in f32.values())
+
+
+def nan_loss(inputs, **kwargs):
+    from node.trainer.loss import LossOutputs
+
+    return LossOutputs(loss=inputs.trainer_logprobs.sum() * float("nan"))
+
+
+def test_a_non_finite_gradient_skips_the_update_instead_of_poisoning_weights(model_dir):
+    from node.trainer.config import LossConfig
+
+    cfg = TrainerConfig(loss=LossConfig(type="custom", import_path="tests.unit.test_trainer_step:nan_loss"))
+    t = Trainer(model_dir, cfg, batch_prompts=1)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.add_group(make_groups(1, seed=12)[0])
+    assert t.step()["optimizer_skipped"] is True
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(p.grad is None for p in t.model.parameters())
