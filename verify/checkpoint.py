@@ -153,7 +153,10 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
             verify_shard(manifest, index, data)
             buf = buffers.acquire()
             try:
-                decompress_shard(manifest, index, data, out=memoryview(buf)[:manifest.shards[index].size])
+                raw = memoryview(buf)[:manifest.shards[index].size]
+                decompress_shard(manifest, index, data, out=raw)
+                if base is not None:  # un-XOR here, in the worker threads; hashing stays in order
+                    xor_into(raw, base.read(manifest.shard_offset(index), len(raw)))
             except BaseException:
                 buffers.release(buf)
                 raise
@@ -177,8 +180,6 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
                 raw = memoryview(buf)[:manifest.shards[index].size]
                 bar.update(len(raw))
                 if can_hash:
-                    if base is not None:
-                        xor_into(raw, base.read(manifest.shard_offset(index), len(raw)))
                     digest.update(raw)
                 raw.release()
                 buffers.release(buf)

@@ -12,8 +12,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -32,13 +33,13 @@ ShardReader = Callable[[int], bytes]
 class BasePayload:
     """Random access to the base step's raw payload (bytes in memory or a file read with os.preadv).
 
-    A slice returned by `read` is only valid until the next `read` (not thread-safe: one reader thread).
+    A slice returned by `read` is only valid until the same thread's next `read`.
     """
 
     size: int
     _data: memoryview | None = None
     _fd: int | None = None
-    _scratch: bytearray | None = None
+    _local: threading.local = field(default_factory=threading.local)
 
     def read(self, offset: int, length: int) -> memoryview:
         if offset < 0 or offset + length > self.size:
@@ -46,10 +47,12 @@ class BasePayload:
                                                    f"byte {offset + length} was needed")
         if self._data is not None:
             return self._data[offset:offset + length]
-        # One scratch buffer, reused: callers XOR the slice right away (fresh buffers cost page faults).
-        if self._scratch is None or len(self._scratch) < length:
-            self._scratch = bytearray(length)
-        view, done = memoryview(self._scratch)[:length], 0
+        # One scratch buffer per thread, reused: callers XOR the slice right away (fresh buffers cost
+        # page faults), and shards are un-XORed by several worker threads at once.
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or len(scratch) < length:
+            scratch = self._local.scratch = bytearray(length)
+        view, done = memoryview(scratch)[:length], 0
         while done < length:
             n = os.preadv(self._fd, [view[done:]], offset + done)
             if n <= 0:
@@ -115,10 +118,13 @@ def pooled_reader(manifest: Manifest, shard_reader: ShardReader):
 
 
 def iter_payload(manifest: Manifest, shard_reader: ShardReader, *, base: BasePayload | None = None,
-                 threads: int = 2) -> Iterator[tuple[int, memoryview]]:
+                 threads: int = 2, sink: Callable[[int, memoryview], None] | None = None,
+                 ) -> Iterator[tuple[int, memoryview]]:
     """Yield (index, raw payload slice) in order, every shard verified and decompressed within bounds.
 
-    The slice is only valid until the next iteration (shard buffers are recycled); copy it to keep it.
+    Reading, verifying, decompressing, un-XORing and `sink(offset, raw)` (e.g. a positioned write) run in
+    the worker threads; the caller sees the shards in order (to hash them) while the next ones are
+    being processed. The slice is only valid until the next iteration (buffers are recycled).
     Does not check the whole-payload hash; `reconstruct_payload` does.
     """
     if manifest.encoding == "xor-delta":
@@ -141,6 +147,11 @@ def iter_payload(manifest: Manifest, shard_reader: ShardReader, *, base: BasePay
             try:
                 view = memoryview(buf)[:manifest.shards[index].size]
                 decompress_shard(manifest, index, compressed, out=view)
+                offset = manifest.shard_offset(index)
+                if manifest.encoding == "xor-delta":
+                    xor_into(view, base.read(offset, len(view)))
+                if sink is not None:
+                    sink(offset, view)
             except BaseException:
                 buffers.release(buf)
                 raise
@@ -148,8 +159,6 @@ def iter_payload(manifest: Manifest, shard_reader: ShardReader, *, base: BasePay
 
     for index, fut in ordered_map(fetch, range(manifest.num_shards), threads=threads, window=window):
         buf, raw = fut.result()
-        if manifest.encoding == "xor-delta":
-            xor_into(raw, base.read(manifest.shard_offset(index), len(raw)))
         try:
             yield index, raw
         finally:
@@ -173,23 +182,30 @@ def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path:
     out_path = Path(out_path) if out_path is not None else None
     tmp = None
     digest = hashlib.sha256()
+    fd = None
     try:
-        f = None
+        sink = None
         if out_path is not None:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = out_path.with_name(f".{out_path.name}.tmp-{uuid.uuid4().hex[:12]}")
-            f = open(tmp, "xb")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            os.ftruncate(fd, manifest.total_size)
+
+            def sink(offset: int, raw: memoryview) -> None:
+                # Workers write their own shards at their offsets: writing is parallel, hashing stays
+                # in order in this thread. The file only gets its real name after the hash matched.
+                done = 0
+                while done < len(raw):
+                    done += os.pwritev(fd, [raw[done:]], offset + done)
+
         with tqdm(total=manifest.total_size, unit="B", unit_scale=True, desc=f"unpack step {manifest.step}",
                   file=sys.stderr, disable=not progress, leave=False) as bar:
-            try:
-                for _, raw in iter_payload(manifest, shard_reader, base=base, threads=threads):
-                    digest.update(raw)
-                    if f is not None:
-                        f.write(raw)
-                    bar.update(len(raw))
-            finally:
-                if f is not None:
-                    f.close()
+            for _, raw in iter_payload(manifest, shard_reader, base=base, threads=threads, sink=sink):
+                digest.update(raw)
+                bar.update(len(raw))
+        if fd is not None:
+            os.close(fd)
+            fd = None
         got = digest.hexdigest()
         if got != manifest.sha256:
             hint = " (wrong base for this xor-delta?)" if manifest.encoding == "xor-delta" else ""
@@ -200,6 +216,8 @@ def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path:
             tmp = None
         return got
     finally:
+        if fd is not None:
+            os.close(fd)
         if base is not None and base is not base_payload:
             base.close()
         if tmp is not None:
