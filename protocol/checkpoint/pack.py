@@ -2,8 +2,9 @@
 
 Memory: the payload is produced one shard at a time straight from the tensors (or source files), so
 packing holds the model once (if given as tensors) plus about `threads + 2` shards in flight.
-Work split: the calling thread fills each shard, feeds the payload hash (sequential by nature) and XORs
-against the base; a pool of `threads` compresses, hashes and writes shards (zstd/hashlib drop the GIL).
+Work split: the calling thread fills each shard and feeds the payload hash (sequential by nature); a
+pool of `threads` XORs against the base, compresses, hashes and writes shards (zstd/hashlib/numpy drop
+the GIL).
 Atomicity: everything is written into a hidden temporary directory next to `out_dir`, renamed into
 place only after the manifest is on disk; a crash leaves at worst a `.NAME.tmp-*` directory.
 """
@@ -106,6 +107,8 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
         def compress_and_write(item: tuple[int, bytearray, int]) -> dict[str, Any]:
             index, buf, size = item
             try:
+                if base is not None:  # after the payload hash saw the plain bytes, before compression
+                    xor_into(memoryview(buf)[:size], base.read(index * shard_size, size))
                 with open(tmp / SHARDS_DIR / shard_file_name(index), "xb") as f:
                     zsize, digest = compress_shard_to(memoryview(buf)[:size], level, f)
             finally:
@@ -123,8 +126,6 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
                 payload_hash.update(view)
                 if payload_file is not None:
                     payload_file.write(view)
-                if base is not None:
-                    xor_into(view, base.read(offset, size))
                 yield index, buf, size
 
         entries = []
