@@ -177,7 +177,8 @@ def sample_step(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     rows = torch.arange(blocks.shape[0], device=dev)
     inner = blocks[rows, block] + _inner_gumbel(seeds, positions, block)
     tokens = block * BLOCK + torch.argmax(inner, dim=-1)
-    logprobs = torch.log_softmax(masked, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    # log p = s_token - logsumexp(s), the latter from the block log-masses already at hand.
+    logprobs = masked.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(block_scores, dim=-1)
     return tokens, logprobs
 
 
@@ -224,16 +225,16 @@ def replay_scores(logits: torch.Tensor, seed: int | torch.Tensor, positions: tor
         zero = torch.zeros_like(margin)
         return ReplayScores(margin, zero - 1.0, zero, zero)
     scaled = logits / temperature
-    neg_inf = torch.tensor(float("-inf"), device=dev)
-    is_chosen = torch.arange(v, device=dev)[None, :] == chosen
     if top_p < 1.0:
+        neg_inf = torch.tensor(float("-inf"), device=dev)
+        is_chosen = torch.arange(v, device=dev)[None, :] == chosen
         before = nucleus_mass_before(scaled)
         surely_in = (before < max(top_p - nucleus_slack, 0.0)) | (before == 0.0)  # the top token is always in
         maybe_in = before < min(top_p + nucleus_slack, 1.0 + 1e-6)
         outside = before.gather(-1, chosen)[:, 0] - top_p
         sure = torch.where(surely_in | is_chosen, scaled, neg_inf)
         maybe = torch.where(maybe_in | is_chosen, scaled, neg_inf)
-    else:
+    else:  # one nucleus (everything): compute each quantity once
         sure = maybe = scaled
         outside = torch.full((n,), -1.0, device=dev)
     seeds = (seed.to(dev, torch.int64) if isinstance(seed, torch.Tensor)
@@ -243,14 +244,16 @@ def replay_scores(logits: torch.Tensor, seed: int | torch.Tensor, positions: tor
     rows = torch.arange(n, device=dev)
     # Level 1: the chosen token's block against every block.
     sure_blocks = _blocks(sure)
+    sure_scores = torch.logsumexp(sure_blocks, dim=-1)
     gb = _block_gumbel(seeds, positions, sure_blocks.shape[1])
-    best_block = (torch.logsumexp(sure_blocks, dim=-1) + gb).max(dim=-1).values
-    chosen_block = torch.logsumexp(_blocks(maybe)[rows, block_c], dim=-1) + gb[rows, block_c]
+    best_block = (sure_scores + gb).max(dim=-1).values
+    maybe_scores = sure_scores if maybe is sure else torch.logsumexp(_blocks(maybe), dim=-1)
+    chosen_block = maybe_scores[rows, block_c] + gb[rows, block_c]
     # Level 2: the chosen token against the others in its block.
     inner = sure_blocks[rows, block_c] + _inner_gumbel(seeds, positions, block_c)
     chosen_inner = inner[rows, chosen[:, 0] - block_c * BLOCK]
     margin = torch.maximum(best_block - chosen_block, inner.max(dim=-1).values - chosen_inner)
-    # Smallest nucleus -> largest logprob; largest nucleus -> smallest.
-    lp_hi = torch.log_softmax(sure, dim=-1).gather(-1, chosen)[:, 0]
-    lp_lo = torch.log_softmax(maybe, dim=-1).gather(-1, chosen)[:, 0]
+    # Smallest nucleus -> largest logprob; largest nucleus -> smallest. log p = s - logsumexp(s).
+    lp_hi = sure.gather(-1, chosen)[:, 0] - torch.logsumexp(sure_scores, dim=-1)
+    lp_lo = lp_hi if maybe is sure else maybe.gather(-1, chosen)[:, 0] - torch.logsumexp(maybe_scores, dim=-1)
     return ReplayScores(margin, outside, lp_hi, torch.minimum(lp_lo, lp_hi))
