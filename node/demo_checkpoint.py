@@ -31,6 +31,7 @@ class CheckpointServer:
         self.host = host
         self.port: int | None = None
         self.requests = 0
+        self._manifests: dict[int, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -54,7 +55,9 @@ class CheckpointServer:
         try:
             if "index" not in request.match_info:
                 return web.Response(body=read_manifest_bytes(ckpt), content_type="application/json")
-            manifest = load_manifest(ckpt)
+            manifest = self._manifests.get(step)
+            if manifest is None:  # parsed once per step, not on every shard request
+                manifest = self._manifests[step] = load_manifest(ckpt)
             index = parse_shard_index(request.match_info["index"], manifest.num_shards)
             return web.Response(body=DirShardReader(ckpt, manifest)(index), content_type="application/octet-stream")
         except CheckpointError as e:
@@ -71,7 +74,7 @@ class CheckpointServer:
         await runner.setup()
         site = web.TCPSite(runner, self.host, 0)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = runner.addresses[0][1]
         self._stop = asyncio.Event()
         self._ready.set()
         try:
