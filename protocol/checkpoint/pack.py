@@ -116,7 +116,7 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
             return {"index": index, "size": size, "zsize": zsize, "sha256": digest}
 
         def produce():
-            # Runs in this thread, lazily, as the pool asks for more: fill, hash, (XOR), hand over.
+            # Runs in this thread, lazily, as the pool asks for more: fill, hash the plain bytes, hand over.
             for index in range(num_shards):
                 offset = index * shard_size
                 size = min(shard_size, total - offset)
@@ -166,7 +166,7 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
             payload_file.close()
         if layout is not None:
             layout.close()
-        if base is not None:
+        if base is not None and base is not base_payload:
             base.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
