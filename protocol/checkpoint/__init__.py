@@ -24,7 +24,7 @@ Servers map a URL's `{index}` with `parse_shard_index` and read files with `DirS
 escapes, no symlinks). Every refusal is a `CheckpointError` whose `.code` is a short machine reason and
 whose message names the shard or field. torch is imported only by the tensor-facing functions.
 """
-from .codec import compress_shard, decompress_shard, verify_shard, xor_into
+from .codec import compress_shard, compress_shard_to, decompress_shard, verify_shard, xor_into
 from .errors import CheckpointError
 from .manifest import (DEFAULT_SHARD_SIZE, FORMAT, MAX_MANIFEST_BYTES, Manifest, ShardEntry, check_forward,
                        check_parent, sign_manifest, verify_manifest, verify_signature)
@@ -39,7 +39,8 @@ from .shard_files import (MANIFEST_NAME, SHARDS_DIR, DirShardReader, load_manife
 __all__ = [
     "BasePayload", "CheckpointError", "DEFAULT_SHARD_SIZE", "DirShardReader", "FORMAT", "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES", "Manifest", "PAYLOAD_FILE_NAME", "PayloadLayout", "SHARDS_DIR", "ShardEntry",
-    "check_delta_compatible", "check_forward", "check_parent", "compress_shard", "decompress_shard",
+    "check_delta_compatible", "check_forward", "check_parent", "compress_shard", "compress_shard_to",
+    "decompress_shard",
     "iter_payload", "layout_from_files", "layout_from_state", "load_manifest", "load_payload", "open_base",
     "open_layout", "pack_checkpoint", "parse_header", "parse_shard_index", "read_header_file",
     "read_manifest_bytes", "reconstruct_payload", "resolve_base", "scan_shard_dir", "serialize_state",
