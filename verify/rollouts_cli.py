@@ -28,7 +28,6 @@ Output: one line per rollout on stdout ("ok" or "INVALID <reason>: <detail>"), a
 """
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
