@@ -111,7 +111,6 @@ class Trainer:
         if not self.batch_complete and not (force and (self.pending or self.accumulated)):
             have = len(self.accumulated) if self.stream else len(self.pending)
             raise TrainerError(f"batch incomplete: {have} of {self.batch_prompts} groups")
-        t0 = time.perf_counter()
         if self.stream:
             if force and len(self.accumulated) < self.batch_prompts:
                 self._drain_pending_into_stream()
@@ -119,10 +118,12 @@ class Trainer:
         else:
             batch, self.pending = self.pending[: self.batch_prompts], self.pending[self.batch_prompts:]
             self.forward_backward(batch, self.loss_fn)
+        t0 = time.perf_counter()
         metrics = self._apply_gradients(self.optimizer, self.cfg.max_grad_norm)
         self.step_count += 1
         metrics.update(self._window_metrics(batch))
         metrics["step"] = self.step_count
+        # forward/backward time (spread over add_group calls in stream mode) + the optimizer update
         metrics["seconds"] = self._win["seconds"] + time.perf_counter() - t0
         self._reset_window()
         if self.stream:  # groups that arrived while the batch was full start the next one now
