@@ -67,7 +67,8 @@ def micro_batch_logprobs(model, mb: MicroBatch, temperature: float = 1.0) -> lis
     return list(torch.split(lp, [len(s.pred_index) for s in slices]))
 
 
-def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int],
+                      temperature: float = 1.0) -> torch.Tensor:
     """Reference path: one unpacked sequence through the model's ordinary forward. [len(completion)]"""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids + completion_ids], device=device)
