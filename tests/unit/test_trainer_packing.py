@@ -89,7 +89,8 @@ def test_layouts_match_unpacked_logprobs(model_dir, attn, layout):
                 torch.testing.assert_close(got[s.key], ref[s.key], atol=1e-5, rtol=0)
 
 
-def test_shared_prompt_gradients_match_unpacked(model_dir):
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+def test_packed_gradients_match_unpacked(model_dir, layout):
     model = load_model(model_dir)
     samples = _samples(seed=1)
     weights = {s.key: torch.randn(len(s.completion_ids), generator=torch.Generator().manual_seed(hash(s.key) % 1000))
@@ -103,6 +104,6 @@ def test_shared_prompt_gradients_match_unpacked(model_dir):
     ref = grads(lambda: sum((sequence_logprobs(model, s.prompt_ids, s.completion_ids) * weights[s.key]).sum()
                             for s in samples))
     got = grads(lambda: sum((lp * weights[k]).sum() for k, lp in
-                            _packed_logprobs(model, samples, "shared_prompt", 64).items()))
+                            _packed_logprobs(model, samples, layout, 64).items()))
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-4, msg=name)
