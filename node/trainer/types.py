@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from protocol.errors import PrimeNodeError
 
 
+MAX_ROLLOUTS_PER_GROUP = 1024
+
+
 class RolloutError(PrimeNodeError):
     """A rollout or group that cannot be trained on (wrong shapes, bad numbers, unknown token ids)."""
 
@@ -39,6 +42,8 @@ def validate_group(group: Group, *, vocab_size: int, max_tokens: int, need_teach
         raise RolloutError(f"group {group.prompt_id}: empty prompt")
     if not group.rollouts:
         raise RolloutError(f"group {group.prompt_id}: no rollouts")
+    if len(group.rollouts) > MAX_ROLLOUTS_PER_GROUP:
+        raise RolloutError(f"group {group.prompt_id}: more than {MAX_ROLLOUTS_PER_GROUP} rollouts")
     _check_ids(group.prompt_ids, vocab_size, f"group {group.prompt_id} prompt")
     for i, r in enumerate(group.rollouts):
         where = f"group {group.prompt_id} rollout {i}"
@@ -55,6 +60,8 @@ def validate_group(group: Group, *, vocab_size: int, max_tokens: int, need_teach
             raise RolloutError(f"{where}: reward must be a finite number")
         if r.finish_reason not in ("stop", "length"):
             raise RolloutError(f"{where}: finish_reason must be 'stop' or 'length'")
+        if not isinstance(r.turns, int) or r.turns < 1 or not isinstance(r.policy_step, int) or r.policy_step < 0:
+            raise RolloutError(f"{where}: turns must be an int >= 1 and policy_step an int >= 0")
         if need_teacher:
             t = r.teacher_logprobs
             if t is None or len(t) != len(r.completion_ids):

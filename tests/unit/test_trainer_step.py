@@ -146,6 +146,16 @@ def test_malformed_groups_are_rejected_with_a_clear_error(model_dir):
     g.rollouts[2].inference_logprobs.append(-1.0)
     with pytest.raises(RolloutError, match="logprobs for"):
         t.add_group(g)
+    g = make_groups(1)[0]
+    g.rollouts[0].finish_reason = "tired"
+    with pytest.raises(RolloutError, match="finish_reason"):
+        t.add_group(g)
+    g = make_groups(1)[0]
+    g.rollouts = g.rollouts * 300
+    with pytest.raises(RolloutError, match="more than"):
+        t.add_group(g)
+    with pytest.raises(RolloutError, match="empty prompt"):
+        t.add_group(Group("p", [], [Rollout([6], [-1.0], 1.0)]))
     short = Trainer(model_dir, TrainerConfig(), batch_prompts=1, max_sequence_tokens=8)
     with pytest.raises(RolloutError, match="longer than"):
         short.add_group(Group("p", [5] * 6, [Rollout([6] * 3, [-1.0] * 3, 1.0)]))
