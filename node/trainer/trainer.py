@@ -23,7 +23,7 @@ from node.trainer.forward import micro_batch_logprobs
 from node.trainer.loss import LossInputs, LossOutputs, resolve_loss
 from node.trainer.model import load_model
 from node.trainer.packing import TrainSample, build_micro_batches
-from node.trainer.types import Group, Rollout, validate_group
+from node.trainer.types import Group, validate_group
 from protocol.errors import PrimeNodeError
 
 
