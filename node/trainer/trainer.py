@@ -167,13 +167,13 @@ class Trainer:
             for sl, lp in zip(slices, logprobs):
                 s = sl.sample
                 n = len(s.completion_ids)
+                like = dict(dtype=lp.dtype, device=lp.device)
                 inputs = LossInputs(
                     trainer_logprobs=lp,
-                    inference_logprobs=torch.tensor(s.inference_logprobs, dtype=lp.dtype),
-                    teacher_logprobs=None if s.teacher_logprobs is None
-                    else torch.tensor(s.teacher_logprobs, dtype=lp.dtype),
-                    advantages=torch.full((n,), float(s.advantage), dtype=lp.dtype),
-                    loss_mask=torch.ones(n, dtype=torch.bool),
+                    inference_logprobs=torch.tensor(s.inference_logprobs, **like),
+                    teacher_logprobs=None if s.teacher_logprobs is None else torch.tensor(s.teacher_logprobs, **like),
+                    advantages=torch.full((n,), float(s.advantage), **like),
+                    loss_mask=torch.ones(n, dtype=torch.bool, device=lp.device),
                 )
                 out = loss_fn(inputs)
                 total = out.loss if total is None else total + out.loss

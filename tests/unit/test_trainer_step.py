@@ -230,3 +230,21 @@ def test_a_non_finite_gradient_skips_the_update_instead_of_poisoning_weights(mod
     for k, v in t.model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(p.grad is None for p in t.model.parameters())
+
+
+@pytest.mark.gpu
+def test_training_step_on_cuda_matches_cpu(model_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    groups = make_groups(2, seed=13)
+    cpu = Trainer(model_dir, TrainerConfig(), batch_prompts=2)
+    gpu = Trainer(model_dir, TrainerConfig(), batch_prompts=2, device="cuda")
+    for t in (cpu, gpu):
+        for g in groups:
+            t.add_group(g)
+    m_cpu, m_gpu = cpu.step(), gpu.step()
+    assert m_gpu["loss"] == pytest.approx(m_cpu["loss"], rel=1e-3, abs=1e-5)
+    w = gpu.weights_for_broadcast()
+    assert all(v.device.type == "cpu" for v in w.values())
+    for name, v in cpu.weights_for_broadcast().items():
+        torch.testing.assert_close(w[name].float(), v.float(), atol=1e-2, rtol=1e-2)
