@@ -54,16 +54,19 @@ def run_rl(trainer: Trainer, tokenizer, task, *, steps: int, group_size: int, ma
     """RL loop; returns the mean reward of every step's sampled batch (before that step's update).
 
     With async_level k, batch n is sampled by the policy of step max(0, n − 1 − k) -- the oldest
-    policy the coordinator's window allows -- from a separate model copy fed the broadcast weights.
+    policy the coordinator's window allows -- from a separate model copy fed the broadcast (bf16)
+    weights, as a worker would be.
     """
     gen = torch.Generator().manual_seed(seed)
     sampler = copy.deepcopy(trainer.model)
-    history = [{k: v.clone() for k, v in trainer.model.state_dict().items()}]
+    # What workers get: the broadcast (bf16) weights, so sampler and trainer logprobs differ slightly.
+    history = [trainer.weights_for_broadcast()]
     curve = []
     index = 0
     for _ in range(steps):
         policy_step = max(0, trainer.step_count - async_level)
-        sampler.load_state_dict(history[policy_step])
+        missing, unexpected = sampler.load_state_dict(history[policy_step], strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
         while not trainer.batch_complete:
             problem = task.sample(seed, index)
             index += 1
@@ -76,7 +79,7 @@ def run_rl(trainer: Trainer, tokenizer, task, *, steps: int, group_size: int, ma
             ]
             trainer.add_group(Group(problem.prompt_id, prompt, rollouts))
         curve.append(trainer.step()["reward_mean"])
-        history.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        history.append(trainer.weights_for_broadcast())
     return curve
 
 
