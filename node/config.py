@@ -83,6 +83,9 @@ class DistributionConfig(_Section):
     compression_level: int = Field(1, ge=1, le=22)
     full_every: int = Field(10, ge=1)  # a full checkpoint every N steps (and at step 0)
     relays: list[str] = Field(default_factory=list)
+    # Super-seeding: a shard the origin began sending to a swarm node less than this many seconds ago
+    # is refused (429 "seeded") to other swarm nodes, who get it from peers. 0 = off.
+    super_seed_seconds: float = Field(10.0, ge=0)
 
 
 class DemoConfig(_Section):

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import time
 
 from aiohttp import web
 
 from node.coordinator.http import (
-    MAX_BODY_BYTES, ApiError, RateLimiter, UploadThrottle, error_middleware, file_response, int_param, parse_body, read_signed,
+    MAX_BODY_BYTES, SWARM_HEADER, ApiError, RateLimiter, UploadThrottle, error_middleware, file_response, int_param, parse_body, read_signed,
     shard_path,
 )
 from protocol import messages as M
@@ -58,18 +59,32 @@ def build_app(coord) -> web.Application:
         return _json(await coord.submit(signer, req))
 
     async def checkpoints(request):
-        return _json({"steps": coord.publisher.steps(), "newest": coord.published_step,
-                      "checkpoints": coord.publisher.listing()})
+        steps = coord.servable_steps()
+        return _json({"steps": steps, "newest": coord.published_step,
+                      "checkpoints": [c for c in coord.publisher.listing() if c["step"] in steps]})
 
     async def manifest(request):
         step = int_param(request, "step")
-        data = coord.publisher.manifest_bytes(step)
+        data = coord.publisher.manifest_bytes(step) if step <= coord.published_step else None
         if data is None:
             raise ApiError(404, "not_found", f"no checkpoint for step {step} (available: {coord.publisher.steps()})")
         return web.Response(body=data, content_type="application/json")
 
+    seeded: dict[tuple[int, int], float] = {}  # (step, shard) -> when the origin began sending it
+
     async def shard(request):
         step, index = int_param(request, "step"), int_param(request, "index", 100_000)
+        if step > coord.published_step:
+            raise ApiError(404, "not_found", f"step {step} is not published yet")
+        window = coord.cfg.distribution.super_seed_seconds
+        if window > 0 and request.headers.get(SWARM_HEADER) == "1" and "Range" not in request.headers:
+            now = time.monotonic()
+            if now - seeded.get((step, index), -1e9) < window:
+                raise ApiError(429, "seeded", "this shard is already spreading through the swarm; "
+                                              "fetch it from a peer")
+            seeded[(step, index)] = now
+            if len(seeded) > 100_000:
+                seeded.clear()
 
         def count(n: int) -> None:
             coord.bytes_by_source["coordinator"] += n

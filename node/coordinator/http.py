@@ -20,6 +20,7 @@ log = logging.getLogger("prime_node.http")
 
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from libp2p peers
 
 
 class ApiError(Exception):

@@ -131,7 +131,11 @@ class Coordinator:
     # -- state shared with the training thread -----------------------------------------------------
     @property
     def published_step(self) -> int:
+        """Newest step committed to the ledger: nothing newer is ever served (a crash may redo it)."""
         return self.training.published_step if self.training else 0
+
+    def servable_steps(self) -> list[int]:
+        return [s for s in self.publisher.steps() if s <= self.published_step]
 
     def on_step_published(self, step: int, consumed: dict[int, int], dropped: dict[int, int],
                           keep_rate: float) -> None:
@@ -206,6 +210,8 @@ class Coordinator:
         m = req.policy_step
         if m > self.published_step:
             raise ApiError(400, "malformed", f"policy step {m} has not been published (newest {self.published_step})")
+        if m > self.scheduler.published_step:
+            return None  # published a moment ago; the scheduler hears of it on its next loop turn
         self.ledger.touch(node_id, m)
         aid = assignment_id()
         try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from node.worker.sources import ShardSource, SourceError
+from node.worker.sources import ShardDeferred, ShardSource, SourceError
 from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, reconstruct_payload,
                                  shard_file_name, verify_manifest, verify_shard)
 
@@ -228,12 +228,39 @@ class Fetcher:
         bar = _bar(self.progress, m.compressed_size, f"step {step}")
         bar.update(m.compressed_size - sum(m.shards[i].zsize for i in todo))
         remaining = set(todo)
+        origin_busy = [0]  # slots fetching a shard that no peer holds yet
+        swarm = bool(self._holder_fns())
+        # With peers, each node pulls one shard at a time that nobody holds yet, starting at a place of
+        # its own, so the swarm asks the origin for different shards and trades the rest.
+        start = random.randrange(m.num_shards)
+        order = sorted(range(m.num_shards), key=lambda i: (i - start) % m.num_shards)
+
+        deferred: dict[int, float] = {}  # shard -> until when the origin wants us to ask peers
 
         async def slot() -> None:
             while remaining:
-                i = self._pick(step, remaining)
+                now = time.monotonic()
+                ready = {x for x in remaining if deferred.get(x, 0) <= now}
+                i = self._pick_from_peers(step, ready)
+                from_origin = i is None
+                if from_origin:
+                    i = next((x for x in order if x in ready), None)
+                    if i is None or (swarm and origin_busy[0] >= 1):
+                        await asyncio.sleep(0.05)  # wait for announcements rather than load the origin
+                        continue
+                    origin_busy[0] += 1
                 remaining.discard(i)
-                await self._fetch_shard(m, shards_dir, i)
+                try:
+                    await self._fetch_shard(m, shards_dir, i)
+                except ShardDeferred:  # the origin or every holding peer said "not now"
+                    remaining.add(i)
+                    deferred[i] = time.monotonic() + (2.0 if from_origin else 0.2)
+                    continue
+                except BaseException:
+                    remaining.add(i)
+                    raise
+                finally:
+                    origin_busy[0] -= from_origin
                 bar.update(m.shards[i].zsize)
                 self.on_shards(step, m.canonical_hash(), [i])
 
@@ -252,15 +279,14 @@ class Fetcher:
         self.store.commit(step, m, tmp)
         log.info("holding step %d (%s, %d shards, %.2f MB)", step, m.encoding, m.num_shards, m.compressed_size / 1e6)
 
-    def _pick(self, step: int, remaining: set[int]) -> int:
-        """Rarest first among shards some peer already holds, else a random one: nodes that start
-        together pull different shards from the origin and then trade them."""
+    def _pick_from_peers(self, step: int, remaining: set[int]) -> int | None:
+        """The rarest shard that some peer already holds (random among equals), or None."""
         counts = {i: sum(len(h(step, i)) for h in self._holder_fns()) for i in remaining}
         with_peers = [i for i in remaining if counts[i] > 0]
-        if with_peers:
-            rarest = min(counts[i] for i in with_peers)
-            return random.choice([i for i in with_peers if counts[i] == rarest])
-        return random.choice(sorted(remaining))
+        if not with_peers:
+            return None
+        rarest = min(counts[i] for i in with_peers)
+        return random.choice([i for i in with_peers if counts[i] == rarest])
 
     def _holder_fns(self):
         return [s.holders for s in self.sources if hasattr(s, "holders") and not self.score(s).banned]
@@ -296,6 +322,8 @@ class Fetcher:
             t0 = time.monotonic()
             try:
                 data = await src.shard(m.step, i, entry.zsize, offset)
+            except ShardDeferred:
+                raise
             except SourceError as e:
                 self.score(src).failures += 1
                 if e.data and src.kind != "peer":  # keep what arrived; the next try asks for the rest

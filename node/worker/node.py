@@ -117,7 +117,7 @@ class WorkerNode:
             self.spec = spec = await self._join()
             key = self._pin(spec.coordinator_key)
             self.backend = await asyncio.to_thread(self._build_backend, spec)
-            sources = [HttpSource(self.url, "coordinator", session)]
+            sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled)]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
             store = CheckpointStore(self.root)
             self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1,

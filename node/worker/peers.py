@@ -10,7 +10,7 @@ import logging
 import random
 from collections import defaultdict
 
-from node.worker.sources import SourceError
+from node.worker.sources import ShardDeferred, SourceError
 from protocol.checkpoint import shard_file_name
 
 log = logging.getLogger("prime_node.peers")
@@ -41,17 +41,29 @@ class PeerSource:
         raise SourceError("manifests come from the coordinator or a relay")
 
     async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
+        """From a random holder among the freshest announcers; a busy or vanished peer costs a try
+        of the next one, not a failure of the swarm."""
         from protocol.errors import PrimeNodeError
 
         holders = self.holders(step, index)
         if not holders:
             raise SourceError(f"no peer holds shard {index} of step {step}")
-        peer = random.choice(holders[:4])  # among the freshest announcers, spread the load
-        self._last[(step, index)] = peer
-        try:
-            return await self.p2p.fetch_shard(peer, step, index, max_bytes, manifest_hash=self.hashes[step])
-        except PrimeNodeError as e:
-            raise SourceError(f"peer {peer[:12]}: {e}") from None
+        from node.p2p.errors import ShardBusy
+
+        random.shuffle(holders)
+        errors, busy = [], 0
+        for peer in holders[:4]:
+            self._last[(step, index)] = peer
+            try:
+                return await self.p2p.fetch_shard(peer, step, index, max_bytes, manifest_hash=self.hashes[step])
+            except ShardBusy as e:
+                busy += 1
+                errors.append(f"{peer[:12]}: {e}")
+            except PrimeNodeError as e:
+                errors.append(f"{peer[:12]}: {e}")
+        if busy == len(errors):  # every holder is saturated: try another shard, come back shortly
+            raise ShardDeferred(f"every holder of shard {index} of step {step} is busy")
+        raise SourceError("; ".join(errors))
 
     def report_bad(self, step: int, index: int) -> None:
         peer = self._last.get((step, index))

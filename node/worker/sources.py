@@ -18,6 +18,10 @@ class SourceError(Exception):
         self.data = data
 
 
+class ShardDeferred(SourceError):
+    """The origin asks us to get this shard from peers for now (super-seeding)."""
+
+
 class ShardSource(Protocol):
     name: str
     kind: str  # "coordinator" | "relay" | "peer"
@@ -30,11 +34,12 @@ class ShardSource(Protocol):
 class HttpSource:
     """A coordinator or relay serving DESIGN §5's /v1/checkpoints paths."""
 
-    def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession):
+    def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession, *, swarm: bool = False):
         self.base = base_url.rstrip("/")
         self.name = f"{kind}:{self.base}"
         self.kind = kind
         self.session = session
+        self.swarm = swarm  # we can also fetch from peers: the origin may defer us to them
 
     async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
         try:
@@ -63,10 +68,14 @@ class HttpSource:
     async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
         """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
         headers = {"Range": f"bytes={offset}-"} if offset else {}
+        if self.swarm:
+            headers["X-Prime-Swarm"] = "1"
         url = f"{self.base}/v1/checkpoints/{int(step)}/shards/{int(index)}"
         got = bytearray()
         try:
             async with self.session.get(url, headers=headers) as resp:
+                if resp.status == 429 and b'"seeded"' in await resp.content.read(4096):
+                    raise ShardDeferred(f"{self.name}: shard {index} of step {step} is spreading via peers")
                 if resp.status not in (200, 206) or (offset and resp.status != 206):
                     raise SourceError(f"{self.name}: shard {index} of step {step} answered {resp.status}")
                 async for chunk in resp.content.iter_chunked(256 * 1024):

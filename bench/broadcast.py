@@ -1,0 +1,225 @@
+"""Broadcast benchmark: time until all N nodes hold a new checkpoint under an origin upload cap,
+for origin-only HTTP, one HTTP relay, and the libp2p swarm (N = 2, 4, 8, 16).
+
+Real parts throughout: the coordinator publishes a signed full checkpoint and serves it with its
+upload cap; each node is the worker's real Fetcher (parallel, verified, rarest-first) with, for the
+swarm, its own libp2p host (TCP + Noise + yamux, gossipsub announcements) serving what it holds.
+Each node is its own process (as deployed: one node per machine; generation is not part of a
+broadcast), all on 127.0.0.1.
+
+    python bench/broadcast.py [--sizes 2 4 8 16] [--cap 500000]
+Writes bench/results/broadcast.json and docs/broadcast.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import aiohttp  # noqa: E402
+
+from node.config import load_config  # noqa: E402
+from node.coordinator.app import start_server  # noqa: E402
+from node.coordinator.service import Coordinator  # noqa: E402
+from node.p2p.relay import Relay  # noqa: E402
+from node.worker.fetcher import CheckpointStore, Fetcher, FetchError  # noqa: E402
+from node.worker.peers import HaveAnnouncer, PeerSource, local_shard_getter  # noqa: E402
+from node.worker.sources import HttpSource  # noqa: E402
+from protocol.identity import Identity  # noqa: E402
+
+MODEL = ["model.tiny_hidden_size=192", "model.tiny_layers=4", "distribution.shard_size=131072"]
+
+
+async def run_node(args) -> None:
+    """One fetch-only node in its own process (one node per machine, as deployed): set up, print
+    "ready", wait for "go" on stdin, fetch the newest checkpoint, print the result as JSON."""
+    logging.basicConfig(level=logging.ERROR)
+    store = CheckpointStore(Path(args.dir))
+    done: dict[str, float] = {}
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        sources = [HttpSource(args.origin, "coordinator", session, swarm=args.mode == "swarm")] \
+            if args.mode != "relay" else []
+        if args.mode == "relay":
+            sources.append(HttpSource(args.relay, "relay", session))
+        f = Fetcher(store, sources, args.key, keep=3, on_new_step=lambda s, p: done.setdefault("t", time.monotonic()))
+        p2p = announcer = None
+        if args.mode == "swarm":
+            from node.p2p import P2PNode
+
+            p2p = P2PNode(Identity.generate(), run_id=args.run_id, coordinator_key=args.key,
+                          shard_source=local_shard_getter(store), bootstrap=args.bootstrap)
+            await p2p.start()
+            f.sources.append(PeerSource(p2p, f.manifest_hashes))
+            announcer = HaveAnnouncer(p2p, interval=0.05)
+            f.on_shards = announcer.add
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        bg = asyncio.create_task(announcer.run(stop)) if announcer else None
+        t0 = time.monotonic()
+        while "t" not in done:  # a relay lists the step only once it has mirrored all of it
+            try:
+                if await f.sync_once() is None:
+                    await asyncio.sleep(0.05)
+            except FetchError:  # e.g. the relay is still starting
+                await asyncio.sleep(0.05)
+        print(json.dumps({"seconds": done["t"] - t0, **{k: f.bytes_by_kind[k] for k in ("coordinator", "relay", "peer")}}),
+              flush=True)
+        # keep serving peers until told to stop
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        stop.set()
+        if bg:
+            await bg
+        if p2p:
+            await p2p.stop()
+
+
+async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
+    key = coord.identity.public_hex
+    relay = relay_task = None
+    relay_url = ""
+    if mode == "relay":  # the origin serves the relay; nodes fetch from the relay only
+        with socket.socket() as sock:  # the relay starts with the clock; nodes need its address now
+            sock.bind(("127.0.0.1", 0))
+            relay_port = sock.getsockname()[1]
+        relay_url = f"http://127.0.0.1:{relay_port}"
+        relay = Relay(url, work / "relay", upstream_key=key)
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, __file__, "--node", "--mode", mode, "--dir", str(work / f"n{i}"), "--origin", url,
+               "--key", key, "--run-id", coord.cfg.run.run_id, "--relay", relay_url or "-"]
+        for b in coord.p2p_bootstrap():
+            cmd += ["--bootstrap", b]
+        work.mkdir(parents=True, exist_ok=True)
+        procs.append(await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE,
+                                                          stdout=asyncio.subprocess.PIPE,
+                                                          stderr=open(work / f"n{i}.log", "w")))
+    for p in procs:
+        line = await asyncio.wait_for(p.stdout.readline(), 120)
+        assert line.strip() == b"ready", line
+    if mode == "swarm":
+        await asyncio.sleep(2.0)  # let gossipsub meshes form before the clock starts
+    t0 = time.monotonic()
+    if mode == "relay":
+        relay_task = asyncio.create_task(relay.run("127.0.0.1", relay_port))
+    for p in procs:
+        p.stdin.write(b"go\n")
+        await p.stdin.drain()
+    results = []
+    for i, p in enumerate(procs):
+        line = await asyncio.wait_for(p.stdout.readline(), 600)
+        if not line:
+            raise RuntimeError(f"node {i} died:\n" + (work / f"n{i}.log").read_text()[-3000:])
+        results.append(json.loads(line))
+    total = time.monotonic() - t0
+    for p in procs:
+        p.stdin.write(b"stop\n")
+        await p.stdin.drain()
+    await asyncio.gather(*(p.wait() for p in procs))
+    if relay is not None:
+        relay.stop_event.set()
+        await relay_task
+    payload = coord.publisher.payload_path(0).read_bytes()
+    for i in range(n):
+        assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
+    return {"mode": mode, "nodes": n, "seconds": round(total, 2),
+            "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
+            "bytes_from_relay": sum(r["relay"] for r in results), "bytes_from_peers": sum(r["peer"] for r in results)}
+
+
+async def start_origin(tmp: Path, cap: int):
+    cfg = load_config(REPO / "configs/local.toml", [f"storage.dir={tmp}/coord", *MODEL, "run.max_steps=0",
+                                                   f"distribution.origin_upload_limit={cap}"])
+    coord = Coordinator(cfg, Identity.generate())
+    runner, port = await start_server(coord, "127.0.0.1", 0)
+    return coord, runner, f"http://127.0.0.1:{port}"
+
+
+async def main_async(sizes: list[int], cap: int) -> dict:
+    """A fresh coordinator per round, so no round sees another round's peers in its gossip."""
+    logging.basicConfig(level=logging.ERROR)
+    rows = []
+    compressed = ideal = None
+    for n in sizes:
+        for mode in ("origin", "relay", "swarm"):
+            tmp = Path(tempfile.mkdtemp(prefix="prime-broadcast-"))
+            coord, runner, url = await start_origin(tmp, cap)
+            try:
+                if compressed is None:
+                    compressed = coord.publisher.manifest(0).compressed_size
+                    ideal = compressed / cap
+                    print(f"checkpoint: {compressed / 1e6:.2f} MB compressed, origin cap {cap / 1e6:.2f} MB/s "
+                          f"-> one copy takes {ideal:.2f} s", flush=True)
+                r = await one_round(mode, n, coord, url, tmp / "nodes")
+            finally:
+                await runner.cleanup()
+                await coord.stop()
+                shutil.rmtree(tmp, ignore_errors=True)
+            r["x_one_copy"] = round(r["seconds"] / ideal, 2)
+            rows.append(r)
+            print(f"  N={n:<3} {mode:<7} {r['seconds']:7.2f} s  ({r['x_one_copy']:.2f}x one copy)  "
+                  f"origin {r['bytes_from_origin'] / 1e6:.1f} MB, relay {r['bytes_from_relay'] / 1e6:.1f} MB, "
+                  f"peers {r['bytes_from_peers'] / 1e6:.1f} MB", flush=True)
+    return {"benchmark": "broadcast", "compressed_bytes": compressed, "origin_upload_limit": cap,
+            "one_copy_seconds": round(ideal, 3), "results": rows, "machine": f"{os.cpu_count()} cores"}
+
+
+def plot(doc: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    for mode, color in (("origin", "#d9534f"), ("relay", "#f0ad4e"), ("swarm", "#5cb85c")):
+        rows = [r for r in doc["results"] if r["mode"] == mode]
+        ax.plot([r["nodes"] for r in rows], [r["seconds"] for r in rows], marker="o", label=mode, color=color)
+    ax.axhline(1.5 * doc["one_copy_seconds"], color="gray", ls="--", lw=1, label="1.5 x one copy at the cap")
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("seconds until all hold the checkpoint")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(REPO / "docs" / "broadcast.png")
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--cap", type=int, default=500_000, help="origin upload cap, bytes/s")
+    ap.add_argument("--node", action="store_true", help=argparse.SUPPRESS)  # child process: one node
+    for a in ("--mode", "--dir", "--origin", "--key", "--run-id", "--relay"):
+        ap.add_argument(a, help=argparse.SUPPRESS)
+    ap.add_argument("--bootstrap", action="append", default=[], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.node:
+        asyncio.run(run_node(args))
+        return
+    doc = asyncio.run(main_async(args.sizes, args.cap))
+    out = REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "broadcast.json").write_text(json.dumps(doc, indent=2))
+    plot(doc)
+    print()
+    print(f"{'N':>3} {'origin s':>9} {'relay s':>8} {'swarm s':>8} {'swarm/one copy':>15}")
+    for n in args.sizes:
+        r = {x["mode"]: x for x in doc["results"] if x["nodes"] == n}
+        print(f"{n:>3} {r['origin']['seconds']:>9.2f} {r['relay']['seconds']:>8.2f} {r['swarm']['seconds']:>8.2f} "
+              f"{r['swarm']['x_one_copy']:>14.2f}x")
+
+
+if __name__ == "__main__":
+    main()
