@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from node.aio import sleep_or_stop, wait_any
 from node.worker.sources import ShardDeferred, ShardSource, SourceError
 from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, reconstruct_payload,
                                  shard_file_name, verify_manifest, verify_shard)
@@ -139,11 +140,11 @@ class Fetcher:
                 backoff = 1.0
             except (FetchError, SourceError, CheckpointError) as e:
                 log.warning("fetch failed (%s); retrying in %.0f s", e, backoff)
-                await _sleep_or_stop(stop, backoff)
+                await sleep_or_stop(stop, backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue
             self.wake.clear()
-            await _wait_any(stop, self.wake, poll_seconds)
+            await wait_any(stop, self.wake, timeout=poll_seconds)
 
     async def listing(self) -> dict:
         errors = []
@@ -366,19 +367,3 @@ def _bar(enabled: bool, total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass
-
-
-async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, seconds: float) -> None:
-    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
-    try:
-        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()

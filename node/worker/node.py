@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
+from node.aio import sleep_or_stop, wait_any
 from node.config import Config
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
 from node.worker.fetcher import CheckpointStore, Fetcher
@@ -202,7 +203,7 @@ class WorkerNode:
                     bytes_by_source=dict(self.fetcher.bytes_by_kind)))
             except (Unreachable, CoordinatorError) as e:
                 log.debug("heartbeat failed: %s", e)
-            await _sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds)
+            await sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds)
 
     async def _work_loop(self) -> None:
         backoff = 0.5
@@ -210,7 +211,7 @@ class WorkerNode:
             await self._swap_weights_if_newer()
             if self.backend.policy_step < 0:
                 self.state = "fetching"
-                await _wait_event(self.new_weights, self.stop_event, 1.0)
+                await wait_any(self.new_weights, self.stop_event, timeout=1.0)
                 self.new_weights.clear()
                 continue
             try:
@@ -219,7 +220,7 @@ class WorkerNode:
                 if e.code == "stale_policy":
                     self.state = "fetching"
                     self.fetcher.wake.set()
-                    await _wait_event(self.new_weights, self.stop_event, 2.0)
+                    await wait_any(self.new_weights, self.stop_event, timeout=2.0)
                     self.new_weights.clear()
                     continue
                 if e.status == 403:
@@ -227,18 +228,18 @@ class WorkerNode:
                     self.stop_event.set()
                     return
                 log.warning("%s; backing off %.1f s", e, backoff)
-                await _sleep_or_stop(self.stop_event, backoff)
+                await sleep_or_stop(self.stop_event, backoff)
                 backoff = min(backoff * 2, 30)
                 continue
             except Unreachable as e:
                 log.warning("%s; backing off %.1f s", e, backoff)
-                await _sleep_or_stop(self.stop_event, backoff)
+                await sleep_or_stop(self.stop_event, backoff)
                 backoff = min(backoff * 2, 30)
                 continue
             backoff = 0.5
             if assignment is None:
                 self.state = "idle"
-                await _sleep_or_stop(self.stop_event, 0.2 + random.random() * 0.3)
+                await sleep_or_stop(self.stop_event, 0.2 + random.random() * 0.3)
                 continue
             await self._do_assignment(assignment)
 
@@ -270,7 +271,7 @@ class WorkerNode:
                 break
             except Unreachable as e:
                 log.warning("submit failed (%s); retrying", e)
-                await _sleep_or_stop(self.stop_event, 0.5 * 2 ** attempt)
+                await sleep_or_stop(self.stop_event, 0.5 * 2 ** attempt)
             except CoordinatorError as e:
                 log.warning("submission of %s refused: %s", a.assignment_id, e)
                 self.stats.rejected += len(rollouts)
@@ -293,21 +294,5 @@ class WorkerNode:
                     f"{s.tokens_per_s:7.1f} tok/s | accepted {s.accepted} rejected {s.rejected}   ")
             sys.stderr.write(line)
             sys.stderr.flush()
-            await _sleep_or_stop(self.stop_event, 1.0)
+            await sleep_or_stop(self.stop_event, 1.0)
         sys.stderr.write("\n")
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass
-
-
-async def _wait_event(ev: asyncio.Event, stop: asyncio.Event, seconds: float) -> None:
-    waiters = [asyncio.ensure_future(ev.wait()), asyncio.ensure_future(stop.wait())]
-    try:
-        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
