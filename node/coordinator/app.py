@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.resources
-import json
 import time
 
 from aiohttp import web

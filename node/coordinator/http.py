@@ -3,9 +3,7 @@ and a shard response that honours Range and a shared upload cap."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Awaitable, Callable

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-import time
 from collections import Counter, deque
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from node.coordinator.ledger import Ledger, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.publisher import Publisher
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
-from node.coordinator.verification import PolicyStore, RolloutCheck, VerificationWorker
+from node.coordinator.verification import PolicyStore, VerificationWorker
 from protocol import messages as M
 from protocol.identity import Identity
 

@@ -8,7 +8,6 @@ and an optional upload cap. Nodes find relays in the join response (`distributio
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 from pathlib import Path

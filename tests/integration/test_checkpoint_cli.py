@@ -1,5 +1,4 @@
 """`prime-node checkpoint pack|unpack` and `prime-node verify checkpoint` as real processes, plus HTTP."""
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from node.demo_checkpoint import CheckpointServer, run_checkpoint_roundtrip
+from tests.integration.checkpoint_server import CheckpointServer
 from protocol.checkpoint import load_payload, serialize_state
 from verify.checkpoint import verify_checkpoint_url
 
@@ -156,11 +155,3 @@ def test_url_with_tampered_shard(packed, tmp_path):
     with CheckpointServer({0: tmp_path / "c0"}) as server:
         r = verify_checkpoint_url(server.url(0), {pub})
     assert r.codes == ["shard_size"] and "shard 1" in r.failures[0]
-
-
-def test_demo_round_trip(tmp_path):
-    summary = run_checkpoint_roundtrip(tmp_path, verbose=False)
-    assert summary["bit_exact"] and summary["payload_verified"] and summary["tied_weights_restored"]
-    assert summary["delta_compressed_bytes"] < summary["full_compressed_bytes"]
-    assert summary["server"].startswith("127.0.0.1:") and summary["http_requests"] >= 2 * summary["shards"]
-    json.dumps(summary)

@@ -1,17 +1,9 @@
-"""A real end-to-end checkpoint round trip, used by `make demo` until the swarm exists.
-
-Step 0 is packed full, step 1 as an xor-delta after a small change; both directories are served by a
-real aiohttp server on 127.0.0.1 (ephemeral port) at the coordinator's paths, verified through the URL
-as a worker would, and step 1 is unpacked from its delta and compared bit for bit.
-`CheckpointServer` is a minimal read-only server for those paths (tests and the demo share it).
-"""
+"""A read-only aiohttp server (own thread, 127.0.0.1, ephemeral port) serving arbitrary checkpoint
+directories at the coordinator's paths, so tests can serve tampered checkpoints to the URL verifier."""
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -142,82 +134,3 @@ def _small_update(state: dict, lr: float = 1e-4, seed: int = 1) -> dict:
         out[name] = master.to(torch.bfloat16)
     out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
-
-
-def run_checkpoint_roundtrip(workdir: str | Path, *, verbose: bool = True, shard_size: int = 256 * 1024) -> dict[str, Any]:
-    """Pack step 0 (full) and 1 (xor-delta), serve, verify over HTTP, unpack the delta, compare bits."""
-    import torch
-
-    from protocol.checkpoint import load_payload, pack_checkpoint, unpack_checkpoint
-    from protocol.identity import Identity
-    from verify.checkpoint import verify_checkpoint_url
-
-    def say(text: str) -> None:
-        if verbose:
-            print(text, file=sys.stderr)
-
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    key = Identity.generate()
-    trusted = {key.public_hex}
-    state0 = _small_model_state()
-    state1 = _small_update(state0)
-    summary: dict[str, Any] = {"signer": key.public_hex}
-
-    t = time.perf_counter()
-    m0 = pack_checkpoint(state0, workdir / "ckpt-0", identity=key, step=0, run_id="demo", shard_size=shard_size,
-                         payload_out=workdir / "payload-0.safetensors")
-    t_pack0 = time.perf_counter() - t
-    t = time.perf_counter()
-    m1 = pack_checkpoint(state1, workdir / "ckpt-1", identity=key, step=1, run_id="demo", parent=m0,
-                         base_payload=workdir / "payload-0.safetensors", shard_size=shard_size)
-    t_pack1 = time.perf_counter() - t
-    for m, secs in ((m0, t_pack0), (m1, t_pack1)):
-        say(f"packed {m.describe()} in {secs * 1000:.0f} ms (ratio {m.total_size / m.compressed_size:.2f}x)")
-
-    with CheckpointServer({0: workdir / "ckpt-0", 1: workdir / "ckpt-1"}) as server:
-        t = time.perf_counter()
-        r0 = verify_checkpoint_url(server.url(0), trusted)
-        r1 = verify_checkpoint_url(server.url(1), trusted, parent=m0, base=workdir / "payload-0.safetensors")
-        t_verify = time.perf_counter() - t
-        summary["http_requests"] = server.requests
-        summary["server"] = f"{server.host}:{server.port}"
-    for r in (r0, r1):
-        say(f"{r.source}: {r.summary()}")
-        if not r.ok:
-            raise CheckpointError(r.codes[0], f"demo checkpoint failed verification: {r.failures[0]}")
-
-    t = time.perf_counter()
-    unpack_checkpoint(workdir / "ckpt-0", workdir / "model-0", trusted_keys=trusted)
-    unpack_checkpoint(workdir / "ckpt-1", workdir / "model-1", trusted_keys=trusted, base=workdir / "model-0",
-                      previous=m0)
-    t_unpack = time.perf_counter() - t
-    restored = load_payload(workdir / "model-1" / "model.safetensors")
-    bit_exact = set(restored) == set(state1) and all(
-        torch.equal(restored[k].view(torch.uint8), state1[k].view(torch.uint8)) for k in state1)
-    tied = restored["lm_head.weight"] is restored["model.embed_tokens.weight"]
-    say(f"unpacked step 1 from its delta: bit-exact={bit_exact}, tied weights restored={tied}")
-    if not bit_exact:
-        raise CheckpointError("payload_hash", "demo: unpacked step 1 differs from the packed state")
-    summary.update({
-        "raw_bytes": m0.total_size, "shards": m0.num_shards,
-        "full_compressed_bytes": m0.compressed_size, "delta_compressed_bytes": m1.compressed_size,
-        "full_ratio": round(m0.total_size / m0.compressed_size, 3),
-        "delta_ratio": round(m1.total_size / m1.compressed_size, 3),
-        "pack_full_s": round(t_pack0, 4), "pack_delta_s": round(t_pack1, 4),
-        "verify_http_s": round(t_verify, 4), "unpack_s": round(t_unpack, 4),
-        "payload_verified": r0.payload_verified and r1.payload_verified,
-        "bit_exact": bit_exact, "tied_weights_restored": tied,
-        "parent_hash": m1.parent,
-    })
-    return summary
-
-
-def cmd_checkpoint_demo(args) -> int:
-    import tempfile
-
-    workdir = getattr(args, "workdir", None)
-    with tempfile.TemporaryDirectory(prefix="prime-node-ckpt-demo-") as tmp:
-        summary = run_checkpoint_roundtrip(workdir or tmp)
-    print(json.dumps(summary, indent=2))
-    return 0
