@@ -70,8 +70,6 @@ def ledger_rows(tmp):
 
 @pytest.mark.parametrize("crash_at", ["publish", "intake"])
 async def test_sigkill_and_restart(tmp_path, crash_at):
-    from node.trainer.model import build_tiny_model_dir  # noqa: F401  (import check only)
-
     rng = random.Random(1)
     acked: list = []
     proc, url = start(tmp_path, crash_at)

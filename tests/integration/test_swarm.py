@@ -1,7 +1,4 @@
 """Coordinator + real worker nodes (transformers backend, verification on) on loopback."""
-import asyncio
-import json
-import os
 import signal
 import subprocess
 import sys
