@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import shutil
 import socket
 import sys
@@ -64,6 +65,7 @@ async def run_node(args) -> None:
             f.sources.append(PeerSource(p2p, f.manifest_hashes))
             announcer = HaveAnnouncer(p2p, interval=0.05)
             f.on_shards = announcer.add
+            p2p.add_listener(lambda event: f.announce_change())
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         bg = asyncio.create_task(announcer.run(stop)) if announcer else None
@@ -96,6 +98,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
         relay_url = f"http://127.0.0.1:{relay_port}"
         relay = Relay(url, work / "relay", upstream_key=key)
     procs = []
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     for i in range(n):
         cmd = [sys.executable, __file__, "--node", "--mode", mode, "--dir", str(work / f"n{i}"), "--origin", url,
                "--key", key, "--run-id", coord.cfg.run.run_id, "--relay", relay_url or "-"]
@@ -127,13 +130,15 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
         p.stdin.write(b"stop\n")
         await p.stdin.drain()
     await asyncio.gather(*(p.wait() for p in procs))
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    node_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     if relay is not None:
         relay.stop_event.set()
         await relay_task
     payload = coord.publisher.payload_path(0).read_bytes()
     for i in range(n):
         assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
-    return {"mode": mode, "nodes": n, "seconds": round(total, 2),
+    return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
             "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
             "bytes_from_relay": sum(r["relay"] for r in results), "bytes_from_peers": sum(r["peer"] for r in results)}
 
@@ -170,7 +175,7 @@ async def main_async(sizes: list[int], cap: int) -> dict:
             rows.append(r)
             print(f"  N={n:<3} {mode:<7} {r['seconds']:7.2f} s  ({r['x_one_copy']:.2f}x one copy)  "
                   f"origin {r['bytes_from_origin'] / 1e6:.1f} MB, relay {r['bytes_from_relay'] / 1e6:.1f} MB, "
-                  f"peers {r['bytes_from_peers'] / 1e6:.1f} MB", flush=True)
+                  f"peers {r['bytes_from_peers'] / 1e6:.1f} MB, node CPU {r['node_cpu_seconds']:.0f} s", flush=True)
     return {"benchmark": "broadcast", "compressed_bytes": compressed, "origin_upload_limit": cap,
             "one_copy_seconds": round(ideal, 3), "results": rows, "machine": f"{os.cpu_count()} cores"}
 

@@ -119,6 +119,12 @@ class Fetcher:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     on_shards: Callable[[int, str, list[int]], None] = lambda step, manifest_hash, indices: None
     manifest_hashes: dict[int, str] = field(default_factory=dict)  # shared with a PeerSource
+    holders_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def announce_change(self) -> None:
+        """Wake every download slot waiting for a shard to become available (a peer announced one)."""
+        self.holders_changed.set()
+        self.holders_changed.clear()
 
     def score(self, src: ShardSource) -> SourceScore:
         return self.scores.setdefault(src.name, SourceScore())
@@ -236,18 +242,22 @@ class Fetcher:
         start = random.randrange(m.num_shards)
         order = sorted(range(m.num_shards), key=lambda i: (i - start) % m.num_shards)
 
-        deferred: dict[int, float] = {}  # shard -> until when the origin wants us to ask peers
+        # shard -> until when to leave it alone: the origin said "ask peers" (that must not stop us from
+        # asking them), or every peer holding it was busy
+        origin_wait: dict[int, float] = {}
+        peers_wait: dict[int, float] = {}
 
         async def slot() -> None:
             while remaining:
                 now = time.monotonic()
-                ready = {x for x in remaining if deferred.get(x, 0) <= now}
-                i = self._pick_from_peers(step, ready)
+                i = self._pick_from_peers(step, {x for x in remaining if peers_wait.get(x, 0) <= now})
                 from_origin = i is None
                 if from_origin:
-                    i = next((x for x in order if x in ready), None)
+                    i = next((x for x in order if x in remaining and origin_wait.get(x, 0) <= now), None)
                     if i is None or (swarm and origin_busy[0] >= 1):
-                        await asyncio.sleep(0.05)  # wait for announcements rather than load the origin
+                        # wait for announcements rather than load the origin (no polling: 16 nodes on
+                        # one small box would spend their CPU scanning)
+                        await wait_any(self.holders_changed, timeout=0.25)
                         continue
                     origin_busy[0] += 1
                 remaining.discard(i)
@@ -255,7 +265,10 @@ class Fetcher:
                     await self._fetch_shard(m, shards_dir, i)
                 except ShardDeferred:  # the origin or every holding peer said "not now"
                     remaining.add(i)
-                    deferred[i] = time.monotonic() + (2.0 if from_origin else 0.2)
+                    if from_origin:
+                        origin_wait[i] = time.monotonic() + 2.0
+                    else:
+                        peers_wait[i] = time.monotonic() + 0.2
                     continue
                 except BaseException:
                     remaining.add(i)
@@ -264,6 +277,7 @@ class Fetcher:
                     origin_busy[0] -= from_origin
                 bar.update(m.shards[i].zsize)
                 self.on_shards(step, m.canonical_hash(), [i])
+                self.announce_change()
 
         try:
             await asyncio.gather(*(slot() for _ in range(min(self.parallel, len(todo)))))

@@ -154,9 +154,11 @@ class WorkerNode:
         self.announcer = HaveAnnouncer(p2p)
         self.fetcher.on_shards = self.announcer.add
 
-        def on_announcement(event) -> None:  # a new manifest: fetch now rather than at the next poll
-            if event.announcement.kind == "manifest":
+        def on_announcement(event) -> None:
+            if event.announcement.kind == "manifest":  # a new step: fetch now, not at the next poll
                 self.fetcher.wake.set()
+            else:  # a peer holds new shards: wake download slots waiting for one
+                self.fetcher.announce_change()
 
         p2p.add_listener(on_announcement)
         return p2p

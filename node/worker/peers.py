@@ -82,6 +82,8 @@ class HaveAnnouncer:
         self._wake = asyncio.Event()
 
     def add(self, step: int, manifest_hash: str, indices) -> None:
+        if not indices:
+            return
         self._pending[(step, manifest_hash)].update(indices)
         self._wake.set()
 
