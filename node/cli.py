@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, metavar="CKPT")
     p.add_argument("--key", metavar="HEX")
     p.add_argument("--base", metavar="BASE_CKPT", help="base checkpoint when CKPT is an xor-delta")
+    p.add_argument("--model-config", metavar="DIR",
+                   help="directory with the model's config.json (default: CKPT, then its parent)")
     return parser
 
 

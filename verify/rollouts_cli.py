@@ -20,7 +20,7 @@ A rollout is checked with `prompts[prompt_id].seeds[sample_index]`. A line whose
 the checkpoint's step has every rollout reported invalid with reason "step".
 
 The checkpoint holds weights only. The architecture comes from `config.json` (a Hugging Face model
-config) found in, in order: `--model-config DIR` (when the CLI defines it), CKPT/, CKPT's parent
+config) found in, in order: `--model-config DIR`, CKPT/, CKPT's parent
 directory. CKPT may also be a plain model directory (config.json + model.safetensors), which is then
 used as it is, with a warning that no signature was checked.
 
@@ -161,7 +161,7 @@ def cmd_verify_rollouts(args) -> int:
     valid = invalid = 0
     with tempfile.TemporaryDirectory(prefix="prime-node-verify-") as tmp:
         model, step, notes = load_model(args.checkpoint, key=key, base=getattr(args, "base", None),
-                                        model_config=getattr(args, "model_config", None), workdir=Path(tmp))
+                                        model_config=args.model_config, workdir=Path(tmp))
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         verifier = RolloutVerifier(model)

@@ -93,3 +93,17 @@ def test_wrong_key_and_bad_input_are_one_line_errors(setup, capsys, tmp_path):
     assert main(["verify", "rollouts", str(nan), "--checkpoint", str(ckpt)]) == 1
     assert "not valid JSON" in capsys.readouterr().err
     assert main(["verify", "rollouts", str(tmp_path / "missing.jsonl"), "--checkpoint", str(ckpt)]) == 1
+
+
+def test_model_config_from_another_directory(setup, capsys, tmp_path):
+    import shutil
+
+    root, ckpt, key, line = setup
+    lone = tmp_path / "elsewhere" / "ckpt-3"  # no config.json beside it
+    shutil.copytree(ckpt, lone)
+    f = write(tmp_path / "one.jsonl", [line])
+    assert main(["verify", "rollouts", f, "--checkpoint", str(lone), "--key", key.public_hex]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["verify", "rollouts", f, "--checkpoint", str(lone), "--key", key.public_hex,
+                 "--model-config", str(root)]) == 0
+    assert "6 rollouts: 6 valid, 0 invalid" in capsys.readouterr().err
