@@ -6,6 +6,14 @@ from collections import Counter
 from node.coordinator.ledger import now_ms
 
 ONLINE_MS = 30_000
+CURVE_POINTS = 1000  # a long run's reward curve is thinned to this many points (the newest always kept)
+
+
+def thin(rows: list, limit: int) -> list:
+    if len(rows) <= limit:
+        return rows
+    stride = -(-len(rows) // limit)
+    return rows[-1::-stride][::-1]
 
 
 def node_state(n: dict, t: int) -> str:
@@ -60,7 +68,8 @@ def build_status(c) -> dict:
         "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
         "verification": {"accepted": counts["accepted_rollouts"], "rejected": counts["rejected_rollouts"],
                          "rejected_by_reason": c.ledger.rejection_counts()},
-        "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")} for r in steps if r.step > 0],
+        "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")}
+                         for r in thin([r for r in steps if r.step > 0], CURVE_POINTS)],
         "step_log": [{"step": r.step, "published_ms": r.published_ms, "encoding": r.encoding,
                       "compressed_bytes": r.compressed_bytes, "loss_tokens": r.metrics.get("loss_tokens", 0),
                       "idle_seconds": r.metrics.get("idle_seconds", 0.0), "busy_seconds": r.metrics.get("busy_seconds", 0.0),
