@@ -152,15 +152,20 @@ class Scheduler:
         for s in self.inflight.pop(assignment_id, []):
             self.requeue.append(s)
 
-    def on_step_published(self, step: int, consumed_by_batch: dict[int, int], dropped_by_batch: dict[int, int]) -> None:
+    def on_step_published(self, step: int, consumed_by_batch: dict[int, int]) -> None:
         self.published_step = step
-        for b, n in list(consumed_by_batch.items()) + list(dropped_by_batch.items()):
+        self.forget_waiting(consumed_by_batch)
+
+    def forget_waiting(self, by_batch: dict[int, int]) -> None:
+        """Accepted groups that no longer wait: trained, or dropped (stale, filtered). Dropped ones are
+        reported as they happen, so the batch being collected asks for replacements at once (with
+        k = 0 nothing else would ever refill it)."""
+        for b, n in by_batch.items():
             left = self.waiting_by_batch.get(b, 0) - n
             if left > 0:
                 self.waiting_by_batch[b] = left
             else:
                 self.waiting_by_batch.pop(b, None)
-
 
 def assignment_id() -> str:
     return f"a{int(time.time() * 1000):x}{os.urandom(6).hex()}"

@@ -135,11 +135,14 @@ class Coordinator:
     def servable_steps(self) -> list[int]:
         return [s for s in self.publisher.steps() if s <= self.published_step]
 
-    def on_step_published(self, step: int, consumed: dict[int, int], dropped: dict[int, int],
-                          keep_rate: float) -> None:
-        """Called on the loop by the training thread after the ledger committed `step`."""
+    def on_groups_dropped(self, by_batch: dict[int, int], keep_rate: float) -> None:
+        """Called on the loop by the training thread when it drops groups (stale, filtered)."""
         self.scheduler.keep_rate = keep_rate  # oversample prompts when filters drop groups
-        self.scheduler.on_step_published(step, consumed, dropped)
+        self.scheduler.forget_waiting(by_batch)
+
+    def on_step_published(self, step: int, consumed: dict[int, int]) -> None:
+        """Called on the loop by the training thread after the ledger committed `step`."""
+        self.scheduler.on_step_published(step, consumed)
         self.metrics.step.set(step)
         if self.p2p is not None:
             self._spawn(self.p2p.announce_manifest(step, self.publisher.manifest(step).canonical_hash()),

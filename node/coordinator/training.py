@@ -130,10 +130,12 @@ class TrainingLoop:
             if not fresh:
                 self._wait(0.5)
                 continue
+            just_dropped: list[dict] = []
             for g in fresh:
                 seen.add(g["group_id"])
                 if g["policy_step"] < min_m:
                     dropped["stale"].append(g)
+                    just_dropped.append(g)
                     continue
                 t0 = time.monotonic()
                 self.busy = True
@@ -144,9 +146,17 @@ class TrainingLoop:
                 kept = self.trainer.add_group(group)
                 self.busy = False
                 self.busy_seconds += time.monotonic() - t0
-                (fed if kept else dropped["filtered"]).append(g)
+                if kept:
+                    fed.append(g)
+                else:
+                    dropped["filtered"].append(g)
+                    just_dropped.append(g)
                 if self.trainer.batch_complete:
                     break
+            if just_dropped and self.c.loop is not None:  # the scheduler asks for replacements now
+                self.c.loop.call_soon_threadsafe(self.c.on_groups_dropped,
+                                                 dict(Counter(g["batch_step"] for g in just_dropped)),
+                                                 float(self.trainer.keep_rate))
         if self._stop:
             return
         for why, gs in dropped.items():
@@ -166,11 +176,11 @@ class TrainingLoop:
         })
         metrics["idle_seconds"] = self.idle_seconds - idle0  # waiting for rollouts during this step
         metrics["busy_seconds"] = self.busy_seconds - busy0 + time.monotonic() - t0  # up to publishing
-        self._publish(n, metrics, fed, dropped)
+        self._publish(n, metrics, fed)
         self.busy = False
         self.busy_seconds += time.monotonic() - t0
 
-    def _publish(self, n: int, metrics: dict, fed: list[dict], dropped: dict | None = None) -> None:
+    def _publish(self, n: int, metrics: dict, fed: list[dict]) -> None:
         t0 = time.monotonic()
         if n > 0:
             self.trainer.save_state()
@@ -188,10 +198,8 @@ class TrainingLoop:
         self.last_metrics = metrics
         removed = self.c.publisher.prune(n)
         consumed = Counter(g["batch_step"] for g in fed)
-        gone = Counter(g["batch_step"] for gs in (dropped or {}).values() for g in gs)
         if self.c.loop is not None:
-            self.c.loop.call_soon_threadsafe(self.c.on_step_published, n, dict(consumed), dict(gone),
-                                             float(self.trainer.keep_rate))
+            self.c.loop.call_soon_threadsafe(self.c.on_step_published, n, dict(consumed))
         log.info("step %d published (%s, %d bytes, reward %.3f)%s", n, pub.encoding, pub.compressed_bytes,
                  metrics.get("reward_mean", 0.0), f"; pruned {removed}" if removed else "")
 

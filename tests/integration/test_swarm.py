@@ -118,3 +118,15 @@ async def test_killed_node_work_is_reassigned_and_run_completes(tmp_path):
         await stop_workers(helper)
         states = {aid: coord.ledger.assignment(aid)["state"] for aid in victim_ids}
         assert set(states.values()) == {"expired"}, states
+
+
+async def test_k0_refills_a_batch_when_filters_drop_groups(tmp_path):
+    """With k = 0 only one batch is open: groups the online difficulty filter drops (all rewards equal;
+    frequent with G = 2 and an untrained model) must be replaced while the batch is collected."""
+    async with running_coordinator(tmp_path, "run.async_level=0", "run.group_size=2", "run.max_steps=3") as (coord, url):
+        a = start_worker(tmp_path, "a", coord, url)
+        await wait_for(lambda: coord.published_step >= 3, 120, "3 steps at k = 0", coord)
+        await stop_workers(a)
+        steps = coord.ledger.steps()[1:]
+        assert sum(r.metrics["dropped_filtered"] for r in steps) > 0  # the filter did drop groups
+        assert all(r.metrics["groups"] == 8 and r.metrics["max_staleness"] == 0 for r in steps)
