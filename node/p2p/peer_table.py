@@ -70,6 +70,10 @@ class PeerTable:
         return [p for p, h in reversed(peers.items())
                 if index in h.indices and (manifest_hash is None or h.manifest_hash == manifest_hash)]
 
+    def peer_count(self) -> int:
+        """Distinct peers that announced holdings of any step we remember."""
+        return len({p for peers in self._holdings.values() for p in peers})
+
     def addrs_of(self, peer: str) -> tuple[str, ...]:
         for step in sorted(self._holdings, reverse=True):
             held = self._holdings[step].get(peer)

@@ -162,6 +162,20 @@ def test_peer_table_union_newest_first_and_bounds():
     assert table.peers_with(7, 0) == []
 
 
+def test_have_batches_slow_down_as_the_swarm_grows():
+    from types import SimpleNamespace
+
+    from node.worker.peers import HaveAnnouncer
+
+    table = PeerTable()
+    announcer = HaveAnnouncer(SimpleNamespace(table=table), interval=0.3)
+    assert announcer.batch_seconds() == 0.3
+    for i in range(16):
+        table.record_have(f"P{i}", _have(5, [0]))
+    table.record_have("P0", _have(6, [1]))
+    assert table.peer_count() == 16 and announcer.batch_seconds() == 2.0  # 16 peers / 8 per second
+
+
 def test_peer_table_manifests():
     table = PeerTable()
     assert table.latest_manifest() is None
