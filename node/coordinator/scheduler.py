@@ -167,5 +167,6 @@ class Scheduler:
             else:
                 self.waiting_by_batch.pop(b, None)
 
+
 def assignment_id() -> str:
     return f"a{int(time.time() * 1000):x}{os.urandom(6).hex()}"

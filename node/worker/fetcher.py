@@ -255,8 +255,8 @@ class Fetcher:
                 if from_origin:
                     i = next((x for x in order if x in remaining and origin_wait.get(x, 0) <= now), None)
                     if i is None or (swarm and origin_busy[0] >= 1):
-                        # wait for announcements rather than load the origin (no polling: 16 nodes on
-                        # one small box would spend their CPU scanning)
+                        # wait for a peer's announcement rather than load the origin; the timeout
+                        # only notices deferrals running out
                         await wait_any(self.holders_changed, timeout=0.25)
                         continue
                     origin_busy[0] += 1
