@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import math
 import time
 
 from aiohttp import web
@@ -12,6 +13,9 @@ from node.coordinator.http import (
 )
 from protocol import messages as M
 from protocol.signing import RequestVerifier
+
+IN_FLIGHT_WINDOWS = 6  # a first copy still being sent after 6 super-seed windows no longer holds others back
+
 
 def _json(model_or_dict, status: int = 200) -> web.Response:
     if hasattr(model_or_dict, "model_dump_json"):
@@ -69,27 +73,45 @@ def build_app(coord) -> web.Application:
             raise ApiError(404, "not_found", f"no checkpoint for step {step} (available: {coord.publisher.steps()})")
         return web.Response(body=data, content_type="application/json")
 
-    seeded: dict[tuple[int, int], float] = {}  # (step, shard) -> when the origin began sending it
+    # (step, shard) -> (when the origin began sending its first copy, when it finished or None).
+    # The window counts from the end: under a thin uplink one copy can take longer than the window
+    # itself, and counted from the start it would expire before any peer could serve the shard.
+    # A first copy still in flight after IN_FLIGHT_WINDOWS windows (a stalled reader) stops counting.
+    seeded: dict[tuple[int, int], tuple[float, float | None]] = {}
+
+    def spreading(key: tuple[int, int], window: float) -> bool:
+        started, finished = seeded.get(key, (-math.inf, None))
+        now = time.monotonic()
+        return now - finished < window if finished is not None else now - started < IN_FLIGHT_WINDOWS * window
 
     async def shard(request):
         step, index = int_param(request, "step"), int_param(request, "index", 100_000)
         if step > coord.published_step:
             raise ApiError(404, "not_found", f"step {step} is not published yet")
         window = coord.cfg.distribution.super_seed_seconds
-        if window > 0 and request.headers.get(SWARM_HEADER) == "1" and "Range" not in request.headers:
-            now = time.monotonic()
-            if now - seeded.get((step, index), -1e9) < window:
+        key = (step, index)
+        seeding = window > 0 and request.headers.get(SWARM_HEADER) == "1" and "Range" not in request.headers
+        if seeding:
+            if spreading(key, window):
                 raise ApiError(429, "seeded", "this shard is already spreading through the swarm; "
                                               "fetch it from a peer")
-            seeded[(step, index)] = now
             if len(seeded) > 100_000:
                 seeded.clear()
+            seeded[key] = (time.monotonic(), None)
 
         def count(n: int) -> None:
             coord.bytes_by_source["coordinator"] += n
             coord.metrics.bytes_served.inc(n)
 
-        return await file_response(request, shard_path(coord.publisher.ckpt_dir, step, index), throttle, count)
+        try:
+            resp = await file_response(request, shard_path(coord.publisher.ckpt_dir, step, index), throttle, count)
+        except BaseException:
+            if seeding:
+                seeded.pop(key, None)  # the first copy did not get out: the next swarm node may have it
+            raise
+        if seeding:
+            seeded[key] = (seeded.get(key, (time.monotonic(), None))[0], time.monotonic())
+        return resp
 
     async def status(request):
         return _json(coord.status())

@@ -144,3 +144,41 @@ async def test_rate_limit_429(tmp_path):
             assert st == 429 and err["error"] == "rate_limited"
             other = RawNode(base, s)  # the limit is per node
             assert (await other.post("/v1/join", {}))[0] == 200
+
+
+async def test_super_seeding_counts_from_the_end_of_the_first_copy(tmp_path):
+    """A swarm node's shard request gets 429 `seeded` while the shard's first copy is in flight and for
+    `super_seed_seconds` after it completed; relays (no header) and Range resumptions are always served."""
+    import asyncio
+
+    async with running_coordinator(tmp_path, "distribution.super_seed_seconds=1.0",
+                                   "distribution.origin_upload_limit=100000") as (coord, base):
+        swarm = {"X-Prime-Swarm": "1"}
+        url = base + "/v1/checkpoints/0/shards/0"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/v1/checkpoints/0/manifest") as r:
+                zsize = (await r.json())["shards"][0]["zsize"]
+            assert zsize > 150_000  # the first copy takes > 1.5 s under the cap: longer than the window
+
+            async def first_copy():
+                async with s.get(url, headers=swarm) as r:
+                    assert r.status == 200
+                    return await r.read(), time.monotonic()
+
+            first = asyncio.create_task(first_copy())
+            await asyncio.sleep(0.3)
+            async with s.get(url, headers=swarm) as r:  # in flight: spreading
+                assert r.status == 429 and (await r.json())["error"] == "seeded"
+            await asyncio.sleep(1.0)  # past the window counted from the start, the copy not yet done
+            if not first.done():
+                async with s.get(url, headers=swarm) as r:
+                    assert r.status == 429
+            async with s.get(url, headers={**swarm, "Range": "bytes=0-9"}) as r:
+                assert r.status == 206  # a resumption is served
+            data, done_at = await first
+            assert len(data) == zsize
+            async with s.get(url, headers=swarm) as r:
+                assert r.status == 429  # within the window after completion
+            await asyncio.sleep(max(0.0, done_at + 1.1 - time.monotonic()))
+            async with s.get(url, headers=swarm) as r:
+                assert r.status == 200 and len(await r.read()) == zsize  # the window is over
