@@ -232,10 +232,6 @@ class Ledger:
         ).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
-    def drop_groups(self, group_ids: list[int], reason: str) -> None:
-        with self.transaction() as db:
-            db.executemany("UPDATE groups SET dropped=? WHERE group_id=?", [(reason, g) for g in group_ids])
-
     def recent_rejections(self, limit: int = 20) -> list[dict]:
         rows = self._exec("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [dict(r) for r in rows]
@@ -249,7 +245,10 @@ class Ledger:
         return {"accepted_rollouts": acc[0], "rejected_rollouts": acc[1]}
 
     # -- steps -----------------------------------------------------------------------------------
-    def publish_step(self, row: StepRow, consumed_group_ids: list[int]) -> None:
+    def publish_step(self, row: StepRow, consumed_group_ids: list[int],
+                     dropped: dict[str, list[int]] | None = None) -> None:
+        """One transaction: the step, the groups it trained on and the groups it dropped (reason ->
+        group ids), so a crash before it leaves every one of them waiting for the redone step."""
         with self.transaction() as db:
             db.execute(
                 "INSERT INTO steps(step, published_ms, manifest_hash, encoding, base_step, compressed_bytes, "
@@ -259,6 +258,8 @@ class Ledger:
             )
             db.executemany("UPDATE groups SET consumed_step=? WHERE group_id=?",
                            [(row.step, g) for g in consumed_group_ids])
+            for reason, group_ids in (dropped or {}).items():
+                db.executemany("UPDATE groups SET dropped=? WHERE group_id=?", [(reason, g) for g in group_ids])
 
     def latest_step(self) -> StepRow | None:
         row = self._exec("SELECT * FROM steps ORDER BY step DESC LIMIT 1").fetchone()

@@ -159,9 +159,6 @@ class TrainingLoop:
                                                  float(self.trainer.keep_rate))
         if self._stop:
             return
-        for why, gs in dropped.items():
-            if gs:
-                ledger.drop_groups([g["group_id"] for g in gs], why)
         t0 = time.monotonic()
         self.busy = True
         metrics = self.trainer.step()
@@ -176,11 +173,11 @@ class TrainingLoop:
         })
         metrics["idle_seconds"] = self.idle_seconds - idle0  # waiting for rollouts during this step
         metrics["busy_seconds"] = self.busy_seconds - busy0 + time.monotonic() - t0  # up to publishing
-        self._publish(n, metrics, fed)
+        self._publish(n, metrics, fed, {why: [g["group_id"] for g in gs] for why, gs in dropped.items() if gs})
         self.busy = False
         self.busy_seconds += time.monotonic() - t0
 
-    def _publish(self, n: int, metrics: dict, fed: list[dict]) -> None:
+    def _publish(self, n: int, metrics: dict, fed: list[dict], dropped: dict[str, list[int]] | None = None) -> None:
         t0 = time.monotonic()
         if n > 0:
             self.trainer.save_state()
@@ -192,7 +189,7 @@ class TrainingLoop:
             crash_point("publish")
         self.c.ledger.publish_step(StepRow(n, now_ms(), pub.manifest_hash, pub.encoding, pub.base_step,
                                            pub.compressed_bytes, _jsonable(metrics)),
-                                   [g["group_id"] for g in fed])
+                                   [g["group_id"] for g in fed], dropped)
         self.c.policies.put(n, state)
         self.published_step = n
         self.last_metrics = metrics

@@ -95,7 +95,9 @@ class TrainerConfig(_Strict):
     micro_batch_tokens: int = Field(8192, ge=64)
     packing: Literal["shared_prompt", "packed", "padded"] = "shared_prompt"
     broadcast_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    keep_states: int = Field(2, ge=1)  # trainer state snapshots kept on disk
+    # Trainer state snapshots kept on disk. At least 2: a crash after step n+1's snapshot is written
+    # and before the ledger records it resumes from step n's, which must still be there.
+    keep_states: int = Field(2, ge=2)
     seed: int = 0
     # Short supervised warm start on the task's reference answers, done before RL step 1 (0 = off).
     warm_start_steps: int = Field(0, ge=0)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import aiohttp
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from tests.integration.coordinator_harness import REPO, RawNode, fake_rollouts
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+BATCH_PROMPTS = 4
 
 
 def start(tmp, crash_at: str | None):
@@ -25,7 +27,7 @@ def start(tmp, crash_at: str | None):
         env["PRIME_NODE_CRASH_AT"] = crash_at
     proc = subprocess.Popen(
         [sys.executable, "-m", "node.cli", "coordinator", "--config", str(REPO / "configs/local.toml"),
-         f"--set=storage.dir={tmp / 'coord'}", "--set=verification.fraction=0", "--set=run.batch_prompts=4",
+         f"--set=storage.dir={tmp / 'coord'}", "--set=verification.fraction=0", f"--set=run.batch_prompts={BATCH_PROMPTS}",
          "--set=run.group_size=4", "--set=run.prompts_per_assignment=1", "--ready-file", str(ready)],
         cwd=REPO, env=env, stdout=open(tmp / "coord.log", "a"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
@@ -68,6 +70,51 @@ def ledger_rows(tmp):
     return {(a, p, x["sample_index"]) for a, p, d in rows for x in json.loads(d)["rollouts"]}, steps
 
 
+def assert_durable(tmp, acked: list) -> int:
+    """What a crash must never break, read from the ledger and the disk of a stopped coordinator.
+    Returns the newest step."""
+    import sqlite3
+
+    from protocol.checkpoint import load_manifest
+
+    root = tmp / "coord"
+    db = sqlite3.connect(root / "ledger.sqlite")
+    steps = dict(db.execute("SELECT step, manifest_hash FROM steps").fetchall())
+    groups = db.execute("SELECT group_id, assignment_id, prompt_id, data, consumed_step, dropped FROM groups "
+                        "ORDER BY group_id").fetchall()
+    db.close()
+    newest = max(steps)
+    # steps are contiguous: none lost, none recorded twice (step is the primary key)
+    assert sorted(steps) == list(range(newest + 1))
+    # everything acknowledged is in the ledger, once (groups are unique per assignment and prompt)
+    stored = [(a, p, x["sample_index"]) for _, a, p, d, _, _ in groups for x in json.loads(d)["rollouts"]]
+    assert len(stored) == len(set(stored))
+    assert set(acked) <= set(stored)
+    # every trained group was trained by exactly one recorded step, and never also dropped
+    consumed = Counter(c for _, _, _, _, c, _ in groups if c is not None)
+    assert all(c in steps and c >= 1 for c in consumed)
+    assert not [g for g in groups if g[4] is not None and g[5] is not None]
+    # every step trained on one whole batch: no group of it lost, none counted in two steps
+    assert consumed == {s: BATCH_PROMPTS for s in range(1, newest + 1)}
+    # groups are taken first come, first served: no group older than a used one is left waiting
+    used = [g[0] for g in groups if g[4] is not None or g[5] is not None]
+    waiting = [g[0] for g in groups if g[4] is None and g[5] is None]
+    assert not waiting or not used or max(used) < min(waiting)
+    # nothing on disk is newer than the ledger: checkpoints, and the trainer state (whose step count
+    # equals the number of optimizer steps applied: a step redone after the crash was not applied twice)
+    on_disk = [int(d.name) for d in (root / "checkpoints").iterdir() if d.name.isdigit()]
+    assert max(on_disk) == newest
+    for step, manifest_hash in steps.items():
+        d = root / "checkpoints" / str(step)
+        if d.exists():  # what is served is what the ledger recorded, not an abandoned attempt
+            assert load_manifest(d).canonical_hash() == manifest_hash
+    state = root / "trainer_state"
+    assert (state / "LATEST").read_text().strip() == f"step-{newest:08d}"
+    assert max(d.name for d in state.glob("step-*")) == f"step-{newest:08d}"
+    assert json.loads((state / f"step-{newest:08d}" / "trainer.json").read_text())["step"] == newest
+    return newest
+
+
 @pytest.mark.parametrize("crash_at", ["publish", "intake"])
 async def test_sigkill_and_restart(tmp_path, crash_at):
     rng = random.Random(1)
@@ -91,31 +138,16 @@ async def test_sigkill_and_restart(tmp_path, crash_at):
             node.session, node.base = s, url  # same key, no re-join
             async with s.get(url + "/v1/status") as r:
                 status = await r.json()
-            # resumed from the last published step (it may already have trained the next one from the
-            # groups acknowledged before the crash)
-            assert status["step"] in (steps_before[-1], steps_before[-1] + 1)
+            # resumed, not restarted: how far it has trained since (from groups acknowledged before the
+            # crash) depends on timing, and the ledger checks below do not
+            assert status["step"] >= steps_before[-1]
             target = steps_before[-1] + 2
 
             def done():
                 return ledger_rows(tmp_path)[1][-1] >= target
 
             assert await drive(node, done, vocab, eos, rng, acked, max_seconds=90) == "done"
-        stored, steps_after = ledger_rows(tmp_path)
-        assert set(acked) <= stored
-        assert steps_after == list(range(0, steps_after[-1] + 1))  # no step lost or repeated
-        # the step that was half-published at the crash was redone: what is served now is what the
-        # ledger recorded, not the abandoned attempt
-        import sqlite3
-
-        db = sqlite3.connect(tmp_path / "coord" / "ledger.sqlite")
-        recorded = dict(db.execute("SELECT step, manifest_hash FROM steps").fetchall())
-        db.close()
-        from protocol.checkpoint import load_manifest
-
-        for step in recorded:
-            d = tmp_path / "coord" / "checkpoints" / str(step)
-            if d.exists():
-                assert load_manifest(d).canonical_hash() == recorded[step]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+    assert assert_durable(tmp_path, acked) >= target
