@@ -169,13 +169,14 @@ def dump_toml(cfg: BaseModel) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(lit(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {lit(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, dict):  # unset (None) keys are left out: they mean "the default"
+            return "{" + ", ".join(f"{k} = {lit(x)}" for k, x in v.items() if x is not None) + "}"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
     for section, values in cfg.model_dump().items():
         lines.append(f"[{section}]")
         for k, v in values.items():
-            lines.append(f"{k} = {lit(v)}")
+            if v is not None:
+                lines.append(f"{k} = {lit(v)}")
         lines.append("")
     return "\n".join(lines)

@@ -33,9 +33,13 @@ REASONS = ("shape", "termination", "commitment", "logprobs", "sampling")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> CUDA when there is a GPU, else the CPU; CUDA without a GPU is a clear error."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU (use \"cpu\")")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

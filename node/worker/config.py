@@ -4,11 +4,25 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class VllmSettings(BaseModel):
+    """Engine settings of the `vllm` backend (unset: chosen for the device)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Share of GPU memory for weights + KV cache; on the CPU build, the share of host memory for the
+    # KV cache. Unset: 0.85 on CUDA, 0.1 on the CPU (vLLM's own 0.92 default fails there).
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=0.98)
+    max_model_len: int | None = Field(None, ge=16)  # unset: the model's own limit
+    enforce_eager: bool | None = None  # unset: eager on the CPU (starts faster), CUDA graphs on GPUs
+    max_num_seqs: int = Field(256, ge=1, le=4096)  # sequences decoded together
+
+
 class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     storage_dir: str = "prime-node-worker"
     backend: str = Field("transformers", pattern="^(transformers|vllm)$")
-    device: str = "auto"
+    device: str = Field("auto", pattern="^(auto|cpu|cuda(:[0-9]+)?)$")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
     heartbeat_seconds: float = Field(5.0, gt=0)
+    vllm: VllmSettings = Field(default_factory=VllmSettings)

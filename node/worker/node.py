@@ -12,6 +12,7 @@ import logging
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import aiohttp
 
 from node.aio import sleep_or_stop, wait_any
 from node.config import Config
+from node.worker.backends import GenRequest, start_backend
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
 from node.worker.fetcher import CheckpointStore, Fetcher
 from node.worker.sources import HttpSource
@@ -32,8 +34,15 @@ ALLOWED_MODEL_FILES = {"tokenizer.json", "tokenizer_config.json", "special_token
                        "chat_template.jinja", "generation_config.json"}
 
 
+PROBE_SEED, PROBE_PROMPT_TOKENS, PROBE_MAX_TOKENS, PROBES_KEPT = 0x5EED, 8, 16, 64
+
+
 class KeyPinError(PrimeNodeError):
     pass
+
+
+class WeightSwapError(PrimeNodeError):
+    """The engine did not take the new weights: generating on would only produce rejected work."""
 
 
 @dataclass
@@ -67,6 +76,7 @@ class WorkerNode:
         self.backend = None
         self.spec: M.RunSpec | None = None
         self._pending_step: tuple[int, Path] | None = None
+        self._probes: deque[dict] = deque(maxlen=PROBES_KEPT)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -91,24 +101,15 @@ class WorkerNode:
                     key, pin_file)
         return key
 
-    def _build_backend(self, spec: M.RunSpec):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from node.worker.backends.transformers_backend import TransformersBackend
-
+    def _write_model_dir(self, spec: M.RunSpec) -> Path:
+        """config.json and the tokenizer files from the run spec; the weights come as checkpoints."""
         model_dir = self.root / "model"
         model_dir.mkdir(exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(spec.model_config_json))
         for name, text in spec.tokenizer_files.items():
             if name in ALLOWED_MODEL_FILES:
                 (model_dir / name).write_text(text)
-        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_config(config)
-        if self.cfg.worker.backend == "vllm":
-            from node.worker.backends.vllm_backend import VllmBackend
-
-            return VllmBackend(model_dir, dtype=self.cfg.worker.dtype)
-        return TransformersBackend(model, dtype=self.cfg.worker.dtype, device=self.cfg.worker.device)
+        return model_dir
 
     # -- main --------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -117,7 +118,7 @@ class WorkerNode:
             self.client = CoordinatorClient(self.url, self.identity, session)
             self.spec = spec = await self._join()
             key = self._pin(spec.coordinator_key)
-            self.backend = await asyncio.to_thread(self._build_backend, spec)
+            self.model_dir = self._write_model_dir(spec)
             sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled)]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
             store = CheckpointStore(self.root)
@@ -136,6 +137,11 @@ class WorkerNode:
                         tg.create_task(self.announcer.run(self.stop_event), name="announce")
                     if self.status_line:
                         tg.create_task(self._status_loop(), name="status")
+            except ExceptionGroup as eg:  # a node that cannot go on says why in one line (cli.main)
+                fatal = [e for e in eg.exceptions if isinstance(e, PrimeNodeError)]
+                if fatal:
+                    raise fatal[0] from None
+                raise
             finally:
                 if self.p2p is not None:
                     await self.p2p.stop()
@@ -183,23 +189,59 @@ class WorkerNode:
         self._pending_step = (step, payload)
         self.new_weights.set()
 
+    @property
+    def policy_step(self) -> int:
+        """Step of the weights generating now (-1 until the engine has started on a checkpoint)."""
+        return self.backend.policy_step if self.backend is not None else -1
+
     async def _swap_weights_if_newer(self) -> None:
         pending = self._pending_step
-        if pending is None or pending[0] <= self.backend.policy_step:
+        if pending is None or pending[0] <= self.policy_step:
             return
         step, payload = pending
-        from protocol.checkpoint import load_payload
-
+        w = self.cfg.worker
         t0 = time.monotonic()
-        state = await asyncio.to_thread(load_payload, payload)
-        await asyncio.to_thread(self.backend.load_state_dict, state, step)
+        if self.backend is None:  # the engine starts on the first verified checkpoint
+            self.state = "starting"
+            log.info("starting the %s engine on step %d", w.backend, step)
+            self.backend = await asyncio.to_thread(
+                start_backend, w.backend, self.model_dir, payload, step, dtype=w.dtype, device=w.device,
+                vllm=w.vllm.model_dump(exclude_none=True))
+        else:
+            await asyncio.to_thread(self.backend.load_payload, payload, step)
+        await self._probe(step)
         log.info("now generating with step %d (swap took %.2f s)", step, time.monotonic() - t0)
+
+    async def _probe(self, step: int) -> None:
+        """Generate a fixed probe after every swap. Its logprobs must move when the weights did (a swap
+        that silently did nothing would have every rollout rejected), and it is kept in probes.jsonl in
+        the `prime-node verify rollouts` format, so anyone can check it against the checkpoint."""
+        vocab = int(self.spec.model_config_json["vocab_size"])
+        prompt = [(7 + 31 * i) % vocab for i in range(PROBE_PROMPT_TOKENS)]
+        sampling = dict(temperature=1.0, top_p=1.0, max_tokens=PROBE_MAX_TOKENS)
+        (r,) = await asyncio.to_thread(self.backend.generate, [GenRequest(prompt, PROBE_SEED)],
+                                       eos_token_id=self.spec.eos_token_id, **sampling)
+        store = self.fetcher.store
+        last = self._probes[-1] if self._probes else None
+        if last is not None and last["rollouts"][0]["logprobs"] == r.logprobs:
+            before, now = store.manifest(last["policy_step"]), store.manifest(step)
+            if before is not None and now is not None and before.sha256 != now.sha256:
+                raise WeightSwapError(f"the weights of step {step} differ from step {last['policy_step']}'s, "
+                                      f"but the engine's output did not change: the weight swap failed")
+        self._probes.append({
+            "prompts": [{"prompt_id": "probe", "prompt_ids": prompt, "seeds": [PROBE_SEED]}],
+            "sampling": sampling, "eos_token_id": self.spec.eos_token_id, "policy_step": step,
+            "rollouts": [{"prompt_id": "probe", "sample_index": 0, "completion_ids": r.completion_ids,
+                          "logprobs": r.logprobs, "finish_reason": r.finish_reason, "commitment": r.commitment}]})
+        tmp = self.root / "probes.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(p) + "\n" for p in self._probes))
+        tmp.replace(self.root / "probes.jsonl")
 
     async def _heartbeat_loop(self) -> None:
         while not self.stop_event.is_set():
             try:
                 await self.client.heartbeat(M.HeartbeatRequest(
-                    policy_step=self.backend.policy_step if self.backend.policy_step >= 0 else None,
+                    policy_step=self.policy_step if self.policy_step >= 0 else None,
                     tokens_per_second=round(self.stats.tokens_per_s, 3), state=self.state,
                     steps_held=self.fetcher.store.held_steps()[-64:],
                     bytes_by_source=dict(self.fetcher.bytes_by_kind)))
@@ -211,13 +253,13 @@ class WorkerNode:
         backoff = 0.5
         while not self.stop_event.is_set():
             await self._swap_weights_if_newer()
-            if self.backend.policy_step < 0:
+            if self.policy_step < 0:
                 self.state = "fetching"
                 await wait_any(self.new_weights, self.stop_event, timeout=1.0)
                 self.new_weights.clear()
                 continue
             try:
-                assignment = await self.client.work(self.backend.policy_step)
+                assignment = await self.client.work(self.policy_step)
             except CoordinatorError as e:
                 if e.code == "stale_policy":
                     self.state = "fetching"
@@ -246,8 +288,6 @@ class WorkerNode:
             await self._do_assignment(assignment)
 
     async def _do_assignment(self, a: M.Assignment) -> None:
-        from node.worker.backends.base import GenRequest
-
         self.state = "generating"
         step = self.backend.policy_step
         requests = [GenRequest(p.prompt_ids, seed) for p in a.prompts for seed in p.seeds]
@@ -292,7 +332,7 @@ class WorkerNode:
     async def _status_loop(self) -> None:
         while not self.stop_event.is_set():
             s = self.stats
-            line = (f"\rstep {self.backend.policy_step if self.backend else -1} | {self.state:<10} | "
+            line = (f"\rstep {self.policy_step} | {self.state:<10} | "
                     f"{s.tokens_per_s:7.1f} tok/s | accepted {s.accepted} rejected {s.rejected}   ")
             sys.stderr.write(line)
             sys.stderr.flush()

