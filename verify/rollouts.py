@@ -106,7 +106,9 @@ class Thresholds:
     logprob_mean: float = 0.1  # mean |submitted - recomputed| x T over the completion
     logprob_max: float = 0.6  # worst single token, x T
     sample_margin: float = 0.6  # perturbed-score gap x T tolerated as a numerical near-tie
-    nucleus_slack: float = 0.02  # probability mass by which top-p membership may be uncertain
+    # probability mass by which top-p membership may be uncertain: bf16 generation verified in fp32 was
+    # seen 0.0206 outside the fp32 nucleus (tests/integration/test_verify_matrix.py, a 2-head Qwen2)
+    nucleus_slack: float = 0.05
     exp_mismatch_frac: float = 0.2  # TOPLOC: top-k entries with a different sign/exponent (per chunk)
     mant_err_mean: float = 5.0  # TOPLOC: mean mantissa difference in bf16 ulps (per chunk)
     mant_err_median: float = 4.0

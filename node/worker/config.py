@@ -9,9 +9,11 @@ class VllmSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # Share of GPU memory for weights + KV cache; on the CPU build, the share of host memory for the
-    # KV cache. Unset: 0.85 on CUDA, 0.1 on the CPU (vLLM's own 0.92 default fails there).
+    # Share of GPU memory for weights + KV cache (CUDA; unset: 0.85). Ignored when kv_cache_gib is set.
     gpu_memory_utilization: float | None = Field(None, gt=0, le=0.98)
+    # KV cache size. Unset: 1 GiB on the CPU, where vLLM's share-of-host-memory rule counts this whole
+    # process (and any other engine in it) against the share and fails; from gpu_memory_utilization on CUDA.
+    kv_cache_gib: float | None = Field(None, gt=0, le=4096)
     max_model_len: int | None = Field(None, ge=16)  # unset: the model's own limit
     enforce_eager: bool | None = None  # unset: eager on the CPU (starts faster), CUDA graphs on GPUs
     max_num_seqs: int = Field(256, ge=1, le=4096)  # sequences decoded together

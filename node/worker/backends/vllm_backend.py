@@ -182,8 +182,9 @@ class VLLMBackend:
     """`InferenceBackend` on vLLM. `model_dir`: an HF model directory holding the first checkpoint's weights."""
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str = "auto",
-                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool | None = None, max_num_seqs: int = 256) -> None:
+                 gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
+                 max_model_len: int | None = None, enforce_eager: bool | None = None,
+                 max_num_seqs: int = 256) -> None:
         from vllm.platforms import current_platform
 
         self.device = resolve_device(device)
@@ -193,11 +194,14 @@ class VLLMBackend:
             raise BackendError(f"the installed vLLM runs on {engine_device or 'no device'}, but worker.device is "
                                f"{self.device.type}: install prime-node's `{extra}` extra")
         on_cpu = self.device.type == "cpu"
+        if kv_cache_gib is None and on_cpu:
+            kv_cache_gib = 1.0
         self.llm = LLM(
             model=str(model_dir), dtype=dtype, seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            # On the CPU build this is the share of host memory given to the KV cache.
-            gpu_memory_utilization=gpu_memory_utilization or (0.1 if on_cpu else 0.85),
+            gpu_memory_utilization=gpu_memory_utilization or 0.85,
+            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            skip_tokenizer_init=True,  # token ids in, token ids out
             enable_prefix_caching=True, async_scheduling=False,
             logits_processors=[EvidenceLogitsProcessor],
             worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
