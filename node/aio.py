@@ -1,4 +1,5 @@
-"""Small asyncio helpers shared by the long-running loops (every loop watches a stop event)."""
+"""Small asyncio helpers shared by the roles: waits for the long-running loops (every loop watches a
+stop event), and the bounded whole-body read of HTTP request and response bodies."""
 from __future__ import annotations
 
 import asyncio
@@ -20,3 +21,16 @@ async def wait_any(*events: asyncio.Event, timeout: float) -> None:
     finally:
         for w in waiters:
             w.cancel()
+
+
+async def read_bounded(stream, limit: int) -> bytes | None:
+    """The whole of `stream` (an aiohttp/asyncio StreamReader) up to EOF, or None once it holds
+    more than `limit` bytes; never consumes more than `limit + 1`. `stream.read(n)` alone returns
+    only what has arrived so far, which is not the whole body."""
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await stream.read(limit + 1 - len(buf))
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+    return None

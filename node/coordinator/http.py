@@ -11,6 +11,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from node.aio import read_bounded
 from protocol.errors import SignatureError
 from protocol.signing import RequestVerifier, strict_json_loads
 
@@ -124,8 +125,8 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
     limit = request.app[MAX_BODY_BYTES]
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds {limit}")
-    body = await request.content.read(limit + 1)
-    if len(body) > limit:
+    body = await read_bounded(request.content, limit)
+    if body is None:
         raise ApiError(413, "too_large", f"body exceeds {limit} bytes")
     try:
         verified = verifier.verify(request.method, request.path_qs, request.headers, body)

@@ -50,8 +50,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attn_implementatio
 
 def build_tiny_model_dir(out_dir: str | Path, *, hidden_size: int = 64, layers: int = 2, heads: int = 4,
                          seed: int = 0, intermediate_size: int | None = None, max_positions: int = 2048,
-                         alphabet: str | None = None, init_std: float = 0.02, **config_overrides: Any) -> Path:
-    """Write a randomly initialised Llama-architecture model + character tokenizer to `out_dir`.
+                         alphabet: str | None = None, init_std: float = 0.02, tokenizer=None,
+                         **config_overrides: Any) -> Path:
+    """Write a randomly initialised Llama-architecture model + tokenizer to `out_dir`.
+
+    The tokenizer is the character one over `alphabet` unless `tokenizer` (a Hugging Face tokenizer
+    with EOS and pad tokens, e.g. `node.trainer.tokenizer.build_bpe_tokenizer`) is given; the model's
+    vocabulary, EOS and pad ids follow it.
 
     Llama rather than Qwen2: transformers 5 forces its own Qwen2 BPE tokenizer class onto any
     `qwen2` directory, which would discard the character tokenizer saved here.
@@ -65,7 +70,10 @@ def build_tiny_model_dir(out_dir: str | Path, *, hidden_size: int = 64, layers: 
 
     if hidden_size % heads:
         raise ValueError("hidden_size must be a multiple of heads")
-    tokenizer = build_char_tokenizer(alphabet or DEFAULT_ALPHABET)
+    if tokenizer is None:
+        tokenizer = build_char_tokenizer(alphabet or DEFAULT_ALPHABET)
+    elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer needs EOS and pad tokens")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

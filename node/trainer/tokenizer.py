@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Iterable
 
 PAD, UNK, USER, ASSISTANT, EOS = "<pad>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, UNK, USER, ASSISTANT, EOS]
@@ -27,7 +28,6 @@ CHAT_TEMPLATE = (
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     """A `PreTrainedTokenizerFast` with special tokens first (ids 0..4), then one id per character."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(alphabet))  # de-duplicate, keep order
     if any(len(c) != 1 for c in chars) or not chars:
@@ -38,6 +38,29 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()  # join characters back without spaces
     tok.add_special_tokens(SPECIAL_TOKENS)
+    return _hf_tokenizer(tok)
+
+
+def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE (the GPT-2 / Llama 3 kind) trained here on `texts`, with the same special
+    tokens (ids 0..4) and chat template as the character tokenizer. Its size is what a real model's
+    is (100k+ tokens make a tokenizer.json of several MB) as long as `texts` holds enough distinct
+    words for that many merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return _hf_tokenizer(tok)
+
+
+def _hf_tokenizer(tok):
+    """A `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS, as a Hugging Face tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from node.aio import read_bounded
 from protocol import messages as M
 from protocol.errors import PrimeNodeError
 from protocol.identity import Identity
@@ -34,10 +35,11 @@ class HttpResult:
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole response body; Unreachable when it is larger than `limit` bytes."""
     if resp.content_length is not None and resp.content_length > limit:
         raise Unreachable(f"{resp.url} sent {resp.content_length} bytes, more than the {limit}-byte limit")
-    data = await resp.content.read(limit + 1)
-    if len(data) > limit:
+    data = await read_bounded(resp.content, limit)
+    if data is None:
         raise Unreachable(f"{resp.url} sent more than the {limit}-byte limit")
     return data
 

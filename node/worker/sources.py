@@ -7,6 +7,7 @@ from typing import Protocol
 
 import aiohttp
 
+from node.aio import read_bounded
 from node.worker.client import MAX_MANIFEST_BYTES, Unreachable, read_limited
 
 
@@ -74,7 +75,7 @@ class HttpSource:
         got = bytearray()
         try:
             async with self.session.get(url, headers=headers) as resp:
-                if resp.status == 429 and b'"seeded"' in await resp.content.read(4096):
+                if resp.status == 429 and b'"seeded"' in (await read_bounded(resp.content, 4096) or b""):
                     raise ShardDeferred(f"{self.name}: shard {index} of step {step} is spreading via peers")
                 if resp.status not in (200, 206) or (offset and resp.status != 206):
                     raise SourceError(f"{self.name}: shard {index} of step {step} answered {resp.status}")
