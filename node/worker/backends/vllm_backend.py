@@ -134,9 +134,8 @@ class EvidenceLogitsProcessor(LogitsProcessor):
             positions = [len(self.rows[r][4]) for r in rows]
             tokens, lps = sample_step(logits[idx], seeds, torch.tensor(positions, dtype=torch.int64, device=dev),
                                       temperature, top_p)
-            forced = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=dev)
-            forced[torch.arange(len(rows), device=dev), tokens] = 0.0
-            logits[idx] = forced
+            logits.index_fill_(0, idx, float("-inf"))  # in place: no second [rows, vocab] tensor
+            logits[idx, tokens] = 0.0
             # One device-to-host copy per group: vLLM synchronises every step anyway.
             lps_cpu = lps.cpu().tolist()
             hidden_cpu = hidden[idx.to(hidden.device)].to(torch.bfloat16).cpu()
