@@ -14,6 +14,7 @@ from protocol.errors import PrimeNodeError
 HANDLERS = {
     "keys new": "node.cli:cmd_keys_new",
     "keys show": "node.cli:cmd_keys_show",
+    "token new": "node.cli:cmd_token_new",
     "coordinator": "node.coordinator.main:cmd_coordinator",
     "join": "node.worker.main:cmd_join",
     "demo": "node.demo:cmd_demo",
@@ -44,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing key file")
     p = keys.add_parser("show", help="print the public key hex of a key file")
     p.add_argument("--key", required=True, metavar="KEYFILE")
+
+    tok = sub.add_parser("token", help="join tokens for runs with admission.mode = \"token\"").add_subparsers(
+        dest="sub", required=True)
+    p = tok.add_parser("new", help="sign a join token with the coordinator key; prints it")
+    p.add_argument("--key", required=True, metavar="KEYFILE", help="the coordinator's key file")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--node", metavar="HEX", help="only this node key may use it (default: any key; a token admits one new key)")
+    p.add_argument("--valid-hours", type=float, default=24.0)
 
     p = sub.add_parser("coordinator", help="run the coordinator (trainer + HTTP API + dashboard)")
     _add_config_args(p, required=True)
@@ -109,6 +118,25 @@ def cmd_keys_new(args) -> int:
     ident.save(args.out, overwrite=args.force)
     print(ident.public_hex)
     print(f"wrote private key to {args.out} (mode 0600)", file=sys.stderr)
+    return 0
+
+
+def cmd_token_new(args) -> int:
+    import time
+
+    from protocol.admission import make_join_token
+    from protocol.identity import Identity
+
+    if not 0 < args.valid_hours <= 24 * 365:
+        print("error: --valid-hours must be in (0, 8760]", file=sys.stderr)
+        return 2
+    try:
+        token = make_join_token(Identity.load(args.key), args.run_id,
+                                int(time.time() * 1000 + args.valid_hours * 3_600_000), node_id=args.node)
+    except ValueError as e:
+        print(f"error: --node: {e}", file=sys.stderr)
+        return 2
+    print(token)
     return 0
 
 

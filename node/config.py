@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from node.p2p.config import P2PConfig
 from node.trainer.config import TrainerConfig
@@ -32,6 +32,11 @@ class ServerConfig(_Section):
     rate_limit_per_second: float = Field(50.0, gt=0)
     rate_limit_burst: int = Field(200, ge=1)
     log_format: str = Field("plain", pattern="^(plain|json)$")
+    # A client must finish sending its request body within this many seconds (and its headers within
+    # header_timeout_s): a slow sender cannot hold a connection and a handler forever.
+    header_timeout_s: float = Field(10.0, gt=0, le=600)
+    body_timeout_s: float = Field(60.0, gt=0, le=3600)
+    keepalive_timeout_s: float = Field(30.0, gt=0, le=3600)  # an idle keep-alive connection is closed after this
 
 
 class StorageConfig(_Section):
@@ -48,6 +53,7 @@ class RunConfig(_Section):
     max_steps: int = Field(0, ge=0)  # 0 = run until stopped
     seed: int = 0
     stream_groups: bool = False  # k = 0 periodic asynchrony: train on groups as they arrive
+    max_assignments_per_node: int = Field(2, ge=1, le=1024)  # in flight at once (more: 429, wait for one to end)
 
 
 class ModelConfig(_Section):
@@ -70,11 +76,16 @@ class SamplingConfig(_Section):
 
 
 class VerificationConfig(_Section):
+    # Share of submissions replayed against the claimed weights, drawn in secret after the submission is
+    # recorded; a node's first `new_node_submissions` are replayed at `new_node_fraction`.
     fraction: float = Field(1.0, ge=0, le=1)
-    reputation_start: float = 1.0
-    reputation_penalty: float = Field(0.25, ge=0)
-    reputation_reward: float = Field(0.01, ge=0)
-    ban_below: float = 0.0
+    new_node_submissions: int = Field(8, ge=0)
+    new_node_fraction: float = Field(1.0, ge=0, le=1)
+    reputation_start: float = Field(1.0, ge=-1e6, le=1e6)
+    reputation_penalty: float = Field(0.25, ge=0, le=1e6)  # a structurally impossible rollout
+    reputation_reward: float = Field(0.01, ge=0, le=1e6)  # a clean submission
+    expiry_penalty: float = Field(0.05, ge=0, le=1e6)  # an assignment left to expire
+    ban_below: float = Field(0.0, ge=-1e6, le=1e6)  # (a verified forgery bans at once)
 
 
 class DistributionConfig(_Section):
@@ -86,6 +97,26 @@ class DistributionConfig(_Section):
     # Super-seeding: a shard the origin began sending to a swarm node less than this many seconds ago
     # is refused (429 "seeded") to other swarm nodes, who get it from peers. 0 = off.
     super_seed_seconds: float = Field(10.0, ge=0)
+
+
+class AdmissionConfig(_Section):
+    """Who may join (DESIGN §4). In every mode at most `joins_per_address_per_minute` joins per client
+    address (429 above it)."""
+
+    mode: str = Field("open", pattern="^(open|allowlist|token)$")
+    pow_bits: int = Field(19, ge=0, le=40)  # open: a new key's proof of work (19 bits: ~1 s on one core)
+    joins_per_address_per_minute: int = Field(10, ge=1, le=1_000_000)
+    allowlist: list[str] = Field(default_factory=list)  # allowlist: node ids (hex public keys)
+
+    @field_validator("allowlist")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        from protocol.identity import parse_public_key
+
+        try:
+            return [parse_public_key(k) and k.lower() for k in keys]
+        except ValueError as e:
+            raise ValueError(f"admission.allowlist: {e}") from None
 
 
 class DemoConfig(_Section):
@@ -103,6 +134,7 @@ class Config(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     verification: VerificationConfig = Field(default_factory=VerificationConfig)
     distribution: DistributionConfig = Field(default_factory=DistributionConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     p2p: P2PConfig = Field(default_factory=P2PConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)

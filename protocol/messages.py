@@ -37,6 +37,23 @@ class NodeInfo(Wire):
 
 class JoinRequest(Wire):
     node: NodeInfo | None = None
+    pow: Annotated[str, Field(max_length=64)] | None = None  # open runs: proof of work (protocol.admission)
+    token: Annotated[str, Field(max_length=2048)] | None = None  # token runs: a join token from the operator
+
+
+class AdmissionInfo(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    mode: Literal["open", "allowlist", "token"] = "open"
+    pow_bits: Annotated[int, Field(ge=0, le=64)] = 0
+
+
+class RunInfo(BaseModel):
+    """What a client reads from GET /v1/status before its first signed request (the rest is ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    coordinator_key: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    admission: AdmissionInfo = AdmissionInfo()
 
 
 class RunSpec(Wire):

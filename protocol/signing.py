@@ -1,8 +1,9 @@
-"""Canonical JSON and signed HTTP requests (DESIGN §4).
+"""Canonical JSON and signed HTTP requests (DESIGN §4, run-bound v2).
 
-The signed string is  METHOD \n PATH \n TIMESTAMP \n NONCE \n sha256_hex(BODY)
-where PATH has no scheme/host and keeps its query string. `RequestVerifier` enforces the 60 s clock
-window and remembers nonces seen inside it, with bounded memory.
+The signed string is  METHOD \n PATH \n TIMESTAMP \n NONCE \n RUN_ID \n sha256_hex(BODY)
+where PATH has no scheme/host and keeps its query string, and RUN_ID travels in `X-Prime-Run`: a
+request captured from one run cannot be replayed to another coordinator. `RequestVerifier` enforces the
+run, the 60 s clock window, and remembers nonces seen inside it, with bounded memory.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ HEADER_KEY = "X-Prime-Key"
 HEADER_TIMESTAMP = "X-Prime-Timestamp"
 HEADER_NONCE = "X-Prime-Nonce"
 HEADER_SIGNATURE = "X-Prime-Signature"
-SIGNED_HEADERS = (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)
+HEADER_RUN = "X-Prime-Run"
+SIGNED_HEADERS = (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_RUN, HEADER_SIGNATURE)
 
 CLOCK_WINDOW_MS = 60_000
 NONCE_MIN_BYTES = 16
@@ -46,17 +48,18 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def signing_string(method: str, path: str, timestamp: str, nonce: str, body: bytes) -> bytes:
-    return "\n".join([method.upper(), path, timestamp, nonce, sha256_hex(body)]).encode()
+def signing_string(method: str, path: str, timestamp: str, nonce: str, run_id: str, body: bytes) -> bytes:
+    return "\n".join([method.upper(), path, timestamp, nonce, run_id, sha256_hex(body)]).encode()
 
 
-def sign_request(identity: Identity, method: str, path: str, body: bytes, *,
+def sign_request(identity: Identity, method: str, path: str, body: bytes, *, run_id: str,
                  timestamp_ms: int | None = None, nonce: str | None = None) -> dict[str, str]:
-    """Return the four X-Prime-* headers for a request."""
+    """Return the five X-Prime-* headers for a request to run `run_id`."""
     ts = str(int(time.time() * 1000) if timestamp_ms is None else timestamp_ms)
     nonce = nonce or os.urandom(NONCE_MIN_BYTES).hex()
-    sig = identity.sign(signing_string(method, path, ts, nonce, body))
-    return {HEADER_KEY: identity.public_hex, HEADER_TIMESTAMP: ts, HEADER_NONCE: nonce, HEADER_SIGNATURE: sig}
+    sig = identity.sign(signing_string(method, path, ts, nonce, run_id, body))
+    return {HEADER_KEY: identity.public_hex, HEADER_TIMESTAMP: ts, HEADER_NONCE: nonce, HEADER_RUN: run_id,
+            HEADER_SIGNATURE: sig}
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class RequestVerifier:
     that could still be replayed.
     """
 
-    def __init__(self, *, window_ms: int = CLOCK_WINDOW_MS, max_nonces: int = 1_000_000, clock=None):
+    def __init__(self, run_id: str, *, window_ms: int = CLOCK_WINDOW_MS, max_nonces: int = 1_000_000, clock=None):
+        self.run_id = run_id
         self.window_ms = window_ms
         self.max_nonces = max_nonces
         self._clock = clock or (lambda: int(time.time() * 1000))
@@ -91,7 +95,7 @@ class RequestVerifier:
         missing = [h for h in SIGNED_HEADERS if not headers.get(h)]
         if missing:
             raise SignatureError("missing_headers", f"missing signature headers: {', '.join(missing)}")
-        key, ts, nonce, sig = (headers[h] for h in SIGNED_HEADERS)
+        key, ts, nonce, run_id, sig = (headers[h] for h in SIGNED_HEADERS)
         if len(key) != PUBLIC_KEY_HEX_LEN:
             raise SignatureError("bad_key", "X-Prime-Key must be 64 hex characters")
         try:
@@ -103,7 +107,10 @@ class RequestVerifier:
         now = self._clock()
         if abs(now - ts_ms) > self.window_ms:
             raise SignatureError("clock_skew", f"timestamp is {abs(now - ts_ms) / 1000:.0f} s off (limit 60 s)")
-        if not verify_bytes(key, sig, signing_string(method, path, ts, nonce, body)):
+        if run_id != self.run_id:
+            raise SignatureError("wrong_run", f"this coordinator runs {self.run_id!r}, the request is for "
+                                              f"{run_id[:64]!r}")
+        if not verify_bytes(key, sig, signing_string(method, path, ts, nonce, run_id, body)):
             raise SignatureError("bad_signature", "signature does not match the request")
         self._expire(now)
         nonce_key = f"{key.lower()}:{nonce.lower()}"

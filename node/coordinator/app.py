@@ -36,8 +36,10 @@ def build_app(coord) -> web.Application:
     # count_requests is outermost so it also counts the JSON error responses.
     app = web.Application(middlewares=[count_requests, error_middleware], client_max_size=cfg.max_body_bytes)
     app[MAX_BODY_BYTES] = cfg.max_body_bytes
-    verifier = RequestVerifier()
+    verifier = RequestVerifier(coord.cfg.run.run_id)
     limiter = RateLimiter(cfg.rate_limit_per_second, cfg.rate_limit_burst)
+    joins_per_minute = coord.cfg.admission.joins_per_address_per_minute
+    join_limiter = RateLimiter(joins_per_minute / 60.0, joins_per_minute)  # per client address
     throttle = UploadThrottle(coord.cfg.distribution.origin_upload_limit)
 
     async def signed(request: web.Request, model):
@@ -45,6 +47,8 @@ def build_app(coord) -> web.Application:
         return signer, parse_body(model, body)
 
     async def join(request):
+        if not join_limiter.allow(request.remote or "unknown"):
+            raise ApiError(429, "too_many_joins", f"at most {joins_per_minute} joins per minute from one address")
         signer, req = await signed(request, M.JoinRequest)
         return _json(coord.join(signer, req))
 

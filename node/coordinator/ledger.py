@@ -75,6 +75,11 @@ CREATE TABLE IF NOT EXISTS steps (
     metrics TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS join_tokens (
+    token_hash TEXT PRIMARY KEY,     -- sha256 of the token: each admits one new key
+    node_id TEXT NOT NULL,
+    used_ms INTEGER NOT NULL
+);
 """
 
 
@@ -170,6 +175,13 @@ class Ledger:
     def touch(self, node_id: str, policy_step: int | None = None) -> None:
         self._exec("UPDATE nodes SET last_seen_ms=?, policy_step=COALESCE(?, policy_step) WHERE node_id=?",
                    (now_ms(), policy_step, node_id))
+
+    def use_join_token(self, token_hash: str, node_id: str) -> bool:
+        """Record that `node_id` joined with this token; False if another key already used it."""
+        self._exec("INSERT OR IGNORE INTO join_tokens(token_hash, node_id, used_ms) VALUES(?,?,?)",
+                   (token_hash, node_id, now_ms()))
+        row = self._exec("SELECT node_id FROM join_tokens WHERE token_hash=?", (token_hash,)).fetchone()
+        return row[0] == node_id
 
     # -- assignments -----------------------------------------------------------------------------
     def add_assignment(self, a: dict) -> None:

@@ -8,6 +8,7 @@ through `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections import Counter, deque
@@ -173,6 +174,7 @@ class Coordinator:
         existing = self.ledger.node(node_id)
         if existing and existing["banned"]:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
+        self._admit(node_id, req, known=existing is not None)
         info = req.node.model_dump() if req.node else {}
         self.ledger.upsert_node(node_id, self.cfg.verification.reputation_start, info)
         files = {}
@@ -187,6 +189,27 @@ class Coordinator:
             eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.trainer.broadcast_dtype,
             p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
         )
+
+    def _admit(self, node_id: str, req: M.JoinRequest, *, known: bool) -> None:
+        """DESIGN §4 admission: a new key of an open run pays a proof of work; an allowlist run admits
+        its listed keys only (checked at every join); a token run admits a new key with a join token."""
+        from protocol.admission import AdmissionError, check_join_token, check_pow
+
+        a = self.cfg.admission
+        try:
+            if a.mode == "allowlist" and node_id not in a.allowlist:
+                raise AdmissionError("not_allowlisted", "this key is not on the run's allowlist")
+            if known:
+                return
+            if a.mode == "open":
+                check_pow(node_id, self.cfg.run.run_id, req.pow, a.pow_bits)
+            elif a.mode == "token":
+                check_join_token(req.token, coordinator_key=self.identity.public_hex, run_id=self.cfg.run.run_id,
+                                 node_id=node_id, now_ms=now_ms())
+                if not self.ledger.use_join_token(hashlib.sha256(req.token.encode()).hexdigest(), node_id):
+                    raise AdmissionError("token_used", "this join token has already admitted another key")
+        except AdmissionError as e:
+            raise ApiError(403, e.code, e.detail) from None
 
     async def _start_p2p(self) -> None:
         """A libp2p host that nodes bootstrap from and that gossips "step n is out". It serves no

@@ -47,6 +47,7 @@ def build_status(c) -> dict:
     return {
         "run_id": c.cfg.run.run_id,
         "coordinator_key": c.identity.public_hex,
+        "admission": {"mode": c.cfg.admission.mode, "pow_bits": c.cfg.admission.pow_bits},
         "step": published,
         "async_level": c.k,
         "window": {"training_batch": published + 1,

@@ -45,20 +45,35 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
 
 
 class CoordinatorClient:
+    """Signed requests (DESIGN §4, run-bound): the run id and the admission rules come from the
+    coordinator's GET /v1/status before the first signed request."""
+
     def __init__(self, base_url: str, identity: Identity, session: aiohttp.ClientSession):
         self.base = base_url.rstrip("/")
         self.identity = identity
         self.session = session
+        self.run: M.RunInfo | None = None
 
-    async def _signed(self, path: str, payload: dict) -> HttpResult:
-        body = json.dumps(payload).encode()
-        headers = sign_request(self.identity, "POST", path, body)
-        headers["Content-Type"] = "application/json"
+    async def _request(self, method: str, path: str, body: bytes | None = None,
+                       headers: dict | None = None) -> HttpResult:
         try:
-            async with self.session.post(self.base + path, data=body, headers=headers) as resp:
+            async with self.session.request(method, self.base + path, data=body, headers=headers) as resp:
                 return HttpResult(resp.status, await read_limited(resp, MAX_RESPONSE_BYTES))
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise Unreachable(f"cannot reach {self.base}: {e or type(e).__name__}") from None
+
+    async def run_info(self) -> M.RunInfo:
+        """The run this coordinator serves (fetched once)."""
+        if self.run is None:
+            self.run = self._parse(await self._request("GET", "/v1/status"), M.RunInfo)
+        return self.run
+
+    async def _signed(self, path: str, payload: dict) -> HttpResult:
+        run = await self.run_info()
+        body = json.dumps(payload).encode()
+        headers = sign_request(self.identity, "POST", path, body, run_id=run.run_id)
+        headers["Content-Type"] = "application/json"
+        return await self._request("POST", path, body, headers)
 
     @staticmethod
     def _error(r: HttpResult) -> CoordinatorError:
@@ -76,8 +91,20 @@ class CoordinatorClient:
         except ValueError as e:
             raise Unreachable(f"coordinator sent an invalid {model.__name__}: {e}") from None
 
-    async def join(self, info: M.NodeInfo | None = None) -> M.RunSpec:
-        payload = {"node": info.model_dump()} if info else {}
+    async def join(self, info: M.NodeInfo | None = None, *, token: str | None = None) -> M.RunSpec:
+        """Join the run: with the proof of work an open run asks of a new key (solved here, off the
+        event loop), or with a join token for a token run."""
+        import asyncio
+
+        from protocol.admission import solve_pow
+
+        run = await self.run_info()
+        payload: dict = {"node": info.model_dump()} if info else {}
+        if token:
+            payload["token"] = token
+        if run.admission.mode == "open" and run.admission.pow_bits > 0:
+            payload["pow"] = await asyncio.to_thread(solve_pow, self.identity.public_hex, run.run_id,
+                                                     run.admission.pow_bits)
         return self._parse(await self._signed("/v1/join", payload), M.RunSpec)
 
     async def heartbeat(self, hb: M.HeartbeatRequest) -> M.HeartbeatResponse:

@@ -27,4 +27,5 @@ class WorkerConfig(BaseModel):
     device: str = Field("auto", pattern="^(auto|cpu|cuda(:[0-9]+)?)$")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
     heartbeat_seconds: float = Field(5.0, gt=0)
+    join_token: str | None = Field(None, max_length=2048)  # for runs with admission.mode = "token"
     vllm: VllmSettings = Field(default_factory=VllmSettings)

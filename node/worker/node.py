@@ -174,7 +174,7 @@ class WorkerNode:
         while True:
             try:
                 info = M.NodeInfo(backend=self.cfg.worker.backend, device=self.cfg.worker.device)
-                spec = await self.client.join(info)
+                spec = await self.client.join(info, token=self.cfg.worker.join_token)
                 log.info("joined run %s as %s (step %d, k=%d)", spec.run_id, spec.node_id[:12], spec.current_step,
                          spec.async_level)
                 return spec

@@ -17,10 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class RawNode:
-    """Signs requests exactly as DESIGN §4 says, nothing else."""
+    """Signs requests exactly as DESIGN §4 says (run-bound v2), nothing else. `run_id`: the run of
+    configs/local.toml unless told otherwise (a client learns it from GET /v1/status)."""
 
-    def __init__(self, base: str, session: aiohttp.ClientSession):
-        self.base, self.session = base, session
+    def __init__(self, base: str, session: aiohttp.ClientSession, run_id: str = "local-demo"):
+        self.base, self.session, self.run_id = base, session, run_id
         self.key = Ed25519PrivateKey.generate()
         self.pub = self.key.public_key().public_bytes(serialization.Encoding.Raw,
                                                       serialization.PublicFormat.Raw).hex()
@@ -28,8 +29,8 @@ class RawNode:
     def headers(self, method: str, path: str, body: bytes, *, ts: int | None = None, nonce: str | None = None):
         ts = str(int(time.time() * 1000) if ts is None else ts)
         nonce = nonce or os.urandom(16).hex()
-        msg = "\n".join([method, path, ts, nonce, hashlib.sha256(body).hexdigest()]).encode()
-        return {"X-Prime-Key": self.pub, "X-Prime-Timestamp": ts, "X-Prime-Nonce": nonce,
+        msg = "\n".join([method, path, ts, nonce, self.run_id, hashlib.sha256(body).hexdigest()]).encode()
+        return {"X-Prime-Key": self.pub, "X-Prime-Timestamp": ts, "X-Prime-Nonce": nonce, "X-Prime-Run": self.run_id,
                 "X-Prime-Signature": self.key.sign(msg).hex(), "Content-Type": "application/json"}
 
     async def post(self, path: str, payload=None, *, body: bytes | None = None, headers: dict | None = None):

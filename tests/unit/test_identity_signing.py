@@ -51,13 +51,16 @@ class Clock:
         return self.t
 
 
-def _signed(ident, body=b'{"a":1}', path="/v1/work", ts=1_000_000):
-    return sign_request(ident, "POST", path, body, timestamp_ms=ts), body
+RUN = "run-a"
+
+
+def _signed(ident, body=b'{"a":1}', path="/v1/work", ts=1_000_000, run_id=RUN):
+    return sign_request(ident, "POST", path, body, run_id=run_id, timestamp_ms=ts), body
 
 
 def test_request_round_trip():
     ident = Identity.generate()
-    v = RequestVerifier(clock=Clock(1_000_000))
+    v = RequestVerifier(RUN, clock=Clock(1_000_000))
     headers, body = _signed(ident)
     assert v.verify("POST", "/v1/work", headers, body).signer == ident.node_id
 
@@ -71,11 +74,14 @@ def test_request_round_trip():
     ("future", "clock_skew"),
     ("missing", "missing_headers"),
     ("short_nonce", "bad_nonce"),
+    ("other_run", "wrong_run"),  # a request captured from one run, replayed to another coordinator
+    ("run_header_changed", "bad_signature"),  # the run id is inside the signed string
+    ("no_run_header", "missing_headers"),  # a v1 (unbound) request
 ])
 def test_request_rejections(case, code):
     ident = Identity.generate()
     now = 1_000_000_000
-    v = RequestVerifier(clock=Clock(now))
+    v = RequestVerifier(RUN, clock=Clock(now))
     headers, body = _signed(ident, ts=now)
     method, path = "POST", "/v1/work"
     if case == "bad_signature":
@@ -93,7 +99,14 @@ def test_request_rejections(case, code):
     elif case == "missing":
         del headers["X-Prime-Nonce"]
     elif case == "short_nonce":
-        headers = sign_request(ident, "POST", path, body, timestamp_ms=now, nonce="ab" * 8)
+        headers = sign_request(ident, "POST", path, body, run_id=RUN, timestamp_ms=now, nonce="ab" * 8)
+    elif case == "other_run":
+        headers, body = _signed(ident, ts=now, run_id="run-b")
+    elif case == "run_header_changed":  # signed for run-a, relabelled for a coordinator of run-b
+        v = RequestVerifier("run-b", clock=Clock(now))
+        headers["X-Prime-Run"] = "run-b"
+    elif case == "no_run_header":
+        del headers["X-Prime-Run"]
     with pytest.raises(SignatureError) as e:
         v.verify(method, path, headers, body)
     assert e.value.code == code
@@ -102,7 +115,7 @@ def test_request_rejections(case, code):
 def test_replay_rejected_inside_window_and_forgotten_after():
     ident = Identity.generate()
     clock = Clock(5_000_000)
-    v = RequestVerifier(clock=clock)
+    v = RequestVerifier(RUN, clock=clock)
     headers, body = _signed(ident, ts=clock.t)
     v.verify("POST", "/v1/work", headers, body)
     clock.t += 59_000
@@ -120,7 +133,7 @@ def test_replay_rejected_inside_window_and_forgotten_after():
 
 def test_nonce_store_is_bounded():
     ident = Identity.generate()
-    v = RequestVerifier(clock=Clock(1_000_000), max_nonces=3)
+    v = RequestVerifier(RUN, clock=Clock(1_000_000), max_nonces=3)
     for _ in range(3):
         h, b = _signed(ident)
         v.verify("POST", "/v1/work", h, b)

@@ -1,0 +1,113 @@
+"""Admission to a run (DESIGN §4): proof of work for new keys of open runs, join tokens for token runs.
+
+Proof of work: the join body carries `"pow": "<hex nonce>"` such that
+sha256(raw public key ‖ run_id bytes ‖ nonce bytes) starts with `pow_bits` zero bits. It is bound to
+the key and the run, so a solution is worth one key in one run; 20 bits cost about a second of one core.
+
+Join token: a document signed by the coordinator key (`sign_document`), base64url-encoded:
+    {"format": "prime-node/join-token/v1", "run_id", "node_id" (hex key or null = any key),
+     "expires_ms", "signer", "signature"}
+No IO here: the coordinator decides with the clock it is given.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+
+from .errors import PrimeNodeError, SignatureError
+from .identity import Identity, parse_public_key
+from .signing import canonical_json, sign_document, verify_document
+
+TOKEN_FORMAT = "prime-node/join-token/v1"
+MAX_POW_NONCE_HEX = 64
+MAX_TOKEN_CHARS = 2048
+
+
+class AdmissionError(PrimeNodeError):
+    def __init__(self, code: str, detail: str):
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
+def _raw_key(public_hex: str) -> bytes:
+    parse_public_key(public_hex)  # ValueError unless a valid Ed25519 key
+    return bytes.fromhex(public_hex)
+
+
+def pow_digest(public_hex: str, run_id: str, nonce: bytes) -> bytes:
+    return hashlib.sha256(_raw_key(public_hex) + run_id.encode() + nonce).digest()
+
+
+def leading_zero_bits(digest: bytes) -> int:
+    value = int.from_bytes(digest, "big")
+    return len(digest) * 8 - value.bit_length()
+
+
+def check_pow(public_hex: str, run_id: str, nonce_hex: str | None, bits: int) -> None:
+    """Raises AdmissionError unless `nonce_hex` is a valid proof of `bits` zero bits."""
+    if bits <= 0:
+        return
+    if not nonce_hex:
+        raise AdmissionError("pow_required", f"a new key joins this run with a proof of work of {bits} bits "
+                                             f"(the \"pow\" field; see DESIGN §4)")
+    if len(nonce_hex) > MAX_POW_NONCE_HEX:
+        raise AdmissionError("bad_pow", f"pow nonce longer than {MAX_POW_NONCE_HEX} hex characters")
+    try:
+        nonce = bytes.fromhex(nonce_hex)
+    except ValueError:
+        raise AdmissionError("bad_pow", "pow nonce is not hex") from None
+    if leading_zero_bits(pow_digest(public_hex, run_id, nonce)) < bits:
+        raise AdmissionError("bad_pow", f"proof of work has fewer than {bits} leading zero bits")
+
+
+def solve_pow(public_hex: str, run_id: str, bits: int) -> str:
+    """A nonce (hex) for `check_pow`: about 2**bits hashes."""
+    prefix = hashlib.sha256(_raw_key(public_hex) + run_id.encode())
+    start = int.from_bytes(os.urandom(4), "big") << 32  # two solvers never walk the same nonces
+    target = 1 << (256 - bits)
+    counter = start
+    while True:
+        nonce = counter.to_bytes(8, "big")
+        h = prefix.copy()
+        h.update(nonce)
+        if int.from_bytes(h.digest(), "big") < target:
+            return nonce.hex()
+        counter += 1
+
+
+def make_join_token(identity: Identity, run_id: str, expires_ms: int, node_id: str | None = None) -> str:
+    if node_id is not None:
+        node_id = _raw_key(node_id).hex()
+    doc = sign_document(identity, {"format": TOKEN_FORMAT, "run_id": run_id, "node_id": node_id,
+                                   "expires_ms": int(expires_ms)})
+    return base64.urlsafe_b64encode(canonical_json(doc)).decode().rstrip("=")
+
+
+def check_join_token(token: str | None, *, coordinator_key: str, run_id: str, node_id: str, now_ms: int) -> None:
+    """Raises AdmissionError unless `token` admits `node_id` to `run_id` at `now_ms`."""
+    if not token:
+        raise AdmissionError("token_required", "this run admits nodes with a join token from its operator "
+                                               "(--set worker.join_token=...)")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise AdmissionError("bad_token", "join token is too long")
+    try:
+        raw = base64.b64decode(token + "=" * (-len(token) % 4), altchars=b"-_", validate=True)
+        doc = json.loads(raw)
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise AdmissionError("bad_token", "join token is not base64url JSON") from None
+    if not isinstance(doc, dict) or doc.get("format") != TOKEN_FORMAT:
+        raise AdmissionError("bad_token", "not a prime-node join token")
+    try:
+        verify_document(doc, {coordinator_key})
+    except SignatureError as e:
+        raise AdmissionError("bad_token", f"join token: {e.detail}") from None
+    if doc.get("run_id") != run_id:
+        raise AdmissionError("bad_token", "join token is for another run")
+    if doc.get("node_id") not in (None, node_id):
+        raise AdmissionError("bad_token", "join token is for another key")
+    expires = doc.get("expires_ms")
+    if not isinstance(expires, int) or isinstance(expires, bool) or expires <= now_ms:
+        raise AdmissionError("token_expired", "join token has expired; ask the operator for a new one")
