@@ -111,7 +111,9 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
     try:
         data = strict_json_loads(body or b"{}")
     except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, "malformed", f"body is not valid JSON: {e}") from None
+        raise ApiError(400, "malformed", f"body is not valid JSON: {e}"[:300]) from None
+    except RecursionError:  # json's C scanner stops at the interpreter's recursion limit (~1000 levels)
+        raise ApiError(400, "malformed", "body is not valid JSON: nested too deeply") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -1,0 +1,157 @@
+"""Hostile peers against a live coordinator (DESIGN §5: no endpoint ever returns 500 for a client's bad
+input): one regression test per finding, each sent over a real socket to a real server on 127.0.0.1.
+
+The coordinator runs in a background thread with its own event loop, so these tests can use blocking
+clients (raw sockets, and schemathesis, whose requests are synchronous)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import threading
+import time
+import urllib.request
+from urllib.error import HTTPError
+
+import pytest
+
+from tests.integration.coordinator_harness import RawNode, running_coordinator
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class LiveCoordinator:
+    """`running_coordinator` in a thread of its own; `base` is its URL, `port` its port."""
+
+    def __init__(self, tmp, *extra: str):
+        self.tmp, self.extra = tmp, extra
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="live-coordinator")
+
+    def _run(self):
+        async def main():
+            self.stop = asyncio.Event()
+            async with running_coordinator(self.tmp, *self.extra) as (coord, base):
+                self.coord, self.base = coord, base
+                self.port = int(base.rsplit(":", 1)[1])
+                self.ready.set()
+                await self.stop.wait()
+
+        try:
+            self.loop.run_until_complete(main())
+        except BaseException as e:  # surfaced by __enter__
+            self.error = e
+            self.ready.set()
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.ready.wait(120), "coordinator did not start in 120 s"
+        if self.error:
+            raise self.error
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(60)
+
+    # -- clients -------------------------------------------------------------------------------
+    def node(self) -> RawNode:
+        return RawNode(self.base, session=None)
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+        req = urllib.request.Request(self.base + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, dict(r.headers), r.read()
+        except HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def post(self, node: RawNode, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, bytes]:
+        h = node.headers("POST", path, body) if headers is None else headers
+        req = urllib.request.Request(self.base + path, data=body, headers=h, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, dict(r.headers), r.read()
+        except HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def joined(self) -> RawNode:
+        node = self.node()
+        st, _, body = self.post(node, "/v1/join", b"{}")
+        assert st == 200, body
+        return node
+
+    def raw(self, data: bytes, *, source: str = "127.0.0.1", close_after: float | None = None) -> bytes:
+        """Send bytes on a fresh connection (from `source`, any 127/8 address) and read until the
+        server closes it; `close_after`: hang up that many seconds after sending instead."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=15, source_address=(source, 0)) as s:
+            s.sendall(data)
+            if close_after is not None:
+                time.sleep(close_after)
+                return b""
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    def count_500s(self) -> float:
+        return sum(v for (route, status), v in self._request_counts().items() if status == "500")
+
+    def _request_counts(self) -> dict:
+        st, _, body = self.get("/metrics")
+        assert st == 200
+        out = {}
+        for m in re.finditer(r'^prime_http_requests_total\{route="([^"]*)",status="(\d+)"\} (\S+)$',
+                             body.decode(), re.M):
+            out[(m[1], m[2])] = float(m[3])
+        return out
+
+
+def split_response(raw: bytes) -> tuple[int, dict, bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return status, headers, body
+
+
+def assert_json_error(status: int, headers: dict, body: bytes, *expected: int) -> dict:
+    """A 4xx whose body is DESIGN §5's {"error", "detail"}; `expected`: the allowed codes."""
+    assert 400 <= status < 500, (status, body[:300])
+    if expected:
+        assert status in expected, (status, body[:300])
+    ctype = {k.lower(): v for k, v in headers.items()}.get("content-type", "")
+    assert ctype.startswith("application/json"), (status, ctype, body[:300])
+    err = json.loads(body)
+    assert set(err) == {"error", "detail"} and isinstance(err["error"], str) and isinstance(err["detail"], str), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with LiveCoordinator(tmp_path_factory.mktemp("fuzz"), "verification.fraction=0",
+                         "server.rate_limit_per_second=10000", "server.rate_limit_burst=10000") as lc:
+        yield lc
+
+
+@pytest.fixture(autouse=True)
+def no_internal_errors(live, caplog):
+    """Every test here also checks that the server counted no 500 and logged no internal error."""
+    before = live.count_500s()
+    yield
+    assert live.count_500s() == before, "the server answered 500"
+    internal = [r for r in caplog.records if r.name == "prime_node.http" and "internal error" in r.getMessage()]
+    assert not internal, [r.getMessage() for r in internal]
+
+
+# -- item 6: no 500 for any input ------------------------------------------------------------------
+def test_deeply_nested_json_body_is_a_400(live):
+    node = live.joined()
+    for body in (b"[" * 100_000, b'{"node":' * 100_000, b"[" * 100_000 + b"]" * 100_000):
+        st, h, raw = live.post(node, "/v1/heartbeat", body)
+        err = assert_json_error(st, h, raw, 400)
+        assert err["error"] == "malformed"
