@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -206,10 +207,15 @@ async def file_response(request: web.Request, path: Path, throttle: UploadThrott
     return resp
 
 
+_ASCII_DIGITS = re.compile(r"[0-9]{1,10}")
+
+
 def int_param(request: web.Request, name: str, limit: int = 2**31) -> int:
+    """A path number: 1-10 ASCII digits below `limit`. Not str.isdigit()/int(), which accept other
+    scripts' digits ("²" passes isdigit() but int() refuses it; int("١") is 1), signs, spaces, "_"."""
     raw = request.match_info[name]
-    if not raw.isdigit() or len(raw) > 10 or int(raw) >= limit:
-        raise ApiError(400, "malformed", f"{name} must be a non-negative integer")
+    if not _ASCII_DIGITS.fullmatch(raw) or int(raw) >= limit:
+        raise ApiError(400, "malformed", f"{name} must be a non-negative integer below {limit} in ASCII digits")
     return int(raw)
 
 

@@ -155,3 +155,16 @@ def test_deeply_nested_json_body_is_a_400(live):
         st, h, raw = live.post(node, "/v1/heartbeat", body)
         err = assert_json_error(st, h, raw, 400)
         assert err["error"] == "malformed"
+
+
+def test_non_ascii_digits_in_path_are_not_numbers(live):
+    # "²" passes str.isdigit() but int() refuses it; "١" (Arabic-Indic one) int() reads as 1.
+    for path in ("/v1/checkpoints/%C2%B2/manifest", "/v1/checkpoints/%D9%A0/manifest",
+                 "/v1/checkpoints/0/shards/%D9%A0", "/v1/checkpoints/0/shards/%C2%B2",
+                 "/v1/checkpoints/%EF%BC%90/manifest",  # fullwidth zero
+                 "/v1/checkpoints/+0/manifest", "/v1/checkpoints/0_0/manifest", "/v1/checkpoints/%200/manifest"):
+        st, h, raw = live.get(path)
+        err = assert_json_error(st, h, raw, 400)
+        assert err["error"] == "malformed", path
+    st, _, _ = live.get("/v1/checkpoints/0/shards/0")  # the ASCII spelling is served
+    assert st == 200
