@@ -1,13 +1,18 @@
 """Pydantic models of every request and response body (DESIGN §5, §7).
 
-Every model forbids unknown fields and bounds every list and string, so a hostile body is rejected
-with a clear 400 before any work is done on it. Field names and shapes are the wire contract.
+Every model forbids unknown fields and bounds every value: each integer and float has an explicit range
+(floats are finite), each string, list and dict a maximum length. A hostile body is rejected with a clear
+400 before any work is done on it, and nothing a peer sends can grow into a number or a document that
+later breaks a response (a 4,300-digit byte counter once made GET /v1/status fail for good). The same
+models parse the coordinator's answers on the worker's side. Field names and shapes are the wire
+contract; `node/coordinator/openapi.py` publishes their JSON schemas as GET /openapi.json.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_PROMPT_TOKENS = 32_768
 MAX_COMPLETION_TOKENS = 32_768
@@ -16,15 +21,67 @@ MAX_GROUP_SIZE = 256
 MAX_ROLLOUTS_PER_SUBMISSION = 4096
 MAX_COMMITMENT_CHARS = 4 * 1024 * 1024
 MAX_ID_CHARS = 128
+MAX_REASON_CHARS = 64
+MAX_DETAIL_CHARS = 1024  # an error's human sentence (node/coordinator/http.py cuts longer ones)
+MAX_ADDRS = 64  # p2p bootstrap addresses / relay URLs in a run spec
+MAX_ADDR_CHARS = 2048
+MAX_TOKENIZER_FILES = 16
+MAX_TOKENIZER_FILE_CHARS = 16 * 1024 * 1024  # the coordinator ships files below 16 MiB only
+MAX_MODEL_CONFIG_BYTES = 1024 * 1024  # a Hugging Face config.json is a few KiB
+MAX_MODEL_CONFIG_DEPTH = 16
 
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
-Step = Annotated[int, Field(ge=0, lt=2**31)]
+MAX_STEP = 2**31 - 1  # policy steps, async levels, token ids: far above any run, a C int
+MAX_COUNTER = 2**63 - 1  # byte counters, seeds, Unix milliseconds: an int64
+MAX_TOKENS_PER_SECOND = 1e9
+MIN_LOGPROB = -1e6  # a sampled token's log-probability is far above this; -inf is refused
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Seed = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Counter = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
+UnixMs = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
+SampleIndex = Annotated[int, Field(ge=0, lt=MAX_GROUP_SIZE)]
 ShortStr = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
+Addr = Annotated[str, Field(max_length=MAX_ADDR_CHARS)]
+
+
+def _bounded_json(v: Any) -> Any:
+    """A free-form JSON document (the model's config.json): at most MAX_MODEL_CONFIG_DEPTH levels and
+    MAX_MODEL_CONFIG_BYTES as JSON, finite numbers, integers within int64."""
+    stack = [(v, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_MODEL_CONFIG_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_MODEL_CONFIG_DEPTH} levels")
+        if isinstance(x, dict):
+            stack.extend((y, depth + 1) for y in x.values())
+        elif isinstance(x, list):
+            stack.extend((y, depth + 1) for y in x)
+        elif isinstance(x, bool) or x is None or isinstance(x, str):
+            pass
+        elif isinstance(x, int):
+            if not -MAX_COUNTER - 1 <= x <= MAX_COUNTER:
+                raise ValueError("an integer is outside int64")
+        elif not isinstance(x, float):
+            raise ValueError(f"{type(x).__name__} is not a JSON value")
+    try:
+        size = len(json.dumps(v, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not a finite JSON document: {e}") from None
+    if size > MAX_MODEL_CONFIG_BYTES:
+        raise ValueError(f"{size} bytes as JSON (limit {MAX_MODEL_CONFIG_BYTES})")
+    return v
+
+
+BoundedJson = Annotated[dict[Annotated[str, Field(max_length=MAX_ID_CHARS)], Any],
+                        Field(max_length=4096), AfterValidator(_bounded_json)]
 
 
 class Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # --- join / heartbeat ------------------------------------------------------------------------------
@@ -42,7 +99,7 @@ class JoinRequest(Wire):
 
 
 class AdmissionInfo(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
     mode: Literal["open", "allowlist", "token"] = "open"
     pow_bits: Annotated[int, Field(ge=0, le=64)] = 0
 
@@ -50,40 +107,42 @@ class AdmissionInfo(BaseModel):
 class RunInfo(BaseModel):
     """What a client reads from GET /v1/status before its first signed request (the rest is ignored)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
     run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
-    coordinator_key: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    coordinator_key: HexKey
     admission: AdmissionInfo = AdmissionInfo()
 
 
 class RunSpec(Wire):
-    run_id: str
-    node_id: str
-    coordinator_key: str
-    task: str
-    async_level: int
-    current_step: int
-    group_size: int
-    model_config_json: dict  # the HF config.json of the policy (weights come as checkpoints)
-    tokenizer_files: dict[str, str]  # file name -> text content (small: tokenizer.json etc.)
-    eos_token_id: int
-    checkpoint_dtype: str
-    p2p_bootstrap: list[str] = []
-    relays: list[str] = []
+    run_id: RunId
+    node_id: HexKey
+    coordinator_key: HexKey
+    task: ShortStr
+    async_level: Step
+    current_step: Step
+    group_size: Annotated[int, Field(ge=1, le=MAX_GROUP_SIZE)]
+    model_config_json: BoundedJson  # the HF config.json of the policy (weights come as checkpoints)
+    # file name -> text content (small: tokenizer.json etc.)
+    tokenizer_files: Annotated[dict[ShortStr, Annotated[str, Field(max_length=MAX_TOKENIZER_FILE_CHARS)]],
+                               Field(max_length=MAX_TOKENIZER_FILES)]
+    eos_token_id: TokenId
+    checkpoint_dtype: Annotated[str, Field(max_length=32)]
+    p2p_bootstrap: Annotated[list[Addr], Field(max_length=MAX_ADDRS)] = []
+    relays: Annotated[list[Addr], Field(max_length=MAX_ADDRS)] = []
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, protected_namespaces=())
 
 
 class HeartbeatRequest(Wire):
     policy_step: Step | None = None
-    tokens_per_second: Annotated[float, Field(ge=0, le=1e9)] = 0.0
+    tokens_per_second: Annotated[float, Field(ge=0, le=MAX_TOKENS_PER_SECOND)] = 0.0
     steps_held: Annotated[list[Step], Field(max_length=64)] = []
     state: Literal["starting", "fetching", "generating", "idle", "stopping"] = "idle"
-    bytes_by_source: dict[Literal["coordinator", "relay", "peer"], Annotated[int, Field(ge=0)]] = {}
+    bytes_by_source: Annotated[dict[Literal["coordinator", "relay", "peer"], Counter], Field(max_length=3)] = {}
 
 
 class HeartbeatResponse(Wire):
-    current_step: int
+    current_step: Step
     banned: bool = False
 
 
@@ -93,9 +152,9 @@ class WorkRequest(Wire):
 
 
 class Sampling(Wire):
-    temperature: float
-    top_p: float
-    max_tokens: int
+    temperature: Annotated[float, Field(ge=0, le=100)]
+    top_p: Annotated[float, Field(ge=0, le=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)]
 
 
 class PromptWork(Wire):
@@ -108,28 +167,20 @@ class Assignment(Wire):
     assignment_id: ShortStr
     batch_step: Step
     min_policy_step: Step
-    group_size: int
+    group_size: Annotated[int, Field(ge=1, le=MAX_GROUP_SIZE)]
     sampling: Sampling
-    deadline_ms: int
-    prompts: list[PromptWork]
+    deadline_ms: UnixMs
+    prompts: Annotated[list[PromptWork], Field(max_length=MAX_PROMPTS_PER_ASSIGNMENT)]
 
 
 # --- submit ----------------------------------------------------------------------------------------
 class RolloutSubmission(Wire):
     prompt_id: ShortStr
-    sample_index: Annotated[int, Field(ge=0, lt=MAX_GROUP_SIZE)]
+    sample_index: SampleIndex
     completion_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)]
-    logprobs: Annotated[list[float], Field(max_length=MAX_COMPLETION_TOKENS)]
+    logprobs: Annotated[list[Annotated[float, Field(ge=MIN_LOGPROB, le=0.0)]], Field(max_length=MAX_COMPLETION_TOKENS)]
     finish_reason: Literal["stop", "length"]
     commitment: Annotated[str, Field(max_length=MAX_COMMITMENT_CHARS)]
-
-    @field_validator("logprobs")
-    @classmethod
-    def _finite_nonpositive(cls, v: list[float]) -> list[float]:
-        for x in v:
-            if not (x == x) or x in (float("inf"), float("-inf")) or x > 0.0:
-                raise ValueError("logprobs must be finite and <= 0")
-        return v
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> "RolloutSubmission":
@@ -145,21 +196,23 @@ class SubmitRequest(Wire):
 
 
 class RolloutRef(Wire):
-    prompt_id: str
-    sample_index: int
+    prompt_id: ShortStr
+    sample_index: SampleIndex
 
 
 class Rejection(Wire):
-    prompt_id: str
-    sample_index: int
-    reason: str
+    prompt_id: ShortStr
+    sample_index: SampleIndex
+    reason: Reason
 
 
 class SubmitResponse(Wire):
-    accepted: list[RolloutRef]
-    rejected: list[Rejection]
+    accepted: Annotated[list[RolloutRef], Field(max_length=MAX_ROLLOUTS_PER_SUBMISSION)]
+    rejected: Annotated[list[Rejection], Field(max_length=MAX_ROLLOUTS_PER_SUBMISSION)]
 
 
 class ErrorBody(Wire):
-    error: str
-    detail: str
+    """Every 4xx/5xx answer of the coordinator and the relays (DESIGN §5)."""
+
+    error: Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
+    detail: Annotated[str, Field(max_length=MAX_DETAIL_CHARS)]

@@ -168,3 +168,17 @@ def test_non_ascii_digits_in_path_are_not_numbers(live):
         assert err["error"] == "malformed", path
     st, _, _ = live.get("/v1/checkpoints/0/shards/0")  # the ASCII spelling is served
     assert st == 200
+
+
+def test_huge_integers_in_a_heartbeat_are_refused_and_status_stays_up(live):
+    nodes = [live.joined() for _ in range(2)]
+    for node in nodes:
+        for value in (b"9" * 4300, str(2**63).encode(), b"1e400", b"-1"):
+            body = b'{"bytes_by_source":{"peer":' + value + b'}}'
+            st, h, raw = live.post(node, "/v1/heartbeat", body)
+            assert_json_error(st, h, raw, 400)
+        # the biggest accepted counters still add up to a status document (sum of many nodes' 2**63-1)
+        st, _, raw = live.post(node, "/v1/heartbeat", json.dumps({"bytes_by_source": {"peer": 2**63 - 1}}).encode())
+        assert st == 200, raw
+    st, _, raw = live.get("/v1/status")
+    assert st == 200 and json.loads(raw)["checkpoint_bytes_by_source"]["peer"] >= 2 * (2**63 - 1)
