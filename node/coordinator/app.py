@@ -8,8 +8,8 @@ import time
 from aiohttp import web
 
 from node.coordinator.http import (
-    MAX_BODY_BYTES, SWARM_HEADER, ApiError, RateLimiter, UploadThrottle, error_middleware, file_response, int_param, parse_body, read_signed,
-    shard_path,
+    MAX_BODY_BYTES, SWARM_HEADER, ApiError, HardenedAppRunner, RateLimiter, UploadThrottle, error_middleware, file_response,
+    int_param, parse_body, read_signed, shard_path,
 )
 from protocol import messages as M
 from protocol.signing import RequestVerifier
@@ -150,7 +150,7 @@ async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]
     """Start the coordinator and its HTTP server; returns (runner, bound port)."""
     await coord.start()
     app = build_app(coord)
-    runner = web.AppRunner(app, access_log=None)
+    runner = HardenedAppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
 
 from node.aio import read_bounded
 from protocol.errors import SignatureError
-from protocol.signing import RequestVerifier, strict_json_loads
+from protocol.signing import HEADER_TIMESTAMP, SIGNED_HEADERS, RequestVerifier, strict_json_loads
 
 log = logging.getLogger("prime_node.http")
 
@@ -22,21 +23,38 @@ log = logging.getLogger("prime_node.http")
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from libp2p peers
 
+# Numbers from clients are ASCII digits only: str.isdigit() and int() also take other scripts' digits
+# ("²" passes isdigit() but int() refuses it; int("١") is 1), and int() takes signs, spaces and "_".
+_ASCII_DIGITS = re.compile(r"[0-9]{1,10}")
+_TIMESTAMP = re.compile(r"[0-9]{1,16}")
+_RANGE = re.compile(r"bytes=[ \t]*([0-9]{0,40})[ \t]*-[ \t]*([0-9]{0,40})[ \t]*")
+
+MAX_DETAIL_CHARS = 1024  # protocol.messages.ErrorBody: an error's sentence never grows with the input
+
 
 class ApiError(Exception):
     """An error meant for the client: status + short code + one human sentence (DESIGN §5)."""
 
-    def __init__(self, status: int, code: str, detail: str):
+    def __init__(self, status: int, code: str, detail: str, headers: dict[str, str] | None = None):
         super().__init__(detail)
-        self.status, self.code, self.detail = status, code, detail
+        self.status, self.code, self.detail, self.headers = status, code, detail, headers
 
 
-def json_error(status: int, code: str, detail: str) -> web.Response:
-    return web.json_response({"error": code, "detail": detail}, status=status)
+def json_error(status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> web.Response:
+    if len(detail) > MAX_DETAIL_CHARS:
+        detail = detail[:MAX_DETAIL_CHARS - 1] + "…"
+    return web.json_response({"error": code, "detail": detail}, status=status, headers=headers)
 
 
-_HTTP_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
-               416: "range_not_satisfiable"}
+_HTTP_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
+               416: "range_not_satisfiable", 431: "too_large", 500: "internal", 503: "unavailable",
+               504: "timeout"}
+_KEPT_HEADERS = ("Allow", "Content-Range", "Retry-After")
+
+
+def _client_gone(request: web.BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 @web.middleware
@@ -44,16 +62,64 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as e:
-        return json_error(e.status, e.code, e.detail)
+        return json_error(e.status, e.code, e.detail, e.headers)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return json_error(e.status, _HTTP_CODES.get(e.status, "http_error"), e.reason or str(e))
+        kept = {k: e.headers[k] for k in _KEPT_HEADERS if k in e.headers}
+        return json_error(e.status, _HTTP_CODES.get(e.status, "http_error"), e.reason or str(e), kept)
     except asyncio.CancelledError:
         raise
-    except Exception:
+    except Exception as e:
+        if isinstance(e, ConnectionError) and _client_gone(request):
+            # The client hung up (mid-body or mid-download): nobody reads the answer, nothing to log.
+            log.debug("%s %s: the client went away", request.method, request.path)
+            return json_error(400, "connection_lost", "the connection was closed before the request was served")
         log.exception("internal error on %s %s", request.method, request.path)
         return json_error(500, "internal", "the server failed to handle this request; it has been logged")
+
+
+# -- below the application: malformed HTTP -----------------------------------------------------------
+class _JsonErrorRequestHandler(web.RequestHandler):
+    """aiohttp's connection handler, changed for requests that never reach the application (a bad
+    request line, bad or oversized headers, a lying Content-Length): the answer is DESIGN §5's JSON
+    error instead of text."""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a response began
+        if status >= 500:
+            detail = "the server failed to handle this request; it has been logged"
+        else:
+            detail = f"malformed HTTP request: {_one_line(exc) if exc is not None else message or 'bad request'}"
+        resp = json_error(status, _HTTP_CODES.get(status, "http_error"), detail)
+        resp.force_close()
+        return resp
+
+
+def _peer_of(transport) -> str:
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "unknown"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = exc.message if isinstance(exc, HttpProcessingError) and isinstance(exc.message, str) else str(exc)
+    return " ".join(text.split())[:200]
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class HardenedAppRunner(web.AppRunner):
+    """`web.AppRunner` whose connections answer malformed HTTP with JSON errors (see
+    `_JsonErrorRequestHandler`). Use it like AppRunner."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # same state; only the per-connection handler class differs
+        return server
 
 
 class TokenBucket:
@@ -126,9 +192,20 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
 async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: RateLimiter) -> tuple[str, bytes]:
     """Read the (size-limited) body and check its signature. Returns (signer node id, body)."""
     limit = request.app[MAX_BODY_BYTES]
+    for name in SIGNED_HEADERS:
+        # Ambiguous: this server would check the first, a proxy in front of it might keep the last.
+        if len(request.headers.getall(name, ())) > 1:
+            raise ApiError(400, "malformed", f"header {name} appears more than once")
+    ts = request.headers.get(HEADER_TIMESTAMP)
+    if ts is not None and not _TIMESTAMP.fullmatch(ts):
+        # int() would also read other scripts' digits, "_", signs and spaces.
+        raise ApiError(401, "bad_timestamp", "X-Prime-Timestamp must be Unix milliseconds in ASCII digits")
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds {limit}")
-    body = await read_bounded(request.content, limit)
+    try:
+        body = await read_bounded(request.content, limit)
+    except (web.RequestPayloadError, HttpProcessingError) as e:  # e.g. a broken chunked encoding
+        raise ApiError(400, "malformed", f"the request body could not be read: {_one_line(e)}") from None
     if body is None:
         raise ApiError(413, "too_large", f"body exceeds {limit} bytes")
     try:
@@ -151,22 +228,24 @@ def shard_path(root: Path, step: int, index: int) -> Path:
 
 
 def _parse_range(header: str, size: int) -> tuple[int, int]:
-    """`bytes=a-b` / `bytes=a-` / `bytes=-n` -> inclusive (start, end). One range only."""
-    if not header.startswith("bytes=") or "," in header:
-        raise ApiError(416, "range_not_satisfiable", "only a single bytes=a-b range is supported")
-    a, _, b = header[6:].strip().partition("-")
-    try:
-        if a == "":
-            n = int(b)
-            start, end = max(0, size - n), size - 1
-        else:
-            start = int(a)
-            end = int(b) if b else size - 1
-    except ValueError:
-        raise ApiError(416, "range_not_satisfiable", f"bad Range header {header!r}") from None
-    end = min(end, size - 1)
-    if start < 0 or start > end:
-        raise ApiError(416, "range_not_satisfiable", f"range {header!r} outside 0-{size - 1}")
+    """`bytes=a-b` / `bytes=a-` / `bytes=-n` (ASCII digits) -> inclusive (start, end) within a file of
+    `size` > 0 bytes. One range only. Anything else raises ApiError(416) with `Content-Range: bytes */size`."""
+    m = _RANGE.fullmatch(header)
+    if m is None:
+        raise ApiError(416, "range_not_satisfiable", "only a single bytes=a-b range is supported",
+                       {"Content-Range": f"bytes */{size}"})
+    a, b = m[1], m[2]
+    if a == "":
+        if b == "" or int(b) == 0:
+            raise ApiError(416, "range_not_satisfiable", f"range {header[:80]!r} selects nothing",
+                           {"Content-Range": f"bytes */{size}"})
+        start, end = max(0, size - int(b)), size - 1
+    else:
+        start = int(a)
+        end = min(int(b), size - 1) if b else size - 1
+    if start > end:
+        raise ApiError(416, "range_not_satisfiable", f"range {header[:80]!r} is outside 0-{size - 1}",
+                       {"Content-Range": f"bytes */{size}"})
     return start, end
 
 
@@ -180,9 +259,12 @@ async def file_response(request: web.Request, path: Path, throttle: UploadThrott
         raise ApiError(404, "not_found", "no such shard") from None
     start, end = 0, size - 1
     status = 200
-    rng = request.headers.get("Range")
-    if rng and size > 0:
-        start, end = _parse_range(rng, size)
+    ranges = request.headers.getall("Range", ())
+    if len(ranges) > 1:
+        raise ApiError(416, "range_not_satisfiable", "only a single Range header is supported",
+                       {"Content-Range": f"bytes */{size}"})
+    if ranges and size > 0:
+        start, end = _parse_range(ranges[0], size)
         status = 206
     resp = web.StreamResponse(status=status)
     resp.content_type = content_type
@@ -205,9 +287,6 @@ async def file_response(request: web.Request, path: Path, throttle: UploadThrott
             left -= len(chunk)
     await resp.write_eof()
     return resp
-
-
-_ASCII_DIGITS = re.compile(r"[0-9]{1,10}")
 
 
 def int_param(request: web.Request, name: str, limit: int = 2**31) -> int:
