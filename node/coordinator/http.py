@@ -80,14 +80,51 @@ async def error_middleware(request: web.Request, handler):
 
 
 # -- below the application: malformed HTTP -----------------------------------------------------------
+class PeerLogLimiter:
+    """At most one log line per peer address per `interval_s`; the lines in between are counted and the
+    count is told on the next line. Bounded: at most `max_peers` addresses are remembered."""
+
+    def __init__(self, interval_s: float = 60.0, max_peers: int = 4096, clock: Callable[[], float] = time.monotonic):
+        self.interval_s, self.max_peers, self.clock = interval_s, max_peers, clock
+        self._peers: dict[str, tuple[float, int]] = {}  # address -> (last logged, suppressed since)
+
+    def allow(self, peer: str) -> tuple[bool, int]:
+        """(log this one?, how many were suppressed before it)."""
+        now = self.clock()
+        last, suppressed = self._peers.get(peer, (None, 0))
+        if last is not None and now - last < self.interval_s:
+            self._peers[peer] = (last, suppressed + 1)
+            return False, suppressed
+        if last is None and len(self._peers) >= self.max_peers:
+            self._peers = {p: v for p, v in self._peers.items() if now - v[0] < self.interval_s}
+            if len(self._peers) >= self.max_peers:
+                self._peers.pop(next(iter(self._peers)))
+        self._peers[peer] = (now, 0)
+        return True, suppressed
+
+
 class _JsonErrorRequestHandler(web.RequestHandler):
-    """aiohttp's connection handler, changed for requests that never reach the application (a bad
-    request line, bad or oversized headers, a lying Content-Length): the answer is DESIGN §5's JSON
-    error instead of text."""
+    """aiohttp's connection handler, with two changes for requests that never reach the application
+    (a bad request line, bad or oversized headers, a lying Content-Length): the answer is DESIGN §5's
+    JSON error instead of text, and the log gets one line per peer address per minute instead of a
+    traceback per request (a peer can send thousands of those a second)."""
+
+    log_limiter: PeerLogLimiter
+
+    def log_exception(self, *args, **kw) -> None:
+        exc = kw.get("exc_info")
+        peer = args[1] if len(args) > 1 and isinstance(args[1], str) else _peer_of(self.transport)
+        if isinstance(exc, HttpProcessingError):
+            ok, suppressed = self.log_limiter.allow(peer)
+            if ok:
+                more = f" ({suppressed} more from this address in the last minute)" if suppressed else ""
+                self.logger.warning("malformed HTTP request from %s: %s%s", peer, _one_line(exc), more)
+            return
+        super().log_exception(*args, **kw)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs; raises if a response began
+        super().handle_error(request, status, exc, message)  # logs (above); raises if a response began
         if status >= 500:
             detail = "the server failed to handle this request; it has been logged"
         else:
@@ -109,16 +146,23 @@ def _one_line(exc: BaseException) -> str:
 
 class _JsonErrorServer(web.Server):
     def __call__(self) -> web.RequestHandler:
-        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler = _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.log_limiter = self.log_limiter
+        return handler
 
 
 class HardenedAppRunner(web.AppRunner):
-    """`web.AppRunner` whose connections answer malformed HTTP with JSON errors (see
-    `_JsonErrorRequestHandler`). Use it like AppRunner."""
+    """`web.AppRunner` whose connections answer malformed HTTP with JSON errors and log it at most once
+    per peer address per `log_interval_s` (see `_JsonErrorRequestHandler`). Use it like AppRunner."""
+
+    def __init__(self, app: web.Application, *, log_interval_s: float = 60.0, **kwargs):
+        super().__init__(app, **kwargs)
+        self.log_limiter = PeerLogLimiter(log_interval_s)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer  # same state; only the per-connection handler class differs
+        server.log_limiter = self.log_limiter
         return server
 
 

@@ -283,3 +283,35 @@ def test_range_header_tricks_on_the_shard_route(live):
     got = responses(live.raw(request_bytes("GET", path, [("Range", "bytes=0-1"), ("Range", "bytes=2-3")],
                                            content_length="0")))
     assert_json_error(*got[0], 416)
+
+
+def test_malformed_http_is_logged_once_per_peer_address_per_minute(live, caplog):
+    caplog.set_level(logging.INFO)
+    garbage = [b"\x00\x01garbage\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"GET /\x7f HTTP/1.1\r\nHost: x\r\n\r\n",
+               b"POST /v1/work HTTP/1.1\r\nContent-Length: zz\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"]
+    for source in ("127.0.0.7", "127.0.0.8"):
+        for i in range(30):
+            got = responses(live.raw(garbage[i % len(garbage)], source=source))
+            assert len(got) == 1
+            assert_json_error(*got[0], 400)
+    time.sleep(0.2)
+    for source in ("127.0.0.7", "127.0.0.8"):
+        lines = [r for r in caplog.records if r.levelno >= logging.INFO and source in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        assert lines[0].exc_info is None or lines[0].levelno <= logging.WARNING
+    st, _, _ = live.get("/v1/status")  # the server is fine
+    assert st == 200
+
+
+def test_peer_log_limiter_says_how_many_it_held_back():
+    from node.coordinator.http import PeerLogLimiter
+
+    t = [0.0]
+    lim = PeerLogLimiter(60.0, max_peers=2, clock=lambda: t[0])
+    assert lim.allow("a") == (True, 0)
+    assert [lim.allow("a")[0] for _ in range(5)] == [False] * 5
+    assert lim.allow("b") == (True, 0)
+    t[0] = 61.0
+    assert lim.allow("a") == (True, 5)  # the next line tells the 5 held back
+    assert lim.allow("c") == (True, 0)  # a third address: "b" (expired) is forgotten, memory stays bounded
+    assert len(lim._peers) <= 2
