@@ -216,3 +216,38 @@ class ErrorBody(Wire):
 
     error: Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
     detail: Annotated[str, Field(max_length=MAX_DETAIL_CHARS)]
+
+
+# --- public GET answers (documented in GET /openapi.json) -------------------------------------------
+MAX_LISTED_STEPS = 4096  # the coordinator keeps its async window plus a delta chain, far fewer
+MAX_SHARDS = 99_999
+
+
+class CheckpointInfo(Wire):
+    step: Step
+    encoding: ShortStr  # "full" | "xor-delta" (docs/PROTOCOL.md may add encodings)
+    base_step: Step | None
+    num_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)]
+    total_size: Counter
+    compressed_size: Counter
+    manifest_hash: HexKey  # sha256 hex of the canonical manifest without its signature
+
+
+class CheckpointList(Wire):
+    """GET /v1/checkpoints: the steps a node may fetch (committed to the ledger), newest first served."""
+
+    steps: Annotated[list[Step], Field(max_length=MAX_LISTED_STEPS)]
+    newest: Step
+    checkpoints: Annotated[list[CheckpointInfo], Field(max_length=MAX_LISTED_STEPS)]
+
+
+class StatusResponse(RunInfo):
+    """GET /v1/status. A client relies on these fields (RunInfo is what it parses before joining); the
+    rest of the document (nodes, throughput, staleness, verification counts, reward curve, ...) is for
+    the dashboard and may grow."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+    admission: AdmissionInfo
+    step: Step
+    async_level: Step
+    checkpoints: Annotated[list[CheckpointInfo], Field(max_length=MAX_LISTED_STEPS)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import json
 import math
 import time
 
@@ -11,6 +12,7 @@ from node.coordinator.http import (
     MAX_BODY_BYTES, SWARM_HEADER, ApiError, HardenedAppRunner, RateLimiter, UploadThrottle, error_middleware, file_response,
     int_param, parse_body, read_signed, shard_path,
 )
+from node.coordinator.openapi import build_openapi
 from protocol import messages as M
 from protocol.signing import RequestVerifier
 
@@ -131,6 +133,11 @@ def build_app(coord) -> web.Application:
     async def index(request):
         raise web.HTTPFound("/dashboard")
 
+    openapi_doc = json.dumps(build_openapi(run_id=coord.cfg.run.run_id, max_body_bytes=cfg.max_body_bytes))
+
+    async def openapi(request):
+        return web.Response(text=openapi_doc, content_type="application/json")
+
     app.router.add_post("/v1/join", join)
     app.router.add_post("/v1/heartbeat", heartbeat)
     app.router.add_post("/v1/work", work)
@@ -141,6 +148,7 @@ def build_app(coord) -> web.Application:
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", index)
 
     return app

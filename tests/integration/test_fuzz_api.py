@@ -315,3 +315,36 @@ def test_peer_log_limiter_says_how_many_it_held_back():
     assert lim.allow("a") == (True, 5)  # the next line tells the 5 held back
     assert lim.allow("c") == (True, 0)  # a third address: "b" (expired) is forgotten, memory stays bounded
     assert len(lim._peers) <= 2
+
+
+# -- item 9: the OpenAPI description and a schemathesis fuzz run -------------------------------------
+def test_openapi_document_describes_every_route(live):
+    from node.coordinator.app import build_app
+    from node.coordinator.openapi import ROUTES
+
+    st, h, raw = live.get("/openapi.json")
+    assert st == 200 and h["Content-Type"].startswith("application/json")
+    doc = json.loads(raw)
+    assert doc["openapi"].startswith("3.") and "local-demo" in doc["info"]["description"]
+    documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    routed = {(r.method, r.resource.canonical) for r in build_app(live.coord).router.routes() if r.method != "HEAD"}
+    assert documented == routed == {(r.method.upper(), r.path) for r in ROUTES}
+    schemas = doc["components"]["schemas"]
+    # request and response bodies are the wire models' own JSON schemas, with their bounds
+    work = doc["paths"]["/v1/work"]["post"]
+    assert work["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/WorkRequest"}
+    assert schemas["WorkRequest"]["properties"]["policy_step"]["maximum"] == 2**31 - 1
+    assert schemas["WorkRequest"]["additionalProperties"] is False
+    assert schemas["HeartbeatRequest"]["properties"]["bytes_by_source"]["additionalProperties"]["maximum"] == 2**63 - 1
+    assert set(work["responses"]) == {"200", "204", "400", "401", "403", "409", "413", "429"}
+    assert work["responses"]["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    assert set(schemas["ErrorBody"]["required"]) == {"error", "detail"}
+    # signed operations require the five X-Prime-* headers (DESIGN §4, run-bound v2)
+    assert set(work["security"][0]) == {"X-Prime-Key", "X-Prime-Timestamp", "X-Prime-Nonce", "X-Prime-Run",
+                                        "X-Prime-Signature"}
+    assert doc["components"]["securitySchemes"]["X-Prime-Run"] == {
+        "type": "apiKey", "in": "header", "name": "X-Prime-Run", "description": doc["components"][
+            "securitySchemes"]["X-Prime-Run"]["description"]}
+    assert "security" not in doc["paths"]["/v1/status"]["get"]
+    shard = doc["paths"]["/v1/checkpoints/{step}/shards/{index}"]["get"]
+    assert {"200", "206", "416"} <= set(shard["responses"]) and {p["name"] for p in shard["parameters"]} >= {"Range"}
