@@ -62,8 +62,8 @@ RANGE_PARAM = {"name": "Range", "in": "header", "required": False,
                "schema": {"type": "string", "maxLength": 100}}
 SWARM_PARAM = {"name": "X-Prime-Swarm", "in": "header", "required": False,
                "description": '"1": the requester can also fetch shards from libp2p peers (super-seeding: '
-                              "429 seeded while the shard is spreading)",
-               "schema": {"type": "string", "enum": ["1"]}}
+                              "429 seeded while the shard is spreading); any other value is ignored",
+               "schema": {"type": "string"}}
 
 ROUTES: tuple[Route, ...] = (
     Route("post", "/v1/join", "Register the signer; returns the run spec.", True, M.JoinRequest,

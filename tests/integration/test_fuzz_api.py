@@ -348,3 +348,135 @@ def test_openapi_document_describes_every_route(live):
     assert "security" not in doc["paths"]["/v1/status"]["get"]
     shard = doc["paths"]["/v1/checkpoints/{step}/shards/{index}"]["get"]
     assert {"200", "206", "416"} <= set(shard["responses"]) and {p["name"] for p in shard["parameters"]} >= {"Range"}
+
+
+class SignV2:
+    """requests auth: signs the request exactly as it goes out (final path with query, final body bytes)
+    with the run-bound v2 scheme, through the harness's RawNode (a signer written from DESIGN §4)."""
+
+    def __init__(self, node: RawNode):
+        self.node = node
+
+    def __call__(self, r):
+        from urllib.parse import urlsplit
+
+        body = r.body or b""
+        body = body.encode() if isinstance(body, str) else body
+        parts = urlsplit(r.url)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        for k, v in self.node.headers(r.method, path, body).items():
+            if k != "Content-Type":
+                r.headers[k] = v
+        return r
+
+
+FUZZ_EXAMPLES = {"positive": 25, "negative": 25}  # per operation and mode; the run stays well under 60 s
+
+
+def test_schemathesis_fuzz_finds_no_server_error(live):
+    import requests
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.core.parameters import ParameterLocation
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                   status_code_conformance)
+
+    started = time.monotonic()
+    node, beating = live.joined(), live.joined()
+    # Real assignments (2 in flight per node), so that half of the generated submissions reach the
+    # intake with a live assignment id and its prompt ids instead of stopping at 404.
+    pool = []
+    for _ in range(6):
+        owner = live.joined()
+        for _ in range(2):
+            st, _, raw = live.post(owner, "/v1/work", b'{"policy_step":0}')
+            if st == 200:
+                pool.append((json.loads(raw), owner))
+    assert pool
+    turn = [0]
+
+    def aim_at_a_live_assignment(case) -> RawNode:
+        turn[0] += 1
+        if turn[0] % 2 or not isinstance(case.body, dict) or case.meta.is_negative_at(ParameterLocation.BODY):
+            return node
+        a, owner = pool[turn[0] // 2 % len(pool)]
+        body = dict(case.body, assignment_id=a["assignment_id"], policy_step=0)
+        rollouts = []
+        for k, r in enumerate(body.get("rollouts", [])):
+            p = a["prompts"][k % len(a["prompts"])]
+            n = len(r["completion_ids"])  # one logprob per token: a rule the JSON schema cannot state
+            logprobs = (r["logprobs"] + [-1.0] * n)[:n]
+            rollouts.append(dict(r, prompt_id=p["prompt_id"], sample_index=r["sample_index"] % len(p["seeds"]),
+                                 logprobs=logprobs))
+        case.body = dict(body, rollouts=rollouts)
+        return owner
+
+    def aim_at_a_published_step(case) -> None:
+        turn[0] += 1
+        if turn[0] % 2 == 0 and not case.meta.is_negative_at(ParameterLocation.PATH):
+            case.path_parameters = {k: 0 for k in case.path_parameters}  # step 0 (and its shard 0) exist
+        if case.path == "/v1/work" and turn[0] % 2 == 0 and not case.meta.is_negative_at(ParameterLocation.BODY):
+            case.body = {"policy_step": 0}
+
+    @schemathesis.hook
+    def before_call(context, case, kwargs):
+        # Half of the valid cases are aimed at things that exist (see above), the rest go as generated.
+        if case.path_parameters or case.path == "/v1/work":
+            aim_at_a_published_step(case)
+        # A signed operation goes out signed, unless this case is about broken headers (a negative case
+        # that drops or mangles the X-Prime-* headers): those are sent as generated and must be refused.
+        if case.method.upper() != "POST" or case.meta.is_negative_at(ParameterLocation.HEADER):
+            return
+        # (heartbeats from a node of their own: the steps they report would make `node`'s work requests stale)
+        signer = {"/v1/submit": aim_at_a_live_assignment, "/v1/heartbeat": lambda _: beating}.get(
+            case.path, lambda _: node)(case)
+        kwargs["auth"] = SignV2(signer)
+
+    schema = schemathesis.openapi.from_url(live.base + "/openapi.json")
+    session = requests.Session()
+    stats = {"calls": 0, "by_status": {}, "by_op": {}}
+    try:
+        for result in schema.get_all_operations():
+            op = result.ok()
+            for mode_name, n in FUZZ_EXAMPLES.items():
+                mode = schemathesis.GenerationMode(mode_name)
+                checks = [not_a_server_error, status_code_conformance, content_type_conformance,
+                          response_schema_conformance]
+
+                @given(case=op.as_strategy(generation_mode=mode))
+                @settings(max_examples=n, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+                          suppress_health_check=list(HealthCheck))
+                def fuzz(case):
+                    resp = case.call(base_url=live.base, session=session, timeout=30)
+                    stats["calls"] += 1
+                    stats["by_status"][resp.status_code] = stats["by_status"].get(resp.status_code, 0) + 1
+                    per_op = stats["by_op"].setdefault(op.label, {})
+                    per_op[resp.status_code] = per_op.get(resp.status_code, 0) + 1
+                    assert resp.status_code < 500, (op.label, resp.status_code, resp.text[:300])
+                    if resp.status_code >= 400:
+                        err = resp.json()
+                        ctype = {k.lower(): v for k, v in resp.headers.items()}.get("content-type", [""])
+                        assert ctype[0].startswith("application/json"), (op.label, resp.status_code, ctype)
+                        assert set(err) == {"error", "detail"} and all(isinstance(v, str) for v in err.values()), err
+                    case.validate_response(resp, checks=checks)
+                    if mode_name == "negative":  # schema-violating input is refused (416 included, which
+                        # schemathesis's own negative_data_rejection does not count as a refusal)
+                        assert 400 <= resp.status_code < 500, (op.label, resp.status_code, case.as_curl_command())
+
+                try:
+                    fuzz()
+                except Unsatisfiable:  # negative mode on an operation without parameters or body
+                    assert mode_name == "negative" and not op.body and not list(op.iter_parameters()), op.label
+    finally:
+        schemathesis.hooks.unregister(before_call)
+    elapsed = time.monotonic() - started
+    print(f"schemathesis: {stats['calls']} calls in {elapsed:.1f} s, statuses {sorted(stats['by_status'].items())}")
+    assert stats["calls"] >= 200
+    assert stats["by_status"].get(200, 0) > 0 and not any(s >= 500 for s in stats["by_status"])
+    for label, counts in sorted(stats["by_op"].items()):
+        print(f"  {label}: {sorted(counts.items())}")
+    assert stats["by_op"]["POST /v1/submit"].get(200, 0) > 0  # some generated submissions reached the intake
+    st, _, _ = live.get("/v1/status")
+    assert st == 200
