@@ -244,9 +244,9 @@ class CheckpointList(Wire):
 class StatusResponse(RunInfo):
     """GET /v1/status. A client relies on these fields (RunInfo is what it parses before joining); the
     rest of the document (nodes, throughput, staleness, verification counts, reward curve, ...) is for
-    the dashboard and may grow."""
+    the dashboard and may grow (parsed, it is dropped: whatever a model keeps is bounded)."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
     admission: AdmissionInfo
     step: Step
     async_level: Step
