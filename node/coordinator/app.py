@@ -9,8 +9,8 @@ import time
 from aiohttp import web
 
 from node.coordinator.http import (
-    MAX_BODY_BYTES, SWARM_HEADER, ApiError, HardenedAppRunner, RateLimiter, UploadThrottle, error_middleware, file_response,
-    int_param, parse_body, read_signed, shard_path,
+    BODY_TIMEOUT, MAX_BODY_BYTES, SWARM_HEADER, ApiError, HardenedAppRunner, RateLimiter, UploadThrottle, error_middleware,
+    file_response, int_param, parse_body, read_signed, shard_path,
 )
 from node.coordinator.openapi import build_openapi
 from protocol import messages as M
@@ -38,6 +38,7 @@ def build_app(coord) -> web.Application:
     # count_requests is outermost so it also counts the JSON error responses.
     app = web.Application(middlewares=[count_requests, error_middleware], client_max_size=cfg.max_body_bytes)
     app[MAX_BODY_BYTES] = cfg.max_body_bytes
+    app[BODY_TIMEOUT] = cfg.body_timeout_s
     verifier = RequestVerifier(coord.cfg.run.run_id)
     limiter = RateLimiter(cfg.rate_limit_per_second, cfg.rate_limit_burst)
     joins_per_minute = coord.cfg.admission.joins_per_address_per_minute
@@ -158,7 +159,7 @@ async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]
     """Start the coordinator and its HTTP server; returns (runner, bound port)."""
     await coord.start()
     app = build_app(coord)
-    runner = HardenedAppRunner(app, access_log=None)
+    runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=coord.cfg.server.keepalive_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -21,6 +21,7 @@ log = logging.getLogger("prime_node.http")
 
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)  # a signed request's body must arrive within this
 SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from libp2p peers
 
 # Numbers from clients are ASCII digits only: str.isdigit() and int() also take other scripts' digits
@@ -62,7 +63,10 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as e:
-        return json_error(e.status, e.code, e.detail, e.headers)
+        resp = json_error(e.status, e.code, e.detail, e.headers)
+        if e.status == 408:
+            resp.force_close()  # the rest of that body may never come: do not wait for it
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -246,8 +250,12 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
         raise ApiError(401, "bad_timestamp", "X-Prime-Timestamp must be Unix milliseconds in ASCII digits")
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds {limit}")
+    timeout = request.app.get(BODY_TIMEOUT)
     try:
-        body = await read_bounded(request.content, limit)
+        async with asyncio.timeout(timeout):  # a Content-Length that promises more than is sent
+            body = await read_bounded(request.content, limit)
+    except TimeoutError:
+        raise ApiError(408, "timeout", f"the request body did not arrive within {timeout:g} s") from None
     except (web.RequestPayloadError, HttpProcessingError) as e:  # e.g. a broken chunked encoding
         raise ApiError(400, "malformed", f"the request body could not be read: {_one_line(e)}") from None
     if body is None:

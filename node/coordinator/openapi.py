@@ -30,6 +30,7 @@ SIGNED_ERRORS = {
     401: "signature: missing_headers, bad_key, bad_timestamp, bad_nonce, clock_skew, wrong_run, "
          "bad_signature, replay",
     403: "unknown or banned node",
+    408: "the body did not arrive within server.body_timeout_s",
     413: "body over server.max_body_bytes",
     429: "rate limit per node (rate_limited), nonce store full",
 }

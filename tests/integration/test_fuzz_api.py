@@ -85,9 +85,11 @@ class LiveCoordinator:
         assert st == 200, body
         return node
 
-    def raw(self, data: bytes, *, source: str = "127.0.0.1", close_after: float | None = None) -> bytes:
+    def raw(self, data: bytes, *, source: str = "127.0.0.1", close_after: float | None = None,
+            first_response: bool = False) -> bytes:
         """Send bytes on a fresh connection (from `source`, any 127/8 address) and read until the
-        server closes it; `close_after`: hang up that many seconds after sending instead."""
+        server closes it; `close_after`: hang up that many seconds after sending instead;
+        `first_response`: stop once one whole response has arrived."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=15, source_address=(source, 0)) as s:
             s.sendall(data)
             if close_after is not None:
@@ -96,6 +98,10 @@ class LiveCoordinator:
             out = b""
             while chunk := s.recv(65536):
                 out += chunk
+                if first_response and b"\r\n\r\n" in out:
+                    head, _, rest = out.partition(b"\r\n\r\n")
+                    if len(rest) >= int(split_response(head + b"\r\n\r\n")[1].get("content-length", 0)):
+                        break
             return out
 
     def count_500s(self) -> float:
@@ -133,7 +139,7 @@ def assert_json_error(status: int, headers: dict, body: bytes, *expected: int) -
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with LiveCoordinator(tmp_path_factory.mktemp("fuzz"), "verification.fraction=0",
+    with LiveCoordinator(tmp_path_factory.mktemp("fuzz"), "verification.fraction=0", "server.body_timeout_s=2",
                          "server.rate_limit_per_second=10000", "server.rate_limit_burst=10000") as lc:
         yield lc
 
@@ -259,6 +265,13 @@ def test_header_tricks_get_a_json_4xx(live):
     # longer than the body, then the client hangs up: the handler sees the connection go (no 500 counted)
     live.raw(request_bytes("POST", "/v1/heartbeat", signed(), body, content_length="100"), close_after=0.5)
     time.sleep(0.5)
+    # longer than the body, and the client waits: 408 once server.body_timeout_s (2 s here) has passed
+    t0 = time.monotonic()
+    got = responses(live.raw(request_bytes("POST", "/v1/heartbeat", signed(), body, content_length="100"),
+                             first_response=True))
+    assert 1.5 < time.monotonic() - t0 < 8 and len(got) == 1
+    err = assert_json_error(*got[0], 408)
+    assert err["error"] == "timeout" and got[0][1]["connection"] == "close"
 
 
 def test_range_header_tricks_on_the_shard_route(live):
@@ -336,7 +349,7 @@ def test_openapi_document_describes_every_route(live):
     assert schemas["WorkRequest"]["properties"]["policy_step"]["maximum"] == 2**31 - 1
     assert schemas["WorkRequest"]["additionalProperties"] is False
     assert schemas["HeartbeatRequest"]["properties"]["bytes_by_source"]["additionalProperties"]["maximum"] == 2**63 - 1
-    assert set(work["responses"]) == {"200", "204", "400", "401", "403", "409", "413", "429"}
+    assert set(work["responses"]) == {"200", "204", "400", "401", "403", "408", "409", "413", "429"}
     assert work["responses"]["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert set(schemas["ErrorBody"]["required"]) == {"error", "detail"}
     # signed operations require the five X-Prime-* headers (DESIGN §4, run-bound v2)
