@@ -77,7 +77,7 @@ class SamplingConfig(_Section):
 
 class VerificationConfig(_Section):
     # Share of submissions replayed against the claimed weights, drawn in secret after the submission is
-    # recorded; a node's first `new_node_submissions` are replayed at `new_node_fraction`.
+    # recorded; a node's first `new_node_submissions` are replayed at `new_node_fraction` (0 = no replays).
     fraction: float = Field(1.0, ge=0, le=1)
     new_node_submissions: int = Field(8, ge=0)
     new_node_fraction: float = Field(1.0, ge=0, le=1)
@@ -86,6 +86,10 @@ class VerificationConfig(_Section):
     reputation_reward: float = Field(0.01, ge=0, le=1e6)  # a clean submission
     expiry_penalty: float = Field(0.05, ge=0, le=1e6)  # an assignment left to expire
     ban_below: float = Field(0.0, ge=-1e6, le=1e6)  # (a verified forgery bans at once)
+    # Steering: a node whose replayed tokens are more often than this not the sampler's first choice
+    # (numerical near-ties) is banned, once it has this many replayed tokens (docs/SECURITY.md).
+    near_tie_max_rate: float = Field(0.02, ge=0, le=1)
+    near_tie_min_tokens: int = Field(2000, ge=1)
 
 
 class DistributionConfig(_Section):

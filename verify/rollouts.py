@@ -30,6 +30,7 @@ from .commitment import (TOPK, ChunkScore, CommitmentError, capture_final_hidden
 from .sampler import check_sampling, check_seed, replay_scores
 
 REASONS = ("shape", "termination", "commitment", "logprobs", "sampling")
+NEAR_TIE_EPS = 1e-6  # a replay margin above this (logit units) means another token would have been drawn
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -285,6 +286,8 @@ class RolloutVerifier:
         scores = {
             "logprob_mean": float(dev.mean()), "logprob_max": float(dev.max()),
             "sample_margin_max": float(margins.max()), "sample_bad_positions": int(bad_pick.sum()),
+            # tokens that were not the replayed sampler's first choice (numerical near-ties when honest)
+            "near_tie_positions": int((margins > NEAR_TIE_EPS).sum()),
             "exp_mismatch_frac": com.exp_mismatch_frac, "mant_err_mean": com.mant_err_mean,
             "mant_err_median": com.mant_err_median, "commitment_ratio": com_ratio, "tokens": n,
         }

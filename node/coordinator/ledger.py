@@ -27,7 +27,10 @@ CREATE TABLE IF NOT EXISTS nodes (
     policy_step INTEGER,
     tokens_per_s REAL NOT NULL DEFAULT 0,
     state TEXT NOT NULL DEFAULT 'joined',
-    info TEXT NOT NULL DEFAULT '{}'
+    info TEXT NOT NULL DEFAULT '{}',
+    submissions INTEGER NOT NULL DEFAULT 0,   -- recorded submissions (new nodes are verified more)
+    verified_tokens INTEGER NOT NULL DEFAULT 0,  -- completion tokens replayed by the verifier
+    near_ties INTEGER NOT NULL DEFAULT 0      -- of those, tokens that were not the sampler's first choice
 );
 CREATE TABLE IF NOT EXISTS assignments (
     assignment_id TEXT PRIMARY KEY,
@@ -40,6 +43,7 @@ CREATE TABLE IF NOT EXISTS assignments (
     prompts TEXT NOT NULL            -- JSON: [{prompt_id, problem_index, prompt_ids, seeds}]
 );
 CREATE INDEX IF NOT EXISTS assignments_state ON assignments(state);
+CREATE INDEX IF NOT EXISTS assignments_node ON assignments(node_id, state);
 CREATE TABLE IF NOT EXISTS groups (
     group_id INTEGER PRIMARY KEY AUTOINCREMENT,
     assignment_id TEXT NOT NULL,
@@ -52,9 +56,11 @@ CREATE TABLE IF NOT EXISTS groups (
     data TEXT NOT NULL,              -- JSON: prompt_ids + rollouts (completion, logprobs, reward, ...)
     reward_mean REAL NOT NULL,
     consumed_step INTEGER,           -- the trainer step that used it (NULL = waiting)
-    dropped TEXT                     -- why it was not used (stale, filtered), NULL otherwise
+    dropped TEXT,                    -- why it was not used (stale, filtered), NULL otherwise
+    verdict TEXT                     -- NULL = not decided yet; verified | unchecked (passed over) | void
 );
 CREATE INDEX IF NOT EXISTS groups_waiting ON groups(consumed_step, dropped);
+CREATE INDEX IF NOT EXISTS groups_assignment ON groups(assignment_id);
 CREATE UNIQUE INDEX IF NOT EXISTS groups_unique ON groups(assignment_id, prompt_id);
 CREATE TABLE IF NOT EXISTS rejections (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -75,6 +81,11 @@ CREATE TABLE IF NOT EXISTS steps (
     metrics TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS requeued_prompts (  -- prompts to hand out again (expired, or not accepted)
+    prompt_id TEXT PRIMARY KEY,
+    queued INTEGER NOT NULL,          -- order
+    slot TEXT NOT NULL                -- JSON PromptSlot
+);
 CREATE TABLE IF NOT EXISTS join_tokens (
     token_hash TEXT PRIMARY KEY,     -- sha256 of the token: each admits one new key
     node_id TEXT NOT NULL,
@@ -108,6 +119,20 @@ class Ledger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # an acknowledged rollout survives power loss too
         self._db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Columns added after a ledger was first written (CREATE TABLE IF NOT EXISTS keeps old tables)."""
+        added = {"nodes": [("submissions", "INTEGER NOT NULL DEFAULT 0"),
+                           ("verified_tokens", "INTEGER NOT NULL DEFAULT 0"),
+                           ("near_ties", "INTEGER NOT NULL DEFAULT 0")],
+                 # groups recorded before verdicts existed were verified before they were recorded
+                 "groups": [("verdict", "TEXT DEFAULT 'verified'")]}
+        for table, columns in added.items():
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, decl in columns:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -165,6 +190,30 @@ class Ledger:
     def nodes(self) -> list[dict]:
         return [dict(r) for r in self._exec("SELECT * FROM nodes ORDER BY joined_ms").fetchall()]
 
+    def recent_nodes(self, since_ms: int, limit: int) -> list[dict]:
+        """Nodes that have done work or were seen since `since_ms`, most recently seen first."""
+        rows = self._exec("SELECT * FROM nodes WHERE submissions > 0 OR last_seen_ms >= ? "
+                          "ORDER BY last_seen_ms DESC LIMIT ?", (since_ms, limit)).fetchall()
+        return [dict(r) for r in rows]
+
+    def node_summary(self, online_since_ms: int, newest_step: int) -> dict:
+        """Counts over every node in one pass: by state, on the newest step, and their throughput."""
+        rows = self._exec(
+            "SELECT CASE WHEN banned THEN 'banned' WHEN last_seen_ms < ? THEN 'offline' "
+            "ELSE COALESCE(NULLIF(state, ''), 'online') END AS s, COUNT(*), "
+            "SUM(CASE WHEN policy_step = ? AND NOT banned THEN 1 ELSE 0 END), SUM(tokens_per_s) "
+            "FROM nodes GROUP BY s", (online_since_ms, newest_step)).fetchall()
+        by_state = {r[0]: r[1] for r in rows}
+        return {"by_state": by_state, "total": sum(by_state.values()), "with_newest": sum(r[2] for r in rows),
+                "tokens_per_s": sum(r[3] or 0.0 for r in rows if r[0] not in ("offline", "banned"))}
+
+    def forget_idle_nodes(self, seen_before_ms: int) -> int:
+        """Keys that joined and never submitted anything, not seen since `seen_before_ms`: dropped (a new
+        join costs them the admission price again). Banned keys are kept: the ban must stick."""
+        cur = self._exec("DELETE FROM nodes WHERE submissions = 0 AND NOT banned AND last_seen_ms < ? AND node_id NOT "
+                         "IN (SELECT node_id FROM assignments WHERE state = 'open')", (seen_before_ms,))
+        return cur.rowcount
+
     def heartbeat(self, node_id: str, policy_step: int | None, tokens_per_s: float, state: str) -> None:
         self._exec(
             "UPDATE nodes SET last_seen_ms=?, policy_step=COALESCE(?, policy_step), tokens_per_s=?, state=? "
@@ -185,12 +234,15 @@ class Ledger:
 
     # -- assignments -----------------------------------------------------------------------------
     def add_assignment(self, a: dict) -> None:
-        self._exec(
-            "INSERT INTO assignments(assignment_id, node_id, batch_step, min_policy_step, created_ms, "
-            "deadline_ms, state, prompts) VALUES(?,?,?,?,?,?, 'open', ?)",
-            (a["assignment_id"], a["node_id"], a["batch_step"], a["min_policy_step"], a["created_ms"],
-             a["deadline_ms"], json.dumps(a["prompts"])),
-        )
+        """The assignment, and its prompts leave the re-issue queue (those that came from it)."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO assignments(assignment_id, node_id, batch_step, min_policy_step, created_ms, "
+                "deadline_ms, state, prompts) VALUES(?,?,?,?,?,?, 'open', ?)",
+                (a["assignment_id"], a["node_id"], a["batch_step"], a["min_policy_step"], a["created_ms"],
+                 a["deadline_ms"], json.dumps(a["prompts"])),
+            )
+            db.executemany("DELETE FROM requeued_prompts WHERE prompt_id=?", [(p["prompt_id"],) for p in a["prompts"]])
 
     def assignment(self, assignment_id: str) -> dict | None:
         row = self._exec("SELECT * FROM assignments WHERE assignment_id=?", (assignment_id,)).fetchone()
@@ -200,49 +252,128 @@ class Ledger:
         d["prompts"] = json.loads(d["prompts"])
         return d
 
-    def open_assignments(self) -> list[dict]:
-        rows = self._exec("SELECT * FROM assignments WHERE state='open'").fetchall()
+    def open_assignments(self, deadline_before_ms: int | None = None) -> list[dict]:
+        """Open assignments (only those whose deadline is before `deadline_before_ms`, if given)."""
+        if deadline_before_ms is None:
+            rows = self._exec("SELECT * FROM assignments WHERE state='open'").fetchall()
+        else:
+            rows = self._exec("SELECT * FROM assignments WHERE state='open' AND deadline_ms < ?",
+                              (deadline_before_ms,)).fetchall()
         return [{**dict(r), "prompts": json.loads(r["prompts"])} for r in rows]
 
     def set_assignment_state(self, assignment_id: str, state: str) -> None:
         self._exec("UPDATE assignments SET state=? WHERE assignment_id=?", (state, assignment_id))
 
     # -- submissions -----------------------------------------------------------------------------
-    def record_submission(self, assignment_id: str, node_id: str, groups: list[dict],
-                          rejections: list[dict], reputation: float, banned: bool) -> None:
-        """One transaction: accepted groups, rejections, node counters, assignment closed."""
+    def record_submission(self, assignment_id: str, node_id: str, groups: list[dict], rejections: list[dict],
+                          reputation: float, banned: bool, requeue: list[dict]) -> None:
+        """One transaction: the groups (waiting for their verdict), rejections, node counters, the
+        prompts to hand out again, the assignment closed."""
         t = now_ms()
         n_acc = sum(len(g["data"]["rollouts"]) for g in groups)
         with self.transaction() as db:
             for g in groups:
                 db.execute(
                     "INSERT INTO groups(assignment_id, node_id, prompt_id, problem_index, batch_step, "
-                    "policy_step, received_ms, data, reward_mean) VALUES(?,?,?,?,?,?,?,?,?)",
+                    "policy_step, received_ms, data, reward_mean, verdict) VALUES(?,?,?,?,?,?,?,?,?,NULL)",
                     (assignment_id, node_id, g["prompt_id"], g["problem_index"], g["batch_step"],
                      g["policy_step"], t, json.dumps(g["data"]), g["reward_mean"]),
                 )
-            for r in rejections:
-                db.execute(
-                    "INSERT INTO rejections(at_ms, node_id, assignment_id, prompt_id, sample_index, reason) "
-                    "VALUES(?,?,?,?,?,?)",
-                    (t, node_id, assignment_id, r.get("prompt_id"), r.get("sample_index"), r["reason"]),
-                )
+            self._insert_rejections(db, node_id, assignment_id, rejections, t)
             db.execute(
                 "UPDATE nodes SET accepted=accepted+?, rejected=rejected+?, reputation=?, banned=?, "
-                "last_seen_ms=? WHERE node_id=?",
+                "last_seen_ms=?, submissions=submissions+1 WHERE node_id=?",
                 (n_acc, len(rejections), reputation, int(banned), t, node_id),
             )
             db.execute("UPDATE assignments SET state='submitted' WHERE assignment_id=?", (assignment_id,))
+            self._requeue(db, requeue)
+
+    @staticmethod
+    def _insert_rejections(db: sqlite3.Connection, node_id: str, assignment_id: str | None,
+                           rejections: list[dict], t: int) -> None:
+        db.executemany(
+            "INSERT INTO rejections(at_ms, node_id, assignment_id, prompt_id, sample_index, reason) "
+            "VALUES(?,?,?,?,?,?)",
+            [(t, node_id, assignment_id, r.get("prompt_id"), r.get("sample_index"), r["reason"])
+             for r in rejections])
 
     def record_rejection(self, node_id: str, reason: str, assignment_id: str | None = None) -> None:
         self._exec("INSERT INTO rejections(at_ms, node_id, assignment_id, reason) VALUES(?,?,?,?)",
                    (now_ms(), node_id, assignment_id, reason))
 
     def waiting_groups(self) -> list[dict]:
+        """Groups the trainer may use: decided (verified, or passed over), not yet trained or dropped."""
         rows = self._exec(
-            "SELECT * FROM groups WHERE consumed_step IS NULL AND dropped IS NULL ORDER BY group_id"
+            "SELECT * FROM groups WHERE consumed_step IS NULL AND dropped IS NULL "
+            "AND verdict IN ('verified', 'unchecked') ORDER BY group_id"
         ).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    # -- verdicts --------------------------------------------------------------------------------
+    def undecided_submissions(self) -> list[str]:
+        """Assignments whose groups wait for a verdict, oldest first (re-queued after a restart)."""
+        rows = self._exec("SELECT assignment_id FROM groups WHERE verdict IS NULL GROUP BY assignment_id "
+                          "ORDER BY MIN(group_id)").fetchall()
+        return [r[0] for r in rows]
+
+    def submission_groups(self, assignment_id: str) -> list[dict]:
+        rows = self._exec("SELECT * FROM groups WHERE assignment_id=? ORDER BY group_id", (assignment_id,)).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    def set_verdict(self, assignment_id: str, verdict: str, *, node_id: str | None = None, tokens: int = 0,
+                    near_ties: int = 0) -> None:
+        """verified / unchecked for the undecided groups of one submission, with the replay's counts."""
+        with self.transaction() as db:
+            db.execute("UPDATE groups SET verdict=? WHERE assignment_id=? AND verdict IS NULL", (verdict, assignment_id))
+            if node_id is not None and tokens:
+                db.execute("UPDATE nodes SET verified_tokens=verified_tokens+?, near_ties=near_ties+? WHERE node_id=?",
+                           (tokens, near_ties, node_id))
+
+    def ban_and_void(self, node_id: str, assignment_id: str | None, rejections: list[dict]) -> tuple[int, dict]:
+        """A proven cheat: ban the node and void every group of it not trained on yet (its accepted count
+        moves to rejected). Returns (rollouts voided, batch -> groups voided)."""
+        t = now_ms()
+        with self.transaction() as db:
+            rows = db.execute("SELECT group_id, batch_step, data FROM groups WHERE node_id=? AND consumed_step IS NULL "
+                              "AND dropped IS NULL AND (verdict IS NULL OR verdict != 'void')", (node_id,)).fetchall()
+            voided = sum(len(json.loads(r[2])["rollouts"]) for r in rows)
+            db.executemany("UPDATE groups SET verdict='void' WHERE group_id=?", [(r[0],) for r in rows])
+            self._insert_rejections(db, node_id, assignment_id, rejections, t)
+            db.execute("UPDATE nodes SET banned=1, accepted=MAX(0, accepted-?), rejected=rejected+? WHERE node_id=?",
+                       (voided, voided, node_id))
+        by_batch: dict[int, int] = {}
+        for r in rows:
+            by_batch[r[1]] = by_batch.get(r[1], 0) + 1
+        return voided, by_batch
+
+    def accepted_by_batch(self) -> dict[int, int]:
+        """Groups accepted and still to be trained (decided or not; void ones excluded), per batch."""
+        rows = self._exec("SELECT batch_step, COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL "
+                          "AND (verdict IS NULL OR verdict != 'void') GROUP BY batch_step").fetchall()
+        return {r[0]: r[1] for r in rows}
+
+    # -- prompts to hand out again ------------------------------------------------------------------
+    def _requeue(self, db: sqlite3.Connection, slots: list[dict]) -> None:
+        base = db.execute("SELECT COALESCE(MAX(queued), 0) FROM requeued_prompts").fetchone()[0]
+        db.executemany("INSERT OR REPLACE INTO requeued_prompts(prompt_id, queued, slot) VALUES(?,?,?)",
+                       [(sl["prompt_id"], base + i + 1, json.dumps(sl)) for i, sl in enumerate(slots)])
+
+    def requeued(self) -> list[dict]:
+        return [json.loads(r[0]) for r in self._exec("SELECT slot FROM requeued_prompts ORDER BY queued").fetchall()]
+
+    def expire_assignment(self, assignment_id: str, node_id: str, slots: list[dict], penalty: float,
+                          ban_below: float) -> bool:
+        """The deadline passed: the prompts go back in the queue and the node pays. True if now banned."""
+        with self.transaction() as db:
+            db.execute("UPDATE assignments SET state='expired' WHERE assignment_id=?", (assignment_id,))
+            self._requeue(db, slots)
+            db.execute("UPDATE nodes SET reputation=reputation-?, banned=MAX(banned, reputation-? < ?) "
+                       "WHERE node_id=?", (penalty, penalty, ban_below, node_id))
+            row = db.execute("SELECT banned FROM nodes WHERE node_id=?", (node_id,)).fetchone()
+        return bool(row and row[0])
+
+    def open_assignments_of(self, node_id: str) -> int:
+        return self._exec("SELECT COUNT(*) FROM assignments WHERE node_id=? AND state='open'", (node_id,)).fetchone()[0]
 
     def recent_rejections(self, limit: int = 20) -> list[dict]:
         rows = self._exec("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()

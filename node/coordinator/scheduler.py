@@ -140,17 +140,22 @@ class Scheduler:
         return batch, slots
 
     # -- outcomes --------------------------------------------------------------------------------
-    def finish(self, assignment_id: str, accepted_prompt_ids: set[str]) -> None:
-        """An assignment was submitted: accepted prompts wait for training, the rest are re-issued."""
+    def finish(self, assignment_id: str, accepted_prompt_ids: set[str]) -> list[PromptSlot]:
+        """An assignment was submitted: accepted prompts wait for training, the rest are re-issued
+        (returned, for the ledger to keep them across a restart)."""
+        again = []
         for s in self.inflight.pop(assignment_id, []):
             if s.prompt_id in accepted_prompt_ids:
                 self.waiting_by_batch[s.batch_step] = self.waiting_by_batch.get(s.batch_step, 0) + 1
             else:
-                self.requeue.append(s)
+                again.append(s)
+        self.requeue.extend(again)
+        return again
 
-    def expire(self, assignment_id: str) -> None:
-        for s in self.inflight.pop(assignment_id, []):
-            self.requeue.append(s)
+    def expire(self, assignment_id: str) -> list[PromptSlot]:
+        again = self.inflight.pop(assignment_id, [])
+        self.requeue.extend(again)
+        return again
 
     def on_step_published(self, step: int, consumed_by_batch: dict[int, int]) -> None:
         self.published_step = step

@@ -20,12 +20,13 @@ from node.coordinator.ledger import Ledger, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.publisher import Publisher
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
-from node.coordinator.verification import PolicyStore, VerificationWorker
+from node.coordinator.verification import PolicyStore, VerdictQueue
 from protocol import messages as M
 from protocol.identity import Identity
 
 log = logging.getLogger("prime_node.coordinator")
 
+IDLE_KEY_FORGET_MS = 3_600_000  # a key that joined and never submitted anything is dropped after an hour
 SMALL_MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "generation_config.json")
 
@@ -83,8 +84,7 @@ class Coordinator:
             make_prompt=make_prompt,
         )
         self.policies = PolicyStore(model_dir, keep=self.k + 2)
-        self.verifier = VerificationWorker(self.policies, fraction=self.cfg.verification.fraction,
-                                           eos_token_id=self.eos_token_id, seed=self.cfg.run.seed)
+        self.verdicts = VerdictQueue(self)
         self.training = TrainingLoop(self)
         await asyncio.to_thread(self.training.restore_or_init)
         self._restore_scheduler()
@@ -92,15 +92,16 @@ class Coordinator:
         if self.cfg.p2p.enabled:
             await self._start_p2p()
         self._spawn(self._expire_loop(), "expire-assignments")
+        self._spawn(self.verdicts.run(), "verdicts")
 
     def _restore_scheduler(self) -> None:
         s = self.scheduler
         s.published_step = self.published_step
         s.next_problem_index = int(self.ledger.get("next_problem_index", 0))
-        for g in self.ledger.waiting_groups():
-            s.waiting_by_batch[g["batch_step"]] = s.waiting_by_batch.get(g["batch_step"], 0) + 1
+        s.waiting_by_batch.update(self.ledger.accepted_by_batch())
         for a in self.ledger.open_assignments():
             s.inflight[a["assignment_id"]] = [PromptSlot.from_json(p) for p in a["prompts"]]
+        s.requeue.extend(PromptSlot.from_json(p) for p in self.ledger.requeued())
 
     async def stop(self) -> None:
         tasks = list(self._tasks)
@@ -111,21 +112,30 @@ class Coordinator:
             await asyncio.to_thread(self.training.stop)
         if self.p2p is not None:
             await self.p2p.stop()
-        if hasattr(self, "verifier"):
-            self.verifier.close()
+        if hasattr(self, "verdicts"):
+            self.verdicts.close()
         self.ledger.close()
 
     async def _expire_loop(self) -> None:
+        last_forget = 0.0
         while True:
             await asyncio.sleep(0.5)
             t = now_ms()
-            for a in self.ledger.open_assignments():
-                if a["deadline_ms"] < t and a["assignment_id"] not in self._submitting:
-                    self.ledger.set_assignment_state(a["assignment_id"], "expired")
-                    self.scheduler.expire(a["assignment_id"])
+            vc = self.cfg.verification
+            if t - last_forget > 60_000:
+                last_forget = t
+                forgotten = self.ledger.forget_idle_nodes(t - IDLE_KEY_FORGET_MS)
+                if forgotten:
+                    log.info("forgot %d keys that joined and never submitted anything", forgotten)
+            for a in self.ledger.open_assignments(deadline_before_ms=t):
+                if a["assignment_id"] not in self._submitting:
+                    again = self.scheduler.expire(a["assignment_id"])
+                    banned = self.ledger.expire_assignment(a["assignment_id"], a["node_id"],
+                                                           [x.to_json() for x in again], vc.expiry_penalty,
+                                                           vc.ban_below)
                     self.metrics.assignments_expired.inc()
-                    log.info("assignment %s of node %s expired; its prompts go back in the queue",
-                             a["assignment_id"], a["node_id"][:12])
+                    log.info("assignment %s of node %s expired; its prompts go back in the queue%s",
+                             a["assignment_id"], a["node_id"][:12], " (node banned)" if banned else "")
 
     # -- state shared with the training thread -----------------------------------------------------
     @property
@@ -230,10 +240,17 @@ class Coordinator:
         return M.HeartbeatResponse(current_step=self.published_step)
 
     def work(self, node_id: str, req: M.WorkRequest) -> M.Assignment | None:
-        self._known_node(node_id)
+        node = self._known_node(node_id)
         m = req.policy_step
         if m > self.published_step:
             raise ApiError(400, "malformed", f"policy step {m} has not been published (newest {self.published_step})")
+        if node["policy_step"] is not None and m < node["policy_step"]:  # a node never goes back in time
+            raise ApiError(400, "malformed", f"policy step {m} is older than step {node['policy_step']}, which this "
+                                             f"node already reported holding")
+        cap = self.cfg.run.max_assignments_per_node
+        if self.ledger.open_assignments_of(node_id) >= cap:
+            raise ApiError(429, "too_many_assignments", f"this node already has {cap} assignments in flight; "
+                                                        f"submit one first")
         if m > self.scheduler.published_step:
             return None  # published a moment ago; the scheduler hears of it on its next loop turn
         self.ledger.touch(node_id, m)

@@ -7,6 +7,8 @@ from node.coordinator.ledger import now_ms
 
 ONLINE_MS = 30_000
 CURVE_POINTS = 1000  # a long run's reward curve is thinned to this many points (the newest always kept)
+LISTED_NODES = 200  # the node table lists the most recently seen nodes; counts cover all of them
+LISTED_SINCE_MS = 10 * 60_000  # ...that did work, or were seen in the last ten minutes
 
 
 def thin(rows: list, limit: int) -> list:
@@ -29,10 +31,10 @@ def build_status(c) -> dict:
     tl = c.training
     published = c.published_step
     steps = c.ledger.steps()
-    nodes = c.ledger.nodes()
-    states = Counter(node_state(n, t) for n in nodes)
-    for s in ("online", "offline", "banned", "generating", "fetching", "idle"):
-        c.metrics.nodes.labels(s).set(states.get(s, 0))
+    summary = c.ledger.node_summary(t - ONLINE_MS, published)
+    nodes = c.ledger.recent_nodes(t - LISTED_SINCE_MS, LISTED_NODES)
+    for s in ("online", "offline", "banned", "generating", "fetching", "idle", "starting", "stopping"):
+        c.metrics.nodes.labels(s).set(summary["by_state"].get(s, 0))
     c.metrics.trainer_busy.set(tl.busy_seconds)
     c.metrics.trainer_idle.set(tl.idle_seconds)
     hist = Counter()
@@ -62,13 +64,14 @@ def build_status(c) -> dict:
             "accepted": n["accepted"], "rejected": n["rejected"], "reputation": round(n["reputation"], 3),
             "last_seen_ms": n["last_seen_ms"],
         } for n in nodes],
-        "nodes_by_state": dict(states),
-        "nodes_with_newest": sum(1 for n in nodes if n["policy_step"] == published and not n["banned"]),
-        "throughput": {"tokens_per_s": round(sum(n["tokens_per_s"] for n in nodes
-                                                 if node_state(n, t) not in ("offline", "banned")), 1)},
+        "nodes_total": summary["total"],
+        "nodes_by_state": summary["by_state"],
+        "nodes_with_newest": summary["with_newest"],
+        "throughput": {"tokens_per_s": round(summary["tokens_per_s"], 1)},
         "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
         "verification": {"accepted": counts["accepted_rollouts"], "rejected": counts["rejected_rollouts"],
-                         "rejected_by_reason": c.ledger.rejection_counts()},
+                         "rejected_by_reason": c.ledger.rejection_counts(),
+                         "undecided_submissions": c.verdicts.pending()},
         "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")}
                          for r in thin([r for r in steps if r.step > 0], CURVE_POINTS)],
         "step_log": [{"step": r.step, "published_ms": r.published_ms, "encoding": r.encoding,

@@ -1,14 +1,14 @@
 """Verification of untrusted rollouts on the coordinator, off the event loop.
 
 `PolicyStore` keeps one model per step in the async window (the exact weights nodes downloaded),
-and `VerificationWorker` replays a configurable fraction of rollouts against the claimed step's
-weights in its own thread, so the HTTP API never blocks on a forward pass.
+and `VerdictQueue` decides in secret, after a submission is recorded, whether to replay it against
+the claimed step's weights (in its own thread, so the HTTP API never blocks on a forward pass).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,33 +65,132 @@ class PolicyStore:
             return sorted(self._models)
 
 
-class VerificationWorker:
-    def __init__(self, store: PolicyStore, *, fraction: float, eos_token_id: int, seed: int = 0):
-        self.store = store
-        self.fraction = fraction
-        self.eos_token_id = eos_token_id
-        self._rng = random.Random(seed)
+class VerdictQueue:
+    """Decides, after a submission is recorded and in secret, whether to replay it; then gives its
+    groups a verdict. A group enters training only after its verdict:
+
+    - passed over (`unchecked`): a fresh secret draw (`secrets`) said no. The draw is made here, after the
+      node has its answer, and is not derived from anything a node can see or predict.
+    - `verified`: every rollout was replayed against the claimed step's weights and passed; the node's
+      near-tie count (tokens that were not the sampler's first choice) is kept for the ban rule below.
+    - `void`: a replay failed. A verified forgery bans the node at once and voids every group of it that
+      has not been trained on yet.
+
+    A node's first `new_node_submissions` are replayed at `new_node_fraction` (default: all of them),
+    unless `fraction` is 0 (replays off).
+    Verification replays run one at a time in their own thread; undecided submissions survive a restart
+    (the ledger has them) and are decided again.
+    """
+
+    def __init__(self, coord):
+        self.c = coord
+        self.cfg = coord.cfg.verification
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
 
-    def should_verify(self) -> bool:
-        return self.fraction >= 1.0 or self._rng.random() < self.fraction
+    def submit(self, assignment_id: str) -> None:
+        self._queue.put_nowait(assignment_id)
 
-    async def verify(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list[str | None]:
-        """Reason code per rollout (None = passed). Runs in the verification thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._verify_sync, step, checks, sampling)
+    def pending(self) -> int:
+        return self._queue.qsize()
 
-    def _verify_sync(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list[str | None]:
+    def chosen(self, node: dict) -> bool:
+        """A fresh secret draw (`fraction` = 0 switches replays off entirely, new nodes included)."""
+        rate = self.cfg.fraction
+        if 0 < rate and node["submissions"] <= self.cfg.new_node_submissions:
+            rate = max(rate, self.cfg.new_node_fraction)
+        return rate >= 1.0 or secrets.randbelow(1 << 32) < int(rate * (1 << 32))
+
+    async def run(self) -> None:
+        for aid in self.c.ledger.undecided_submissions():  # recorded before a crash, never decided
+            self.submit(aid)
+        while True:
+            aid = await self._queue.get()
+            try:
+                await self.decide(aid)
+            except Exception:  # one bad submission must not stop every later verdict
+                log.exception("verdict on %s failed; it stays undecided until the next restart", aid)
+
+    async def decide(self, assignment_id: str) -> None:
+        c = self.c
+        groups = c.ledger.submission_groups(assignment_id)
+        undecided = [g for g in groups if g["verdict"] is None]
+        if not undecided:
+            return
+        node = c.ledger.node(undecided[0]["node_id"])
+        if node is None or node["banned"]:
+            self._void(undecided[0]["node_id"], None, [])
+            return
+        step = undecided[0]["policy_step"]
+        if not self.chosen(node):
+            c.ledger.set_verdict(assignment_id, "unchecked")
+        elif c.policies.get(step) is None:  # fell out of the window while queued: not the node's fault
+            log.warning("no weights of step %d left to verify %s against; passed over", step, assignment_id)
+            c.ledger.set_verdict(assignment_id, "unchecked")
+        else:
+            a = c.ledger.assignment(assignment_id)
+            seeds = {p["prompt_id"]: p["seeds"] for p in a["prompts"]}
+            checks = [RolloutCheck(g["data"]["prompt_ids"], r["completion_ids"], r["logprobs"], r["finish_reason"],
+                                   r.get("commitment", ""), seeds[g["prompt_id"]][r["sample_index"]])
+                      for g in undecided for r in g["data"]["rollouts"]]
+            s = c.cfg.sampling
+            loop = asyncio.get_running_loop()
+            verdicts = await loop.run_in_executor(self._pool, self._verify_sync, step, checks,
+                                                  dict(temperature=s.temperature, top_p=s.top_p,
+                                                       max_tokens=s.max_tokens))
+            c.metrics.verified.inc(len(checks))
+            refs = [(g["prompt_id"], r["sample_index"]) for g in undecided for r in g["data"]["rollouts"]]
+            failed = [{"prompt_id": p, "sample_index": i, "reason": v.reason}
+                      for (p, i), v in zip(refs, verdicts) if v.reason]
+            if failed:
+                voided = self._void(node["node_id"], assignment_id, failed)
+                for r in failed:
+                    c.metrics.rejected.labels(r["reason"]).inc()
+                log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node["node_id"][:12],
+                            ", ".join(sorted({r["reason"] for r in failed})), voided)
+                return
+            tokens = sum(v.tokens for v in verdicts)
+            near_ties = sum(v.near_ties for v in verdicts)
+            c.ledger.set_verdict(assignment_id, "verified", node_id=node["node_id"], tokens=tokens,
+                                 near_ties=near_ties)
+            self._check_steering(node["node_id"])
+        c.training.notify()
+
+    def _check_steering(self, node_id: str) -> None:
+        """Ban a node whose tokens are far more often not the sampler's first choice than an honest
+        node's (near-ties are numerical noise; choosing among them on purpose is steering)."""
+        node = self.c.ledger.node(node_id)
+        if node["verified_tokens"] >= self.cfg.near_tie_min_tokens and \
+                node["near_ties"] > self.cfg.near_tie_max_rate * node["verified_tokens"]:
+            n = self._void(node_id, None, [{"reason": "verify_near_tie_rate"}])
+            log.warning("node %s banned: %d of its %d verified tokens were near-ties; %d rollouts voided",
+                        node_id[:12], node["near_ties"], node["verified_tokens"], n)
+
+    def _void(self, node_id: str, assignment_id: str | None, rejections: list[dict]) -> int:
+        """Ban and void in the ledger; the scheduler hands the voided groups' places out again."""
+        voided, by_batch = self.c.ledger.ban_and_void(node_id, assignment_id, rejections)
+        self.c.scheduler.forget_waiting(by_batch)
+        return voided
+
+    def _verify_sync(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list["RolloutVerdict"]:
         from verify.rollouts import RolloutClaim, RolloutVerifier, VerifyItem
 
-        model = self.store.get(step)
-        if model is None:
-            return ["unknown_policy_step"] * len(checks)
+        model = self.c.policies.get(step)
         items = [VerifyItem(c.prompt_ids, RolloutClaim(c.completion_ids, c.logprobs, c.finish_reason, c.commitment),
                             c.seed, sampling["temperature"], sampling["top_p"], sampling["max_tokens"],
-                            self.eos_token_id) for c in checks]
-        verdicts = RolloutVerifier(model).verify_many(items)
-        return [None if v.ok else f"verify_{v.reason}" for v in verdicts]
+                            self.c.eos_token_id) for c in checks]
+        out = []
+        for v in RolloutVerifier(model).verify_many(items):
+            out.append(RolloutVerdict(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
+                                      int(v.scores.get("near_tie_positions", 0))))
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class RolloutVerdict:
+    reason: str | None  # None = passed
+    tokens: int
+    near_ties: int

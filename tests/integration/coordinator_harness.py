@@ -67,13 +67,20 @@ async def running_coordinator(tmp: Path, *extra: str):
 
 
 def fake_rollouts(assignment: dict, eos: int, vocab: int, rng) -> list[dict]:
-    """Structurally valid rollouts (not from the model): for tests that switch verification off."""
+    """Structurally valid rollouts (not from the model; their commitments are well-formed but commit to
+    random states): for tests that switch verification off."""
+    import torch
+
+    from verify.commitment import make_commitment
+
     max_tokens = assignment["sampling"]["max_tokens"]
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
     out = []
     for p in assignment["prompts"]:
         for j, _ in enumerate(p["seeds"]):
             n = rng.randint(1, max_tokens - 1)
             ids = [rng.randrange(5, vocab) for _ in range(n)] + [eos]
             out.append({"prompt_id": p["prompt_id"], "sample_index": j, "completion_ids": ids,
-                        "logprobs": [-rng.random() * 3 for _ in ids], "finish_reason": "stop", "commitment": ""})
+                        "logprobs": [-rng.random() * 3 for _ in ids], "finish_reason": "stop",
+                        "commitment": make_commitment(torch.randn(len(ids), 16, generator=gen))})
     return out

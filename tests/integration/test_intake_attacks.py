@@ -1,13 +1,19 @@
 """Attacks at the coordinator's intake (real verification, honest rollouts from the real backend):
-replays, re-signed rollouts of another node, a stale step claimed as fresh, and a ban after
-repeated failures. The per-rollout attack matrix lives in test_verify_matrix*.py."""
+replays, re-signed rollouts of another node, a stale step claimed as fresh, forgeries timed to the
+verification draw, impossible commitments. The per-rollout attack matrix lives in test_verify_matrix.py.
+
+Verdicts come after the answer (the node cannot tell whether its submission will be replayed): a
+forgery is acknowledged like honest work, then caught by the replay, which bans the node at once and
+voids all of its groups not trained on yet."""
 import asyncio
+import random
+import sqlite3
 import time
 
 import aiohttp
 import pytest
 
-from tests.integration.coordinator_harness import RawNode, running_coordinator
+from tests.integration.coordinator_harness import RawNode, fake_rollouts, running_coordinator
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -74,50 +80,120 @@ async def test_replay_resign_and_foreign_rollouts(tmp_path):
             forged = [dict(r, prompt_id=relabel[r["prompt_id"]]) for r in ra]
             st, res = await b.post("/v1/submit", {"assignment_id": wb["assignment_id"], "policy_step": 0,
                                                   "rollouts": forged})
-            assert st == 200 and res["accepted"] == []
-            assert any(r["reason"].startswith("verify_") for r in res["rejected"]), res["rejected"]
+            assert st == 200 and len(res["accepted"]) == len(forged)  # acknowledged like honest work...
+            await wait_verdicts(coord)
+            assert coord.ledger.node(b.pub)["banned"] == 1  # ...then caught by the replay
+            assert {g["verdict"] for g in coord.ledger.submission_groups(wb["assignment_id"])} == {"void"}
+            assert {g["verdict"] for g in coord.ledger.submission_groups(wa["assignment_id"])} == {"verified"}
+            reasons = coord.status()["verification"]["rejected_by_reason"]
+            assert any(k.startswith("verify_") for k in reasons), reasons
 
 
-async def test_stale_step_claimed_as_fresh_is_rejected_and_cheater_banned(tmp_path):
-    async with running_coordinator(tmp_path, "verification.reputation_penalty=0.4") as (coord, base):
+async def wait_verdicts(coord, timeout: float = 60) -> None:
+    t0 = time.monotonic()
+    while coord.ledger.undecided_submissions() or coord.verdicts.pending():
+        assert time.monotonic() - t0 < timeout, "verdicts did not come"
+        await asyncio.sleep(0.05)
+
+
+async def train_to_step_1(coord, honest) -> None:
+    old = backend_at(coord, 0)
+    while coord.published_step < 1:
+        st, w = await honest.post("/v1/work", {"policy_step": 0})
+        if st in (204, 429):
+            await asyncio.sleep(0.1)
+            continue
+        st, res = await honest.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
+                                                   "rollouts": honest_rollouts(old, w, coord.eos_token_id)})
+        assert st == 200 and not res["rejected"], res["rejected"]
+
+
+async def test_stale_step_claimed_as_fresh_is_caught_and_the_cheater_banned_at_once(tmp_path):
+    async with running_coordinator(tmp_path) as (coord, base):
         async with aiohttp.ClientSession() as s:
             honest, cheat = RawNode(base, s), RawNode(base, s)
             await honest.post("/v1/join", {})
             await cheat.post("/v1/join", {})
-            old = backend_at(coord, 0)
-            # train one step with honest rollouts so that θ_1 exists
-            while coord.published_step < 1:
-                st, w = await honest.post("/v1/work", {"policy_step": 0})
-                if st == 204:
-                    await asyncio.sleep(0.1)
-                    continue
-                st, res = await honest.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
-                                                           "rollouts": honest_rollouts(old, w, coord.eos_token_id)})
-                assert st == 200 and not res["rejected"], res["rejected"]
-            t0 = time.monotonic()
-            while coord.published_step < 1 and time.monotonic() - t0 < 30:
-                await asyncio.sleep(0.1)
+            await train_to_step_1(coord, honest)
             # the cheater generates with θ_0 but claims θ_1 (fresh): the replay against θ_1 catches it
-            statuses = []
-            for _ in range(4):
-                st, w = await cheat.post("/v1/work", {"policy_step": 1})
-                if st == 403:
-                    statuses.append(403)
-                    break
-                if st == 204:
-                    await asyncio.sleep(0.1)
-                    continue
-                st, res = await cheat.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 1,
-                                                          "rollouts": honest_rollouts(old, w, coord.eos_token_id)})
-                statuses.append(st)
-                if st == 200:
-                    assert res["accepted"] == [] and res["rejected"]
-                    assert all(r["reason"].startswith("verify_") or r["reason"] == "group_rejected"
-                               for r in res["rejected"])
-            assert 403 in statuses  # banned after repeated failures
+            old = backend_at(coord, 0)
+            st, w = await cheat.post("/v1/work", {"policy_step": 1})
+            assert st == 200
+            st, res = await cheat.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 1,
+                                                      "rollouts": honest_rollouts(old, w, coord.eos_token_id)})
+            assert st == 200 and res["rejected"] == []
+            await wait_verdicts(coord)
             st, err = await cheat.post("/v1/work", {"policy_step": 1})
-            assert st == 403 and err["error"] == "banned"
+            assert st == 403 and err["error"] == "banned"  # one verified forgery is enough
             node = coord.ledger.node(cheat.pub)
             assert node["banned"] == 1 and node["accepted"] == 0
+            assert not [g for g in coord.ledger.waiting_groups() if g["node_id"] == cheat.pub]
             reasons = coord.status()["verification"]["rejected_by_reason"]
             assert any(k.startswith("verify_") for k in reasons), reasons
+
+
+def groups_of(coord, node_id: str) -> list[tuple]:
+    db = sqlite3.connect(coord.root / "ledger.sqlite")
+    try:
+        return db.execute("SELECT verdict, consumed_step FROM groups WHERE node_id=?", (node_id,)).fetchall()
+    finally:
+        db.close()
+
+
+async def test_forgeries_timed_to_the_verification_draw_are_caught(tmp_path):
+    """The draw used to be random.Random(run.seed), one per submission, made before answering: an
+    attacker replaying that generator forged only the submissions it knew would not be checked (30/30
+    predicted at fraction 0.25). Now the draw is secret and made after the answer: following the old
+    prediction, the forger is caught, banned, and its untrained groups are voided."""
+    async with running_coordinator(tmp_path, "verification.fraction=0.25", "verification.new_node_submissions=0",
+                                   "run.max_steps=1") as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            forger = RawNode(base, s)
+            await forger.post("/v1/join", {})
+            backend = backend_at(coord, 0)
+            predicted = random.Random(coord.cfg.run.seed)  # the old draw, as an attacker would replay it
+            rng = random.Random(1)
+            forged = 0
+            for _ in range(80):
+                st, w = await forger.post("/v1/work", {"policy_step": 0})
+                if st == 403:
+                    break
+                if st in (204, 429):
+                    await asyncio.sleep(0.05)
+                    continue
+                assert st == 200, w
+                checked_by_old_rule = predicted.random() < 0.25
+                rollouts = (honest_rollouts(backend, w, coord.eos_token_id) if checked_by_old_rule
+                            else fake_rollouts(w, coord.eos_token_id, coord.vocab_size, rng))
+                forged += not checked_by_old_rule
+                st, _ = await forger.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
+                                                         "rollouts": rollouts})
+                assert st == 200
+                await wait_verdicts(coord)
+            node = coord.ledger.node(forger.pub)
+            assert node["banned"] == 1, f"{forged} forged submissions, never banned"
+            untrained = [v for v, consumed in groups_of(coord, forger.pub) if consumed is None]
+            assert untrained and set(untrained) == {"void"}
+
+
+async def test_a_malformed_commitment_is_refused_even_when_not_replayed(tmp_path):
+    """Submissions not drawn for a replay used to get no look at their commitment at all."""
+    import torch
+
+    from verify.commitment import make_commitment
+
+    async with running_coordinator(tmp_path, "verification.fraction=0") as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            node = RawNode(base, s)
+            await node.post("/v1/join", {})
+            _, w = await node.post("/v1/work", {"policy_step": 0})
+            rollouts = fake_rollouts(w, coord.eos_token_id, coord.vocab_size, random.Random(0))
+            bad = {0: "", 1: "!!not base64", 2: make_commitment(torch.randn(40, 16))}  # 2 chunks for <= 8 tokens
+            for i, c in bad.items():
+                rollouts[i]["commitment"] = c
+            st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
+                                                     "rollouts": rollouts})
+            assert st == 200
+            reasons = {(r["prompt_id"], r["sample_index"]): r["reason"] for r in res["rejected"]}
+            for i in bad:
+                assert reasons[(rollouts[i]["prompt_id"], rollouts[i]["sample_index"])] == "bad_commitment"

@@ -43,12 +43,16 @@ async def test_late_joiner_catches_up_full_then_deltas(tmp_path):
         early = start_worker(tmp_path, "early", coord, url)
         await wait_for(lambda: coord.published_step >= 5, 180, "step 5", coord)
         listing = {c["step"]: c for c in coord.publisher.listing()}
+        # The early node has done its part. Left running, it could take every prompt up to max_steps while
+        # the late node is still downloading, and leave it no work at all (seen on a loaded machine).
+        await stop_workers(early)
         late_node, late_task = start_worker(tmp_path, "late", coord, url)
         fetched = []
         original = late_node._on_new_step
         late_node._on_new_step = lambda step, path: (fetched.append(step), original(step, path))
         await wait_for(lambda: late_node.stats.accepted > 0, 120, "the late node's first accepted rollouts", coord)
-        await stop_workers(early, (late_node, late_task))
+        await stop_workers((late_node, late_task))
+        listing.update({c["step"]: c for c in coord.publisher.listing()})  # steps published since (5-7)
         first = fetched[0]
         assert listing[first]["encoding"] == "full" and first > 0  # older steps were pruned; it began at a full one
         assert fetched == list(range(first, fetched[-1] + 1))  # then every delta in order
@@ -92,20 +96,27 @@ async def test_corrupting_source_is_dropped_and_download_completes(tmp_path):
 async def test_killed_node_work_is_reassigned_and_run_completes(tmp_path):
     async with running_coordinator(tmp_path, "run.assignment_deadline_seconds=4",
                                    "run.prompts_per_assignment=4") as (coord, url):
-        victim = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", "join", "--coordinator", url, "--coordinator-key",
-             coord.identity.public_hex, "--config", str(REPO / "configs/local.toml"),
-             f"--set=worker.storage_dir={tmp_path / 'victim'}"],
-            cwd=REPO, stdout=open(tmp_path / "victim.log", "w"), stderr=subprocess.STDOUT)
-        try:
-            # wait until the victim holds an assignment, then SIGKILL it mid-generation
-            await wait_for(lambda: bool(coord.ledger.open_assignments()), 120, "the victim's first assignment", coord)
+        victim_ids: set = set()
+        for attempt in range(3):  # SIGKILL lands between a submit and the next request: no work was held
+            victim = subprocess.Popen(
+                [sys.executable, "-m", "node.cli", "join", "--coordinator", url, "--coordinator-key",
+                 coord.identity.public_hex, "--config", str(REPO / "configs/local.toml"),
+                 f"--set=worker.storage_dir={tmp_path / f'victim{attempt}'}"],
+                cwd=REPO, stdout=open(tmp_path / f"victim{attempt}.log", "w"), stderr=subprocess.STDOUT)
+            try:
+                # wait until the victim holds an assignment, then SIGKILL it mid-generation
+                await wait_for(lambda: bool(coord.ledger.open_assignments()), 120, "the victim's first assignment",
+                               coord)
+                victim.send_signal(signal.SIGKILL)
+                victim.wait(10)
+            finally:
+                if victim.poll() is None:
+                    victim.kill()
+            # what it held when it died (read after the kill: it may have submitted one just before)
             victim_ids = {r["assignment_id"] for r in coord.ledger.open_assignments()}
-            victim.send_signal(signal.SIGKILL)
-            victim.wait(10)
-        finally:
-            if victim.poll() is None:
-                victim.kill()
+            if victim_ids:
+                break
+        assert victim_ids, "the victim never died holding an assignment"
         victim_prompts = {p["prompt_id"] for aid in victim_ids for p in coord.ledger.assignment(aid)["prompts"]}
 
         def redone() -> set:
