@@ -97,7 +97,8 @@ def build_app(coord) -> web.Application:
             raise ApiError(404, "not_found", f"step {step} is not published yet")
         window = coord.cfg.distribution.super_seed_seconds
         key = (step, index)
-        seeding = window > 0 and request.headers.get(SWARM_HEADER) == "1" and "Range" not in request.headers
+        seeding = (window > 0 and request.method == "GET" and request.headers.get(SWARM_HEADER) == "1"
+                   and "Range" not in request.headers)  # (a HEAD sends no copy)
         if seeding:
             if spreading(key, window):
                 raise ApiError(429, "seeded", "this shard is already spreading through the swarm; "

@@ -1,5 +1,9 @@
-"""HTTP plumbing shared by the coordinator and relays: JSON errors, signed-request guard, rate limits,
-and a shard response that honours Range and a shared upload cap."""
+"""HTTP plumbing shared by the coordinator and relays: JSON errors (also for HTTP the parser refuses, via
+HardenedAppRunner, which logs such requests once per peer address per minute), signed-request guard,
+rate limits, and a shard response that honours Range and a shared upload cap.
+
+No client input gives a 500 (DESIGN §5): numbers from clients are ASCII digits, bodies are bounded in
+size, time and nesting, and every refusal is `{"error": code, "detail": sentence}`."""
 from __future__ import annotations
 
 import asyncio
@@ -245,7 +249,7 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
         if len(request.headers.getall(name, ())) > 1:
             raise ApiError(400, "malformed", f"header {name} appears more than once")
     ts = request.headers.get(HEADER_TIMESTAMP)
-    if ts is not None and not _TIMESTAMP.fullmatch(ts):
+    if ts and not _TIMESTAMP.fullmatch(ts):  # (an empty one is missing_headers, below)
         # int() would also read other scripts' digits, "_", signs and spaces.
         raise ApiError(401, "bad_timestamp", "X-Prime-Timestamp must be Unix milliseconds in ASCII digits")
     if request.content_length is not None and request.content_length > limit:
@@ -325,6 +329,9 @@ async def file_response(request: web.Request, path: Path, throttle: UploadThrott
     if status == 206:
         resp.headers["Content-Range"] = f"bytes {start}-{end}/{size}"
     await resp.prepare(request)
+    if request.method == "HEAD":  # headers only: a body here would be read as the next response
+        await resp.write_eof()
+        return resp
     with open(path, "rb") as f:
         f.seek(start)
         left = end - start + 1

@@ -298,6 +298,21 @@ def test_range_header_tricks_on_the_shard_route(live):
     assert_json_error(*got[0], 416)
 
 
+def test_odd_methods_and_paths_get_json_errors(live):
+    cases = [("PUT", "/v1/work", 405), ("DELETE", "/v1/status", 405), ("OPTIONS", "/v1/join", 405),
+             ("GET", "/v1/work", 405), ("GET", "/nope", 404), ("GET", "/v1/checkpoints/..%2F..%2Fetc/manifest", 400),
+             ("GET", "/v1/checkpoints/0/shards/%00", 400), ("GET", "/v1/checkpoints/99999999999/manifest", 400),
+             ("GET", "/v1/checkpoints/0/shards/100000", 400), ("GET", "/v1/checkpoints/2147483647/manifest", 404),
+             ("GET", "/" + "a" * 9000, 400), ("BREW", "/v1/status", 400)]
+    for method, path, want in cases:
+        got = responses(live.raw(request_bytes(method, path, [], content_length="0")))
+        assert len(got) == 1, (method, path)
+        assert_json_error(*got[0], want)
+    # HEAD of a shard: headers only, no body, no error
+    head = live.raw(request_bytes("HEAD", "/v1/checkpoints/0/shards/0", [], content_length="0"))
+    assert head.startswith(b"HTTP/1.1 200") and head.endswith(b"\r\n\r\n")
+
+
 def test_malformed_http_is_logged_once_per_peer_address_per_minute(live, caplog):
     caplog.set_level(logging.INFO)
     garbage = [b"\x00\x01garbage\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"GET /\x7f HTTP/1.1\r\nHost: x\r\n\r\n",
