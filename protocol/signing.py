@@ -40,8 +40,13 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def strict_json_loads(data: bytes | str) -> Any:
-    """json.loads that refuses NaN/Infinity (Python accepts them by default)."""
-    return json.loads(data, parse_constant=_reject_constants)
+    """json.loads that refuses NaN/Infinity (Python accepts them by default) and reports nesting deeper
+    than the parser's recursion limit as a ValueError like any other malformed document (untrusted
+    input: 1 KiB of '[' would otherwise escape every caller as a RecursionError)."""
+    try:
+        return json.loads(data, parse_constant=_reject_constants)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def sha256_hex(data: bytes) -> str:
@@ -98,10 +103,9 @@ class RequestVerifier:
         key, ts, nonce, run_id, sig = (headers[h] for h in SIGNED_HEADERS)
         if len(key) != PUBLIC_KEY_HEX_LEN:
             raise SignatureError("bad_key", "X-Prime-Key must be 64 hex characters")
-        try:
-            ts_ms = int(ts)
-        except ValueError:
-            raise SignatureError("bad_timestamp", "X-Prime-Timestamp must be Unix milliseconds") from None
+        if not (ts.isascii() and ts.isdigit() and len(ts) <= 16):  # int() would take "١٢", "1_0", " 12"
+            raise SignatureError("bad_timestamp", "X-Prime-Timestamp must be Unix milliseconds (ASCII digits)")
+        ts_ms = int(ts)
         if not (2 * NONCE_MIN_BYTES <= len(nonce) <= NONCE_MAX_HEX) or not _is_hex(nonce):
             raise SignatureError("bad_nonce", "X-Prime-Nonce must be 16 to 64 random bytes in hex")
         now = self._clock()

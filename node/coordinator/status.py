@@ -80,7 +80,9 @@ def build_status(c) -> dict:
                       "publish_seconds": r.metrics.get("publish_seconds", 0.0), "max_staleness": r.metrics.get("max_staleness", 0)}
                      for r in steps[-200:]],
         "checkpoints": c.publisher.listing(),
-        "checkpoint_bytes_by_source": {k: bytes_by_source.get(k, 0) for k in ("coordinator", "relay", "peer")},
+        # node-reported counters: each is bounded on the wire, their sum is clamped to what JSON readers take
+        "checkpoint_bytes_by_source": {k: min(bytes_by_source.get(k, 0), 2**63 - 1)
+                                       for k in ("coordinator", "relay", "peer")},
         "bytes_served": int(sum(c.bytes_by_source.values())),
         "recent_rejections": [{"at_ms": r["at_ms"], "node": r["node_id"][:8], "reason": r["reason"],
                                "prompt_id": r["prompt_id"], "sample_index": r["sample_index"]}

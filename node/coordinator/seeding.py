@@ -1,0 +1,111 @@
+"""Super-seeding: the origin sends each shard's first copy to one swarm node and defers the others to
+peers while that copy spreads. Pure state with an injected clock (no IO), so every rule is unit-tested.
+
+A first copy counts only when a *joined node* asked for it in a *signed* request (the caller checks
+both and passes the node id; anyone else is served like any HTTP client and never holds a claim), and
+only while that node keeps its word: it must announce the shard to its peers (a `have` gossip message,
+fed back through `announced`) within `announce_grace_s` of receiving it, or the claim dies and the
+shard reopens. A node whose claim died is never counted again for that shard. A node deferred
+`max_deferrals` times for a shard is served anyway, so a claim can delay an honest node, not starve it.
+
+Timing: the window counts from the end of the first copy (under a thin uplink one copy can take longer
+than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` windows stops counting.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable
+
+IN_FLIGHT_WINDOWS = 6
+
+
+@dataclass
+class _Claim:
+    node_id: str
+    started: float
+    finished: float | None = None
+    announced: bool = False
+
+
+class SuperSeeder:
+    def __init__(self, window_s: float, *, announce_grace_s: float | None = None, max_deferrals: int = 3,
+                 clock: Callable[[], float] = time.monotonic, max_keys: int = 100_000):
+        self.window = window_s
+        self.grace = window_s if announce_grace_s is None else announce_grace_s
+        self.max_deferrals = max_deferrals
+        self.clock = clock
+        self.max_keys = max_keys
+        self._claims: dict[Hashable, _Claim] = {}
+        self._deferred: dict[tuple[Hashable, str], int] = {}
+        self._broken: set[tuple[Hashable, str]] = set()  # (shard, node) whose claim died unannounced
+
+    @property
+    def enabled(self) -> bool:
+        return self.window > 0
+
+    def _live(self, claim: _Claim, now: float) -> bool:
+        if claim.finished is None:
+            return now - claim.started < IN_FLIGHT_WINDOWS * self.window
+        if not claim.announced and now - claim.finished >= self.grace:
+            return False
+        return now - claim.finished < self.window
+
+    def _claim(self, key: Hashable) -> _Claim | None:
+        claim = self._claims.get(key)
+        if claim is not None and not self._live(claim, self.clock()):
+            if not claim.announced and claim.finished is not None:
+                self._broken.add((key, claim.node_id))
+            del self._claims[key]
+            return None
+        return claim
+
+    def admit(self, key: Hashable, node_id: str | None) -> bool:
+        """Serve this request (True), or tell the node to fetch the shard from a peer (False)."""
+        if not self.enabled or node_id is None:
+            return True
+        claim = self._claim(key)
+        if claim is None or claim.node_id == node_id:
+            return True
+        n = self._deferred.get((key, node_id), 0) + 1
+        if n > self.max_deferrals:
+            return True
+        if len(self._deferred) >= self.max_keys:
+            self._deferred.clear()
+        self._deferred[(key, node_id)] = n
+        return False
+
+    def started(self, key: Hashable, node_id: str | None) -> None:
+        """The origin begins sending `key` to `node_id`: the first copy, if none is spreading."""
+        if not self.enabled or node_id is None or (key, node_id) in self._broken or self._claim(key) is not None:
+            return
+        if len(self._claims) >= self.max_keys:
+            self._expire_all()
+        self._claims[key] = _Claim(node_id, self.clock())
+
+    def finished(self, key: Hashable, node_id: str | None) -> None:
+        claim = self._claims.get(key)
+        if claim is not None and claim.node_id == node_id and claim.finished is None:
+            claim.finished = self.clock()
+
+    def failed(self, key: Hashable, node_id: str | None) -> None:
+        """The copy did not get out: the next swarm node may have it."""
+        claim = self._claims.get(key)
+        if claim is not None and claim.node_id == node_id and claim.finished is None:
+            del self._claims[key]
+
+    def announced(self, node_id: str, keys: Iterable[Hashable]) -> None:
+        """`node_id` told its peers it holds these shards (a verified `have` announcement)."""
+        for key in keys:
+            claim = self._claims.get(key)
+            if claim is not None and claim.node_id == node_id:
+                claim.announced = True
+
+    def _expire_all(self) -> None:
+        now = self.clock()
+        for key in [k for k, c in self._claims.items() if not self._live(c, now)]:
+            del self._claims[key]
+        if len(self._claims) >= self.max_keys:
+            self._claims.clear()
+        if len(self._broken) >= self.max_keys:
+            self._broken.clear()
