@@ -86,8 +86,9 @@ class VerificationConfig(_Section):
     reputation_reward: float = Field(0.01, ge=0, le=1e6)  # a clean submission
     expiry_penalty: float = Field(0.05, ge=0, le=1e6)  # an assignment left to expire
     ban_below: float = Field(0.0, ge=-1e6, le=1e6)  # (a verified forgery bans at once)
-    # Steering: a node whose replayed tokens are more often than this not the sampler's first choice
-    # (numerical near-ties) is banned, once it has this many replayed tokens (docs/SECURITY.md).
+    # Steering: a node whose replayed tokens are more often than this not the sampler's first choice by
+    # more than noise (verify.rollouts.NEAR_TIE_MARGIN; honest <= 0.4 %) is banned, once it has this many
+    # replayed tokens (bench/near_ties.py, docs/SECURITY.md).
     near_tie_max_rate: float = Field(0.02, ge=0, le=1)
     near_tie_min_tokens: int = Field(2000, ge=1)
 

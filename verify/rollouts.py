@@ -30,7 +30,11 @@ from .commitment import (TOPK, ChunkScore, CommitmentError, capture_final_hidden
 from .sampler import check_sampling, check_seed, replay_scores
 
 REASONS = ("shape", "termination", "commitment", "logprobs", "sampling")
-NEAR_TIE_EPS = 1e-6  # a replay margin above this (logit units) means another token would have been drawn
+# A token whose replay margin (logit units) is above this, yet within `sample_margin`, was not the seeded
+# sampler's first choice by more than numerical noise: honest bf16-vs-fp32 noise exceeds it at <= 0.4 %
+# of positions, while a node free to choose among passing tokens finds such a choice at 29-62 % of them
+# (bench/near_ties.py). The coordinator bans a node whose rate of these is far above the honest one.
+NEAR_TIE_MARGIN = 0.2
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -286,8 +290,8 @@ class RolloutVerifier:
         scores = {
             "logprob_mean": float(dev.mean()), "logprob_max": float(dev.max()),
             "sample_margin_max": float(margins.max()), "sample_bad_positions": int(bad_pick.sum()),
-            # tokens that were not the replayed sampler's first choice (numerical near-ties when honest)
-            "near_tie_positions": int((margins > NEAR_TIE_EPS).sum()),
+            # tokens that were not the replayed sampler's first choice by more than noise, yet passed
+            "near_tie_positions": int(((margins > NEAR_TIE_MARGIN) & ~bad_pick).sum()),
             "exp_mismatch_frac": com.exp_mismatch_frac, "mant_err_mean": com.mant_err_mean,
             "mant_err_median": com.mant_err_median, "commitment_ratio": com_ratio, "tokens": n,
         }

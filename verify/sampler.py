@@ -257,3 +257,25 @@ def replay_scores(logits: torch.Tensor, seed: int | torch.Tensor, positions: tor
     lp_hi = sure.gather(-1, chosen)[:, 0] - torch.logsumexp(sure_scores, dim=-1)
     lp_lo = lp_hi if maybe is sure else maybe.gather(-1, chosen)[:, 0] - torch.logsumexp(maybe_scores, dim=-1)
     return ReplayScores(margin, outside, lp_hi, torch.minimum(lp_lo, lp_hi))
+
+
+def token_margins(logits: torch.Tensor, seed: int, positions: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[T, V] replay margin of every token at top_p = 1 (logit units, x T): how far its perturbed score
+    falls short of the winner's, at the worse of the two levels. The sampled token has 0; a token within
+    the verifier's `sample_margin` would also pass. (Calibration and attack tests: what a node that
+    chooses among passing tokens can choose from.)"""
+    check_seed(seed)
+    scaled = logits.float() / temperature
+    n, v = scaled.shape
+    seeds = torch.full((n,), seed, dtype=torch.int64, device=scaled.device)
+    positions = positions.to(scaled.device, torch.int64)
+    blocks = _blocks(scaled)
+    block_scores = torch.logsumexp(blocks, -1) + _block_gumbel(seeds, positions, blocks.shape[1])
+    best_block = block_scores.max(-1).values
+    out = torch.empty(n, v, device=scaled.device)
+    for j in range(blocks.shape[1]):
+        inner = blocks[:, j] + _inner_gumbel(seeds, positions, torch.full((n,), j, device=scaled.device))
+        m = torch.maximum((best_block - block_scores[:, j])[:, None], inner.max(-1, keepdim=True).values - inner)
+        lo, hi = j * BLOCK, min(v, (j + 1) * BLOCK)
+        out[:, lo:hi] = m[:, :hi - lo]
+    return out * temperature

@@ -346,6 +346,23 @@ class Ledger:
             by_batch[r[1]] = by_batch.get(r[1], 0) + 1
         return voided, by_batch
 
+    def void_submission(self, assignment_id: str, node_id: str, rejections: list[dict], reputation: float,
+                        banned: bool) -> tuple[int, dict]:
+        """One submission's groups void (never trained), with its rejections and the node's new
+        reputation. Returns (rollouts voided, batch -> groups voided)."""
+        with self.transaction() as db:
+            rows = db.execute("SELECT group_id, batch_step, data FROM groups WHERE assignment_id=? AND verdict IS NULL",
+                              (assignment_id,)).fetchall()
+            voided = sum(len(json.loads(r[2])["rollouts"]) for r in rows)
+            db.executemany("UPDATE groups SET verdict='void' WHERE group_id=?", [(r[0],) for r in rows])
+            self._insert_rejections(db, node_id, assignment_id, rejections, now_ms())
+            db.execute("UPDATE nodes SET accepted=MAX(0, accepted-?), rejected=rejected+?, reputation=?, "
+                       "banned=MAX(banned, ?) WHERE node_id=?", (voided, voided, reputation, int(banned), node_id))
+        by_batch: dict[int, int] = {}
+        for r in rows:
+            by_batch[r[1]] = by_batch.get(r[1], 0) + 1
+        return voided, by_batch
+
     def accepted_by_batch(self) -> dict[int, int]:
         """Groups accepted and still to be trained (decided or not; void ones excluded), per batch."""
         rows = self._exec("SELECT batch_step, COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL "

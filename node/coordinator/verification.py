@@ -74,7 +74,8 @@ class VerdictQueue:
     - `verified`: every rollout was replayed against the claimed step's weights and passed; the node's
       near-tie count (tokens that were not the sampler's first choice) is kept for the ban rule below.
     - `void`: a replay failed. A verified forgery bans the node at once and voids every group of it that
-      has not been trained on yet.
+      has not been trained on yet. A submission whose only failures are single tokens off the sampler's
+      choice (commitment and logprobs right: possibly numerical) is voided alone and costs reputation.
 
     A node's first `new_node_submissions` are replayed at `new_node_fraction` (default: all of them),
     unless `fraction` is 0 (replays off).
@@ -142,12 +143,20 @@ class VerdictQueue:
             refs = [(g["prompt_id"], r["sample_index"]) for g in undecided for r in g["data"]["rollouts"]]
             failed = [{"prompt_id": p, "sample_index": i, "reason": v.reason}
                       for (p, i), v in zip(refs, verdicts) if v.reason]
-            if failed:
+            for r in failed:
+                c.metrics.rejected.labels(r["reason"]).inc()
+            if any(not v.outlier for v in verdicts if v.reason):
                 voided = self._void(node["node_id"], assignment_id, failed)
-                for r in failed:
-                    c.metrics.rejected.labels(r["reason"]).inc()
                 log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node["node_id"][:12],
                             ", ".join(sorted({r["reason"] for r in failed})), voided)
+                return
+            if failed:  # only single-token sampling outliers: possibly numerical, never trained, no ban
+                rep = node["reputation"] - self.cfg.reputation_penalty
+                banned = rep < self.cfg.ban_below
+                _, by_batch = c.ledger.void_submission(assignment_id, node["node_id"], failed, rep, banned)
+                c.scheduler.forget_waiting(by_batch)
+                log.info("submission %s of node %s voided: one token off the sampler's choice in %d rollouts",
+                         assignment_id, node["node_id"][:12], len(failed))
                 return
             tokens = sum(v.tokens for v in verdicts)
             near_ties = sum(v.near_ties for v in verdicts)
@@ -181,8 +190,11 @@ class VerdictQueue:
                             self.c.eos_token_id) for c in checks]
         out = []
         for v in RolloutVerifier(model).verify_many(items):
+            # One token off the sampler's choice, with the commitment and logprobs right, can be numerical
+            # (bf16 generation near a nucleus boundary, bench/near_ties.py); anything more is a forgery.
+            outlier = v.reason in ("sampling", "termination") and v.scores.get("sample_bad_positions") == 1
             out.append(RolloutVerdict(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
-                                      int(v.scores.get("near_tie_positions", 0))))
+                                      int(v.scores.get("near_tie_positions", 0)), outlier))
         return out
 
     def close(self) -> None:
@@ -194,3 +206,4 @@ class RolloutVerdict:
     reason: str | None  # None = passed
     tokens: int
     near_ties: int
+    outlier: bool = False  # failed by one sampled token only: voided, not proof of forgery

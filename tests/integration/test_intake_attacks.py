@@ -145,35 +145,41 @@ async def test_forgeries_timed_to_the_verification_draw_are_caught(tmp_path):
     attacker replaying that generator forged only the submissions it knew would not be checked (30/30
     predicted at fraction 0.25). Now the draw is secret and made after the answer: following the old
     prediction, the forger is caught, banned, and its untrained groups are voided."""
-    async with running_coordinator(tmp_path, "verification.fraction=0.25", "verification.new_node_submissions=0",
-                                   "run.max_steps=1") as (coord, base):
+    async with running_coordinator(tmp_path, "verification.fraction=0.25",
+                                   "verification.new_node_submissions=0") as (coord, base):
         async with aiohttp.ClientSession() as s:
             forger = RawNode(base, s)
             await forger.post("/v1/join", {})
-            backend = backend_at(coord, 0)
+            backends: dict = {}
             predicted = random.Random(coord.cfg.run.seed)  # the old draw, as an attacker would replay it
             rng = random.Random(1)
             forged = 0
-            for _ in range(80):
-                st, w = await forger.post("/v1/work", {"policy_step": 0})
+            t0 = time.monotonic()
+            # at 1 in 4 checked, 40 forged submissions all pass over with probability 0.75**40 = 1e-5
+            while forged < 40 and time.monotonic() - t0 < 150:
+                step = coord.published_step
+                st, w = await forger.post("/v1/work", {"policy_step": step})
                 if st == 403:
                     break
-                if st in (204, 429):
+                if st in (204, 409, 429):
                     await asyncio.sleep(0.05)
                     continue
                 assert st == 200, w
-                checked_by_old_rule = predicted.random() < 0.25
-                rollouts = (honest_rollouts(backend, w, coord.eos_token_id) if checked_by_old_rule
-                            else fake_rollouts(w, coord.eos_token_id, coord.vocab_size, rng))
-                forged += not checked_by_old_rule
-                st, _ = await forger.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
+                if predicted.random() < 0.25:  # the old rule said "checked": submit honest work
+                    if step not in backends:
+                        backends[step] = backend_at(coord, step)
+                    rollouts = honest_rollouts(backends[step], w, coord.eos_token_id)
+                else:  # "not checked": forge
+                    rollouts = fake_rollouts(w, coord.eos_token_id, coord.vocab_size, rng)
+                    forged += 1
+                st, _ = await forger.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": step,
                                                          "rollouts": rollouts})
-                assert st == 200
+                assert st in (200, 409)
                 await wait_verdicts(coord)
             node = coord.ledger.node(forger.pub)
             assert node["banned"] == 1, f"{forged} forged submissions, never banned"
             untrained = [v for v, consumed in groups_of(coord, forger.pub) if consumed is None]
-            assert untrained and set(untrained) == {"void"}
+            assert not untrained or set(untrained) == {"void"}
 
 
 async def test_a_malformed_commitment_is_refused_even_when_not_replayed(tmp_path):
@@ -197,3 +203,77 @@ async def test_a_malformed_commitment_is_refused_even_when_not_replayed(tmp_path
             reasons = {(r["prompt_id"], r["sample_index"]): r["reason"] for r in res["rejected"]}
             for i in bad:
                 assert reasons[(rollouts[i]["prompt_id"], rollouts[i]["sample_index"])] == "bad_commitment"
+
+
+def steered_rollouts(model, assignment: dict, eos: int) -> list[dict]:
+    """A node that follows the seeded sampler except where another token also passes the replay's margin
+    and is not the first choice by more than noise: there it takes the other token (as if to raise its
+    reward). Every token passes verification on its own; logprobs and commitments are honest."""
+    import torch
+
+    from verify.commitment import capture_final_hidden, make_commitment
+    from verify.rollouts import NEAR_TIE_MARGIN, Thresholds
+    from verify.sampler import replay_scores, token_margins
+
+    s = assignment["sampling"]
+    out = []
+    for p in assignment["prompts"]:
+        for j, seed in enumerate(p["seeds"]):
+            ids: list[int] = []
+            with torch.no_grad():
+                for t in range(s["max_tokens"]):
+                    logits = model(input_ids=torch.tensor([p["prompt_ids"] + ids])).logits[0, -1:]
+                    m = token_margins(logits, seed, torch.tensor([t]), s["temperature"])[0]
+                    alt = ((m > NEAR_TIE_MARGIN) & (m <= 0.9 * Thresholds().sample_margin)).nonzero()[:, 0]
+                    alt = alt[alt != eos]  # steer content, not length
+                    tok = int(alt[0]) if len(alt) else int(m.argmin())
+                    ids.append(tok)
+                    if tok == eos:
+                        break
+                with capture_final_hidden(model) as hidden:
+                    logits = model(input_ids=torch.tensor([p["prompt_ids"] + ids])).logits[0]
+            n, P = len(ids), len(p["prompt_ids"])
+            rep = replay_scores(logits[P - 1:P - 1 + n], seed, torch.arange(n), s["temperature"], s["top_p"],
+                                torch.tensor(ids))
+            out.append({"prompt_id": p["prompt_id"], "sample_index": j, "completion_ids": ids,
+                        "logprobs": rep.logprob_hi.tolist(), "finish_reason": "stop" if ids[-1] == eos else "length",
+                        "commitment": make_commitment(hidden[-1][0, P - 1:P - 1 + n])})
+    return out
+
+
+async def test_steering_within_the_margin_is_banned_by_the_near_tie_rate(tmp_path):
+    """Near-ties let a verified node choose among several passing tokens per seed (reward 0.050 -> 0.094
+    at fraction 1.0). Each steered rollout passes; the node's rate of tokens that were not the sampler's
+    first choice gives it away, while an honest node doing the same work stays clear."""
+    from node.trainer.model import load_model
+    from protocol.checkpoint import load_payload
+
+    async with running_coordinator(tmp_path, "verification.near_tie_min_tokens=150") as (coord, base):
+        model = load_model(coord.model_dir)
+        model.load_state_dict(load_payload(coord.publisher.payload_path(0)), strict=False)
+        async with aiohttp.ClientSession() as s:
+            steerer, honest = RawNode(base, s), RawNode(base, s)
+            await steerer.post("/v1/join", {})
+            await honest.post("/v1/join", {})
+            backend = backend_at(coord, 0)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 120 and not coord.ledger.node(steerer.pub)["banned"]:
+                for node, make in ((steerer, lambda w: steered_rollouts(model, w, coord.eos_token_id)),
+                                   (honest, lambda w: honest_rollouts(backend, w, coord.eos_token_id))):
+                    st, w = await node.post("/v1/work", {"policy_step": 0})
+                    if st != 200:
+                        await asyncio.sleep(0.05)
+                        continue
+                    st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
+                                                             "rollouts": make(w)})
+                    assert st in (200, 409) and not (st == 200 and res["rejected"])
+                await wait_verdicts(coord)
+            steer, hon = coord.ledger.node(steerer.pub), coord.ledger.node(honest.pub)
+            assert steer["banned"] == 1, steer
+            db = sqlite3.connect(coord.root / "ledger.sqlite")
+            reasons = {r[0] for r in db.execute("SELECT reason FROM rejections WHERE node_id=?", (steerer.pub,))}
+            db.close()
+            assert reasons == {"verify_near_tie_rate"}, reasons  # every steered rollout itself passed
+            assert steer["near_ties"] > coord.cfg.verification.near_tie_max_rate * steer["verified_tokens"]
+            assert hon["banned"] == 0 and hon["near_ties"] <= coord.cfg.verification.near_tie_max_rate * max(
+                1, hon["verified_tokens"]), hon
