@@ -19,6 +19,10 @@ from protocol.signing import RequestVerifier
 IN_FLIGHT_WINDOWS = 6  # a first copy still being sent after 6 super-seed windows no longer holds others back
 
 
+# /v1/status and /metrics are built at most once per this many seconds, however many dashboards poll.
+STATUS_MAX_AGE_S = 1.0
+
+
 def _json(model_or_dict, status: int = 200) -> web.Response:
     if hasattr(model_or_dict, "model_dump_json"):
         return web.Response(text=model_or_dict.model_dump_json(), status=status, content_type="application/json")
@@ -122,10 +126,10 @@ def build_app(coord) -> web.Application:
         return resp
 
     async def status(request):
-        return _json(coord.status())
+        return _json(coord.status(max_age_s=STATUS_MAX_AGE_S))
 
     async def metrics(request):
-        coord.status()  # refresh gauges derived from the ledger
+        coord.status(max_age_s=STATUS_MAX_AGE_S)  # refresh gauges derived from the ledger
         return web.Response(body=coord.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def dashboard(request):

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from collections import Counter, deque
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self.p2p = None
         self.started_ms = now_ms()
+        self._status: tuple[float, dict] | None = None
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -310,7 +312,11 @@ class Coordinator:
         return result
 
     # -- observability -----------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self, max_age_s: float = 0.0) -> dict:
+        """The status document, rebuilt when the cached one is older than `max_age_s` (0: always)."""
         from node.coordinator.status import build_status
 
-        return build_status(self)
+        now = time.monotonic()
+        if self._status is None or now - self._status[0] > max_age_s:
+            self._status = (now, build_status(self))
+        return self._status[1]
