@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import math
 import time
 
 from aiohttp import web
@@ -14,9 +13,9 @@ from node.coordinator.http import (
 )
 from node.coordinator.openapi import build_openapi
 from protocol import messages as M
+from protocol.errors import SignatureError
 from protocol.signing import RequestVerifier
 
-IN_FLIGHT_WINDOWS = 6  # a first copy still being sent after 6 super-seed windows no longer holds others back
 
 
 # /v1/status and /metrics are built at most once per this many seconds, however many dashboards poll.
@@ -84,32 +83,20 @@ def build_app(coord) -> web.Application:
             raise ApiError(404, "not_found", f"no checkpoint for step {step} (available: {coord.publisher.steps()})")
         return web.Response(body=data, content_type="application/json")
 
-    # (step, shard) -> (when the origin began sending its first copy, when it finished or None).
-    # The window counts from the end: under a thin uplink one copy can take longer than the window
-    # itself, and counted from the start it would expire before any peer could serve the shard.
-    # A first copy still in flight after IN_FLIGHT_WINDOWS windows (a stalled reader) stops counting.
-    seeded: dict[tuple[int, int], tuple[float, float | None]] = {}
-
-    def spreading(key: tuple[int, int], window: float) -> bool:
-        started, finished = seeded.get(key, (-math.inf, None))
-        now = time.monotonic()
-        return now - finished < window if finished is not None else now - started < IN_FLIGHT_WINDOWS * window
-
     async def shard(request):
         step, index = int_param(request, "step"), int_param(request, "index", 100_000)
         if step > coord.published_step:
             raise ApiError(404, "not_found", f"step {step} is not published yet")
-        window = coord.cfg.distribution.super_seed_seconds
         key = (step, index)
-        seeding = (window > 0 and request.method == "GET" and request.headers.get(SWARM_HEADER) == "1"
-                   and "Range" not in request.headers)  # (a HEAD sends no copy)
-        if seeding:
-            if spreading(key, window):
-                raise ApiError(429, "seeded", "this shard is already spreading through the swarm; "
-                                              "fetch it from a peer")
-            if len(seeded) > 100_000:
-                seeded.clear()
-            seeded[key] = (time.monotonic(), None)
+        # Super-seeding (node/coordinator/seeding.py) only for a swarm request signed by a joined node:
+        # an anonymous request is served like any HTTP client's, and never holds a first copy.
+        node_id = swarm_node(request) if request.headers.get(SWARM_HEADER) == "1" else None
+        if not coord.seeder.admit(key, node_id):
+            raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer")
+        # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
+        sending = request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-")
+        if sending:
+            coord.seeder.started(key, node_id)
 
         def count(n: int) -> None:
             coord.bytes_by_source["coordinator"] += n
@@ -118,12 +105,23 @@ def build_app(coord) -> web.Application:
         try:
             resp = await file_response(request, shard_path(coord.publisher.ckpt_dir, step, index), throttle, count)
         except BaseException:
-            if seeding:
-                seeded.pop(key, None)  # the first copy did not get out: the next swarm node may have it
+            if sending:
+                coord.seeder.failed(key, node_id)  # the first copy did not get out: the next swarm node may
             raise
-        if seeding:
-            seeded[key] = (seeded.get(key, (time.monotonic(), None))[0], time.monotonic())
+        if sending:
+            coord.seeder.finished(key, node_id)
         return resp
+
+    def swarm_node(request) -> str | None:
+        """The joined node that signed this GET (DESIGN §4, empty body), or None for an unsigned one."""
+        if not request.headers.get("X-Prime-Signature"):
+            return None
+        try:
+            signer = verifier.verify(request.method, request.path_qs, request.headers, b"").signer
+        except SignatureError as e:
+            raise ApiError(401, e.code, e.detail) from None
+        node = coord.ledger.node(signer)
+        return signer if node is not None and not node["banned"] else None
 
     async def status(request):
         return _json(coord.status(max_age_s=STATUS_MAX_AGE_S))

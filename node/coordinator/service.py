@@ -20,6 +20,7 @@ from node.coordinator.http import ApiError
 from node.coordinator.ledger import Ledger, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.publisher import Publisher
+from node.coordinator.seeding import SuperSeeder
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.verification import PolicyStore, VerdictQueue
 from protocol import messages as M
@@ -55,6 +56,7 @@ class Coordinator:
         self.p2p = None
         self.started_ms = now_ms()
         self._status: tuple[float, dict] | None = None
+        self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds)
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -231,6 +233,13 @@ class Coordinator:
         self.p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=self.cfg.run.run_id,
                                        coordinator_key=self.identity.public_hex)
         await self.p2p.start()
+        self.p2p.add_listener(self._on_announcement)
+
+    def _on_announcement(self, event) -> None:
+        """A node's verified `have` announcement keeps its super-seeding claims alive."""
+        a = event.announcement
+        if a.kind == "have":
+            self.seeder.announced(a.signer, [(a.step, i) for i in a.indices])
 
     def p2p_bootstrap(self) -> list[str]:
         return list(self.p2p.announce_addrs) if self.p2p is not None else []

@@ -27,6 +27,7 @@ from node.worker.sources import HttpSource
 from protocol import messages as M
 from protocol.errors import PrimeNodeError
 from protocol.identity import Identity
+from protocol.signing import sign_request
 
 log = logging.getLogger("prime_node.worker")
 
@@ -119,7 +120,10 @@ class WorkerNode:
             self.spec = spec = await self._join()
             key = self._pin(spec.coordinator_key)
             self.model_dir = self._write_model_dir(spec)
-            sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled)]
+            run_id = spec.run_id
+            sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled,
+                                  signer=lambda method, path: sign_request(self.identity, method, path, b"",
+                                                                           run_id=run_id))]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
             store = CheckpointStore(self.root)
             self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1,

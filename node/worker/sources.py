@@ -3,7 +3,7 @@ against the signed manifest, so a source only ever costs a retry."""
 from __future__ import annotations
 
 import json
-from typing import Protocol
+from typing import Callable, Protocol
 
 import aiohttp
 
@@ -35,12 +35,15 @@ class ShardSource(Protocol):
 class HttpSource:
     """A coordinator or relay serving DESIGN §5's /v1/checkpoints paths."""
 
-    def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession, *, swarm: bool = False):
+    def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession, *, swarm: bool = False,
+                 signer: Callable[[str, str], dict[str, str]] | None = None):
         self.base = base_url.rstrip("/")
         self.name = f"{kind}:{self.base}"
         self.kind = kind
         self.session = session
         self.swarm = swarm  # we can also fetch from peers: the origin may defer us to them
+        # (method, path) -> signed headers: super-seeding counts only the copies of joined nodes
+        self.signer = signer
 
     async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
         try:
@@ -69,9 +72,12 @@ class HttpSource:
     async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
         """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
         headers = {"Range": f"bytes={offset}-"} if offset else {}
+        path = f"/v1/checkpoints/{int(step)}/shards/{int(index)}"
         if self.swarm:
             headers["X-Prime-Swarm"] = "1"
-        url = f"{self.base}/v1/checkpoints/{int(step)}/shards/{int(index)}"
+            if self.signer is not None:
+                headers.update(self.signer("GET", path))
+        url = self.base + path
         got = bytearray()
         try:
             async with self.session.get(url, headers=headers) as resp:

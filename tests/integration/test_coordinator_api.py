@@ -147,38 +147,61 @@ async def test_rate_limit_429(tmp_path):
 
 
 async def test_super_seeding_counts_from_the_end_of_the_first_copy(tmp_path):
-    """A swarm node's shard request gets 429 `seeded` while the shard's first copy is in flight and for
-    `super_seed_seconds` after it completed; relays (no header) and Range resumptions are always served."""
+    """A joined swarm node's signed shard request gets 429 `seeded` while another node's first copy is in
+    flight and for `super_seed_seconds` after it completed; Range requests pass the same gate (the
+    claimant's own resumption is served). Unsigned requests (relays, anyone) are served, and never hold a
+    first copy: "X-Prime-Swarm: 1" alone used to claim every shard, over and over."""
     import asyncio
 
     async with running_coordinator(tmp_path, "distribution.super_seed_seconds=1.0",
                                    "distribution.origin_upload_limit=100000") as (coord, base):
-        swarm = {"X-Prime-Swarm": "1"}
-        url = base + "/v1/checkpoints/0/shards/0"
+        path = "/v1/checkpoints/0/shards/0"
+        url = base + path
         async with aiohttp.ClientSession() as s:
+            a, b = RawNode(base, s), RawNode(base, s)
+            for n in (a, b):
+                assert (await n.post("/v1/join", {}))[0] == 200
+
+            def signed(node, **extra):
+                h = node.headers("GET", path, b"")
+                del h["Content-Type"]
+                return {**h, "X-Prime-Swarm": "1", **extra}
+
             async with s.get(base + "/v1/checkpoints/0/manifest") as r:
                 zsize = (await r.json())["shards"][0]["zsize"]
             assert zsize > 150_000  # the first copy takes > 1.5 s under the cap: longer than the window
+            # anonymous swarm requests are served and claim nothing
+            async with s.get(url, headers={"X-Prime-Swarm": "1", "Range": "bytes=0-9"}) as r:
+                assert r.status == 206
+            async with s.get(url, headers=signed(b, Range="bytes=0-9")) as r:
+                assert r.status == 206  # nothing is spreading yet
 
             async def first_copy():
-                async with s.get(url, headers=swarm) as r:
+                async with s.get(url, headers=signed(a)) as r:
                     assert r.status == 200
                     return await r.read(), time.monotonic()
 
             first = asyncio.create_task(first_copy())
             await asyncio.sleep(0.3)
-            async with s.get(url, headers=swarm) as r:  # in flight: spreading
+            async with s.get(url, headers=signed(b)) as r:  # in flight: spreading
                 assert r.status == 429 and (await r.json())["error"] == "seeded"
-            await asyncio.sleep(1.0)  # past the window counted from the start, the copy not yet done
-            if not first.done():
-                async with s.get(url, headers=swarm) as r:
-                    assert r.status == 429
-            async with s.get(url, headers={**swarm, "Range": "bytes=0-9"}) as r:
-                assert r.status == 206  # a resumption is served
+            async with s.get(url, headers=signed(b, Range="bytes=0-9")) as r:  # the same gate for a Range
+                assert r.status == 429
+            async with s.get(url, headers=signed(a, Range="bytes=0-9")) as r:
+                assert r.status == 206  # the claimant's own resumption is served
+            async with s.get(url, headers={"X-Prime-Swarm": "1", "Range": "bytes=0-9"}) as r:
+                assert r.status == 206  # unsigned: served like any HTTP client
             data, done_at = await first
             assert len(data) == zsize
-            async with s.get(url, headers=swarm) as r:
+            c = RawNode(base, s)
+            assert (await c.post("/v1/join", {}))[0] == 200
+            async with s.get(url, headers=signed(c, Range="bytes=0-9")) as r:
                 assert r.status == 429  # within the window after completion
             await asyncio.sleep(max(0.0, done_at + 1.1 - time.monotonic()))
-            async with s.get(url, headers=swarm) as r:
+            async with s.get(url, headers=signed(c)) as r:
                 assert r.status == 200 and len(await r.read()) == zsize  # the window is over
+            # a signature that does not verify is refused, not treated as anonymous
+            bad = signed(b)
+            bad["X-Prime-Signature"] = "00" * 64
+            async with s.get(url, headers=bad) as r:
+                assert r.status == 401
