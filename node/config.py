@@ -32,11 +32,12 @@ class ServerConfig(_Section):
     rate_limit_per_second: float = Field(50.0, gt=0)
     rate_limit_burst: int = Field(200, ge=1)
     log_format: str = Field("plain", pattern="^(plain|json)$")
-    # A client must finish sending its request body within this many seconds (and its headers within
-    # header_timeout_s): a slow sender cannot hold a connection and a handler forever.
+    # A connection is closed when its request headers have not all arrived within header_timeout_s of
+    # the connection (or of the previous answer: an idle keep-alive connection is closed after it too),
+    # and a request is answered 408 when its body has not arrived within body_timeout_s: a slow sender
+    # cannot hold a connection or a handler for long.
     header_timeout_s: float = Field(10.0, gt=0, le=600)
     body_timeout_s: float = Field(60.0, gt=0, le=3600)
-    keepalive_timeout_s: float = Field(30.0, gt=0, le=3600)  # an idle keep-alive connection is closed after this
 
 
 class StorageConfig(_Section):

@@ -162,7 +162,9 @@ async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]
     """Start the coordinator and its HTTP server; returns (runner, bound port)."""
     await coord.start()
     app = build_app(coord)
-    runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=coord.cfg.server.keepalive_timeout_s)
+    # aiohttp's keep-alive timer runs from the connection (and from each answer) until a request's headers
+    # are complete, so it bounds a slow header sender as well as an idle connection.
+    runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=coord.cfg.server.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
