@@ -1,6 +1,7 @@
 """The coordinator's aiohttp application: DESIGN §5 routes, each a thin translation to Coordinator."""
 from __future__ import annotations
 
+import asyncio
 import importlib.resources
 import json
 import time
@@ -20,6 +21,7 @@ from protocol.signing import RequestVerifier
 
 # /v1/status and /metrics are built at most once per this many seconds, however many dashboards poll.
 STATUS_MAX_AGE_S = 1.0
+LARGE_BODY_BYTES = 256 * 1024
 
 
 def _json(model_or_dict, status: int = 200) -> web.Response:
@@ -50,6 +52,8 @@ def build_app(coord) -> web.Application:
 
     async def signed(request: web.Request, model):
         signer, body = await read_signed(request, verifier, limiter)
+        if len(body) > LARGE_BODY_BYTES:  # validating a full submission takes tens of ms: not on the loop
+            return signer, await asyncio.to_thread(parse_body, model, body)
         return signer, parse_body(model, body)
 
     async def join(request):

@@ -214,16 +214,15 @@ class Ledger:
                          "IN (SELECT node_id FROM assignments WHERE state = 'open')", (seen_before_ms,))
         return cur.rowcount
 
-    def heartbeat(self, node_id: str, policy_step: int | None, tokens_per_s: float, state: str) -> None:
-        self._exec(
-            "UPDATE nodes SET last_seen_ms=?, policy_step=COALESCE(?, policy_step), tokens_per_s=?, state=? "
-            "WHERE node_id=?",
-            (now_ms(), policy_step, tokens_per_s, state, node_id),
-        )
-
-    def touch(self, node_id: str, policy_step: int | None = None) -> None:
-        self._exec("UPDATE nodes SET last_seen_ms=?, policy_step=COALESCE(?, policy_step) WHERE node_id=?",
-                   (now_ms(), policy_step, node_id))
+    def record_liveness(self, seen: list[tuple[str, int, int | None, float | None, str | None]]) -> None:
+        """Batched (node id, last seen ms, policy step, tokens/s, state): heartbeats and work requests are
+        kept in memory and written here every few seconds in one transaction (a per-request fsync was
+        half of the event loop's time at 1,000 nodes; bench/load.py). None keeps the stored value."""
+        with self.transaction() as db:
+            db.executemany(
+                "UPDATE nodes SET last_seen_ms=MAX(last_seen_ms, ?), policy_step=COALESCE(?, policy_step), "
+                "tokens_per_s=COALESCE(?, tokens_per_s), state=COALESCE(?, state) WHERE node_id=?",
+                [(t, step, tps, state, node_id) for node_id, t, step, tps, state in seen])
 
     def use_join_token(self, token_hash: str, node_id: str) -> bool:
         """Record that `node_id` joined with this token; False if another key already used it."""
@@ -233,9 +232,11 @@ class Ledger:
         return row[0] == node_id
 
     # -- assignments -----------------------------------------------------------------------------
-    def add_assignment(self, a: dict) -> None:
-        """The assignment, and its prompts leave the re-issue queue (those that came from it)."""
+    def add_assignment(self, a: dict, next_problem_index: int) -> None:
+        """The assignment, its prompts leaving the re-issue queue (those that came from it) and the
+        scheduler's next problem index, in one transaction."""
         with self.transaction() as db:
+            self.put("next_problem_index", next_problem_index, db)
             db.execute(
                 "INSERT INTO assignments(assignment_id, node_id, batch_step, min_policy_step, created_ms, "
                 "deadline_ms, state, prompts) VALUES(?,?,?,?,?,?, 'open', ?)",
@@ -266,9 +267,11 @@ class Ledger:
 
     # -- submissions -----------------------------------------------------------------------------
     def record_submission(self, assignment_id: str, node_id: str, groups: list[dict], rejections: list[dict],
-                          reputation: float, banned: bool, requeue: list[dict]) -> None:
-        """One transaction: the groups (waiting for their verdict), rejections, node counters, the
-        prompts to hand out again, the assignment closed."""
+                          requeue: list[dict], *, reputation_delta: float, reputation_cap: float,
+                          ban_below: float) -> bool:
+        """One transaction: the groups (waiting for their verdict), rejections, node counters and
+        reputation, the prompts to hand out again, the assignment closed. Returns whether the node is
+        now banned."""
         t = now_ms()
         n_acc = sum(len(g["data"]["rollouts"]) for g in groups)
         with self.transaction() as db:
@@ -281,12 +284,14 @@ class Ledger:
                 )
             self._insert_rejections(db, node_id, assignment_id, rejections, t)
             db.execute(
-                "UPDATE nodes SET accepted=accepted+?, rejected=rejected+?, reputation=?, banned=?, "
+                "UPDATE nodes SET accepted=accepted+?, rejected=rejected+?, reputation=MIN(?, reputation+?), "
                 "last_seen_ms=?, submissions=submissions+1 WHERE node_id=?",
-                (n_acc, len(rejections), reputation, int(banned), t, node_id),
+                (n_acc, len(rejections), reputation_cap, reputation_delta, t, node_id),
             )
+            db.execute("UPDATE nodes SET banned=1 WHERE node_id=? AND reputation < ?", (node_id, ban_below))
             db.execute("UPDATE assignments SET state='submitted' WHERE assignment_id=?", (assignment_id,))
             self._requeue(db, requeue)
+            return bool(db.execute("SELECT banned FROM nodes WHERE node_id=?", (node_id,)).fetchone()[0])
 
     @staticmethod
     def _insert_rejections(db: sqlite3.Connection, node_id: str, assignment_id: str | None,
@@ -301,13 +306,25 @@ class Ledger:
         self._exec("INSERT INTO rejections(at_ms, node_id, assignment_id, reason) VALUES(?,?,?,?)",
                    (now_ms(), node_id, assignment_id, reason))
 
+    _WAITING = "consumed_step IS NULL AND dropped IS NULL AND verdict IN ('verified', 'unchecked')"
+
     def waiting_groups(self) -> list[dict]:
         """Groups the trainer may use: decided (verified, or passed over), not yet trained or dropped."""
-        rows = self._exec(
-            "SELECT * FROM groups WHERE consumed_step IS NULL AND dropped IS NULL "
-            "AND verdict IN ('verified', 'unchecked') ORDER BY group_id"
-        ).fetchall()
+        rows = self._exec(f"SELECT * FROM groups WHERE {self._WAITING} ORDER BY group_id").fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    def waiting_group_ids(self) -> list[int]:
+        return [r[0] for r in self._exec(f"SELECT group_id FROM groups WHERE {self._WAITING} ORDER BY group_id")]
+
+    def groups(self, group_ids: list[int]) -> list[dict]:
+        """These groups, in id order."""
+        out = []
+        for start in range(0, len(group_ids), 500):  # SQLite's bound-parameter limit
+            chunk = group_ids[start:start + 500]
+            rows = self._exec(f"SELECT * FROM groups WHERE group_id IN ({','.join('?' * len(chunk))}) "
+                              "ORDER BY group_id", chunk).fetchall()
+            out += [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+        return sorted(out, key=lambda g: g["group_id"])
 
     # -- verdicts --------------------------------------------------------------------------------
     def undecided_submissions(self) -> list[str]:

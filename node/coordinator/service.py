@@ -28,6 +28,7 @@ from protocol.identity import Identity
 
 log = logging.getLogger("prime_node.coordinator")
 
+LIVENESS_FLUSH_MS = 2_000  # heartbeats and work requests reach the ledger in one transaction this often
 IDLE_KEY_FORGET_MS = 3_600_000  # a key that joined and never submitted anything is dropped after an hour
 SMALL_MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "generation_config.json")
@@ -56,6 +57,7 @@ class Coordinator:
         self.p2p = None
         self.started_ms = now_ms()
         self._status: tuple[float, dict] | None = None
+        self._liveness: dict[str, tuple] = {}  # node id -> (node id, last seen ms, step, tokens/s, state)
         self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds)
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -114,6 +116,7 @@ class Coordinator:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.training is not None:
             await asyncio.to_thread(self.training.stop)
+        self._flush_liveness()
         if self.p2p is not None:
             await self.p2p.stop()
         if hasattr(self, "verdicts"):
@@ -121,10 +124,13 @@ class Coordinator:
         self.ledger.close()
 
     async def _expire_loop(self) -> None:
-        last_forget = 0.0
+        last_forget, last_flush = 0.0, 0.0
         while True:
             await asyncio.sleep(0.5)
             t = now_ms()
+            if t - last_flush >= LIVENESS_FLUSH_MS:
+                last_flush = t
+                self._flush_liveness()
             vc = self.cfg.verification
             if t - last_forget > 60_000:
                 last_forget = t
@@ -244,9 +250,28 @@ class Coordinator:
     def p2p_bootstrap(self) -> list[str]:
         return list(self.p2p.announce_addrs) if self.p2p is not None else []
 
+    def _seen(self, node_id: str, policy_step: int | None = None, tokens_per_s: float | None = None,
+              state: str | None = None) -> None:
+        """Liveness, kept in memory and written to the ledger in batches (_flush_liveness)."""
+        old = self._liveness.get(node_id)
+        if old is not None:
+            policy_step = policy_step if policy_step is not None else old[2]
+            tokens_per_s = tokens_per_s if tokens_per_s is not None else old[3]
+            state = state or old[4]
+        self._liveness[node_id] = (node_id, now_ms(), policy_step, tokens_per_s, state)
+
+    def _flush_liveness(self) -> None:
+        seen, self._liveness = list(self._liveness.values()), {}
+        if seen:
+            self.ledger.record_liveness(seen)
+
+    def _claimed_step(self, node: dict) -> int | None:
+        live = self._liveness.get(node["node_id"])
+        return live[2] if live is not None and live[2] is not None else node["policy_step"]
+
     def heartbeat(self, node_id: str, req: M.HeartbeatRequest) -> M.HeartbeatResponse:
         self._known_node(node_id)
-        self.ledger.heartbeat(node_id, req.policy_step, req.tokens_per_second, req.state)
+        self._seen(node_id, req.policy_step, req.tokens_per_second, req.state)
         self.node_bytes[node_id] = dict(req.bytes_by_source)
         return M.HeartbeatResponse(current_step=self.published_step)
 
@@ -255,8 +280,9 @@ class Coordinator:
         m = req.policy_step
         if m > self.published_step:
             raise ApiError(400, "malformed", f"policy step {m} has not been published (newest {self.published_step})")
-        if node["policy_step"] is not None and m < node["policy_step"]:  # a node never goes back in time
-            raise ApiError(400, "malformed", f"policy step {m} is older than step {node['policy_step']}, which this "
+        claimed = self._claimed_step(node)
+        if claimed is not None and m < claimed:  # a node never goes back in time
+            raise ApiError(400, "malformed", f"policy step {m} is older than step {claimed}, which this "
                                              f"node already reported holding")
         cap = self.cfg.run.max_assignments_per_node
         if self.ledger.open_assignments_of(node_id) >= cap:
@@ -264,7 +290,7 @@ class Coordinator:
                                                         f"submit one first")
         if m > self.scheduler.published_step:
             return None  # published a moment ago; the scheduler hears of it on its next loop turn
-        self.ledger.touch(node_id, m)
+        self._seen(node_id, m)
         aid = assignment_id()
         try:
             picked = self.scheduler.assign(m, aid)
@@ -280,8 +306,7 @@ class Coordinator:
             "assignment_id": aid, "node_id": node_id, "batch_step": batch,
             "min_policy_step": min_policy_for_batch(batch, self.k), "created_ms": now_ms(),
             "deadline_ms": deadline, "prompts": [s.to_json() for s in slots],
-        })
-        self.ledger.put("next_problem_index", self.scheduler.next_problem_index)
+        }, self.scheduler.next_problem_index)
         self.metrics.assignments_issued.inc()
         s = self.cfg.sampling
         return M.Assignment(
@@ -311,6 +336,11 @@ class Coordinator:
         if m > self.published_step or m < oldest_usable:
             self.ledger.record_rejection(node_id, "stale_policy", aid)
             self.metrics.rejected.labels("stale_policy").inc(len(req.rollouts))
+            # its prompts go back in the queue now (the node cannot use the assignment any more, and an
+            # open one would count against its cap until the deadline); stale work is no offence
+            again = self.scheduler.expire(aid)
+            self.ledger.expire_assignment(aid, node_id, [x.to_json() for x in again], 0.0,
+                                          self.cfg.verification.ban_below)
             raise ApiError(409, "stale_policy",
                            f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
         self._submitting.add(aid)
