@@ -115,7 +115,25 @@ def decode_announcement(data: bytes, *, run_id: str, coordinator_key: str | None
 
     `origin_node_id`: the node id bound to the gossip message's (libp2p-signed) originator, or None
     if it has none. `coordinator_key`: hex key trusted for manifest announcements (None: trust none).
+    The same as `verify_announcement(precheck_announcement(...))`.
     """
+    return verify_announcement(precheck_announcement(data, run_id=run_id, coordinator_key=coordinator_key,
+                                                     origin_node_id=origin_node_id, max_age_s=max_age_s,
+                                                     now_ms=now_ms))
+
+
+@dataclass(frozen=True)
+class CheckedAnnouncement:
+    """An announcement that passed every check but its signature (never enough to accept it)."""
+
+    announcement: ManifestAnnouncement | HaveAnnouncement
+    document: dict
+
+
+def precheck_announcement(data: bytes, *, run_id: str, coordinator_key: str | None, origin_node_id: str | None,
+                          max_age_s: float, now_ms: int | None = None) -> CheckedAnnouncement:
+    """Every check that costs no cryptography, cheapest first: size, JSON, schema, run, key binding,
+    timestamp. Raises AnnouncementRejected. The service runs it before libp2p's signature check."""
     if len(data) > MAX_ANNOUNCEMENT_BYTES:
         raise AnnouncementRejected("too_large", f"announcement is {len(data)} bytes (limit {MAX_ANNOUNCEMENT_BYTES})")
     try:
@@ -137,13 +155,19 @@ def decode_announcement(data: bytes, *, run_id: str, coordinator_key: str | None
             raise AnnouncementRejected("wrong_key", "manifest announcement is not signed by the coordinator")
     elif origin_node_id is None or ann.signer != origin_node_id.lower():
         raise AnnouncementRejected("wrong_key", "have announcement is signed by a key other than its sender's")
-    try:
-        verify_document(raw, {ann.signer})
-    except SignatureError as e:
-        raise AnnouncementRejected("bad_signature", f"announcement signature is invalid: {e.detail}") from None
     now = _now_ms() if now_ms is None else now_ms
     if abs(now - ann.ts_ms) > max_age_s * 1000:
         raise AnnouncementRejected("stale", f"announcement timestamp is {abs(now - ann.ts_ms) / 1000:.0f} s off")
+    return CheckedAnnouncement(ann, raw)
+
+
+def verify_announcement(checked: CheckedAnnouncement) -> ManifestAnnouncement | HaveAnnouncement:
+    """The Ed25519 check of the document signature (the expensive part); raises AnnouncementRejected."""
+    ann = checked.announcement
+    try:
+        verify_document(checked.document, {ann.signer})
+    except SignatureError as e:
+        raise AnnouncementRejected("bad_signature", f"announcement signature is invalid: {e.detail}") from None
     return ann
 
 

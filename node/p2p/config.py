@@ -20,8 +20,15 @@ class P2PConfig(BaseModel):
     # Public multiaddrs put in this node's announcements (e.g. "/ip4/203.0.113.7/tcp/4001") when
     # the listen address is not what peers can dial (port forwarding, 0.0.0.0). Empty = listen addrs.
     announce_addrs: list[str] = Field(default_factory=list, max_length=8)
-    # Shard streams served at once; further requests are answered "busy" instead of queueing.
+    # Shard transfers served at once; further requests are answered "busy" instead of queueing.
+    # A slot is taken only once a well-formed request has arrived.
     max_concurrent_streams: int = Field(8, ge=1, le=1024)
+    # Shard streams one peer may have open at once (waiting for its request or being served);
+    # more get "busy" at once, so a single peer cannot hold every slot. 4 = the worker fetcher's
+    # parallel downloads, so an honest worker is never refused by this limit alone.
+    max_streams_per_peer: int = Field(4, ge=1, le=1024)
+    # Seconds a shard request (≤ 1 KiB, sent with the stream) may take to arrive.
+    request_timeout_s: float = Field(2.0, gt=0, le=60)
     # Total bytes/s this node uploads to peers (0 = unlimited).
     upload_limit: int = Field(0, ge=0)
     # Largest compressed shard served or accepted (DESIGN §6 shards are 32 MiB raw by default).
@@ -29,7 +36,8 @@ class P2PConfig(BaseModel):
     # Seconds a single read may stall before the transfer is abandoned (not the whole transfer).
     read_timeout_s: float = Field(10.0, gt=0, le=600)
     connect_timeout_s: float = Field(10.0, gt=0, le=600)
-    # Gossip messages/s accepted from one forwarding peer (a hub relays everyone's announcements).
+    # Gossip messages/s accepted from one forwarding peer (a hub relays everyone's announcements);
+    # checked before any signature, excess is dropped and counted.
     gossip_rate_limit: int = Field(100, ge=10, le=10_000)
     # Announcements older than this (or this far in the future) are dropped as replays.
     announce_max_age_s: float = Field(600.0, gt=0)

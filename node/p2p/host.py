@@ -52,6 +52,7 @@ MIB = 1024 * 1024
 # beyond its per-forwarder limit (10/s in stock py-libp2p, which we apply to ourselves as well):
 # pacing here turns a would-be silent loss into a short wait.
 PUBLISH_PER_SECOND = 8
+SUBSCRIBER_LOG_INTERVAL_S = 60.0  # "subscriber is behind" is logged at most this often per subscription
 
 
 class AnnouncementSubscription:
@@ -65,12 +66,20 @@ class AnnouncementSubscription:
         self._queue: asyncio.Queue = asyncio.Queue(maxsize)
         self.dropped = 0
         self.closed = False
+        self._logged_at: float | None = None
+        self._logged_dropped = 0
 
     def _offer(self, event: AnnouncementEvent) -> None:
         try:
             self._queue.put_nowait(event)
         except asyncio.QueueFull:
             self.dropped += 1
+            self._node.stats.count_undelivered()
+            now = time.monotonic()
+            if self._logged_at is None or now - self._logged_at >= SUBSCRIBER_LOG_INTERVAL_S:
+                log.warning("p2p: announcement subscriber is behind; %d dropped (%d since the last report)",
+                            self.dropped, self.dropped - self._logged_dropped)
+                self._logged_at, self._logged_dropped = now, self.dropped
 
     def _end(self) -> None:
         self.closed = True
@@ -108,7 +117,8 @@ class P2PNode:
                  upload_limit: int = 0, max_concurrent_streams: int = 8, max_shard_bytes: int = 64 * MIB,
                  read_timeout_s: float = 10.0, connect_timeout_s: float = 10.0, announce_max_age_s: float = 600.0,
                  heartbeat_interval_s: int = 1, gossip_rate_limit: int = 100, bootstrap: Sequence[str] = (),
-                 announce_addrs: Sequence[str] | None = None, name: str | None = None):
+                 announce_addrs: Sequence[str] | None = None, name: str | None = None,
+                 max_streams_per_peer: int = 4, request_timeout_s: float = 2.0, log_interval_s: float = 60.0):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -133,6 +143,11 @@ class P2PNode:
         self.announce_max_age_s = announce_max_age_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.gossip_rate_limit = gossip_rate_limit
+        if max_streams_per_peer < 1 or request_timeout_s <= 0 or log_interval_s <= 0:
+            raise ValueError("max_streams_per_peer must be ≥ 1, request_timeout_s and log_interval_s > 0")
+        self.max_streams_per_peer = max_streams_per_peer
+        self.request_timeout_s = request_timeout_s
+        self.log_interval_s = log_interval_s
         self.stats = P2PStats()
         self.table = PeerTable()
         self._bridge = TrioBridge(name or identity.node_id[:8])
@@ -158,7 +173,8 @@ class P2PNode:
                    upload_limit=cfg.upload_limit, max_concurrent_streams=cfg.max_concurrent_streams,
                    max_shard_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
                    connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s,
-                   gossip_rate_limit=cfg.gossip_rate_limit, **kw)
+                   gossip_rate_limit=cfg.gossip_rate_limit, max_streams_per_peer=cfg.max_streams_per_peer,
+                   request_timeout_s=cfg.request_timeout_s, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -186,7 +202,9 @@ class P2PNode:
             max_concurrent_streams=self.max_concurrent_streams, upload_limit=self.upload_limit,
             max_shard_bytes=self.max_shard_bytes, read_timeout_s=self.read_timeout_s,
             connect_timeout_s=self.connect_timeout_s, announce_max_age_s=self.announce_max_age_s,
-            heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit)
+            heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit,
+            request_timeout_s=self.request_timeout_s, max_streams_per_peer=self.max_streams_per_peer,
+            log_interval_s=self.log_interval_s)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
@@ -315,8 +333,6 @@ class P2PNode:
             self.table.record_have(event.peer_id, ann)
         for sub in list(self._subscriptions):
             sub._offer(event)
-            if sub.dropped and sub.dropped % 100 == 1:
-                log.warning("p2p: announcement subscriber is behind; %d dropped", sub.dropped)
         for cb in list(self._listeners):
             try:
                 cb(event)

@@ -1,11 +1,17 @@
-"""Upload rate limit shared by every shard stream a node serves (a stand-in for a thin uplink).
+"""Rate limits: the upload limit shared by every shard stream a node serves (a stand-in for a thin
+uplink), and the per-forwarding-peer gossip limit checked before any signature.
 
 A token bucket that may go into debt: a sender takes what it needs and then sleeps until the
 bucket is back at zero. Concurrent senders therefore share the rate, and a chunk larger than the
-burst still passes (just later). The arithmetic is separate from the clock so it can be tested
-without sleeping.
+burst still passes (just later). The gossip limit uses one bucket per peer the other way
+(`try_take`: take only if there is enough, else refuse; nothing owed). The arithmetic is
+separate from the clock so it can be tested without sleeping.
 """
 from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Callable, Hashable
 
 
 class TokenBucket:
@@ -25,6 +31,42 @@ class TokenBucket:
         self._tokens = min(self.burst, self._tokens + elapsed * self.rate)
         self._tokens -= n
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+    def try_take(self, n: float, now: float) -> bool:
+        """Take `n` tokens at time `now` if the bucket holds them; never goes into debt."""
+        elapsed = max(0.0, now - self._last)
+        self._last = max(self._last, now)
+        self._tokens = min(self.burst, self._tokens + elapsed * self.rate)
+        if self._tokens < n:
+            return False
+        self._tokens -= n
+        return True
+
+
+class KeyedRateLimit:
+    """A token bucket per key (a forwarding peer), taken from with `try_take` (never in debt):
+    `allow(key)` is O(1), and at most `max_keys` buckets are kept (the least recently used is
+    forgotten: it comes back full, which only favours a peer that was quiet while `max_keys`
+    others spoke)."""
+
+    def __init__(self, rate: float, burst: float, *, max_keys: int = 1024,
+                 clock: Callable[[], float] = time.monotonic):
+        TokenBucket(rate, burst)  # validate now
+        self.rate, self.burst = float(rate), float(burst)
+        self.max_keys = max_keys
+        self.clock = clock
+        self._buckets: OrderedDict[Hashable, TokenBucket] = OrderedDict()
+
+    def allow(self, key: Hashable) -> bool:
+        now = self.clock()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst, now=now)
+            while len(self._buckets) > self.max_keys:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
+        return bucket.try_take(1, now)
 
 
 class TrioRateLimiter:

@@ -5,6 +5,13 @@ peer could pick the plaintext one. Gossipsub carries announcements on one per-ru
 libp2p's strict message signing on (so a message's originator is proven) and our validator on
 top (so its content is signed by the right key). The shard protocol is served by ShardServer.
 
+Inbound gossip is checked cheapest first (`GuardedPubsub.push_msg`, before libp2p's own checks):
+duplicate? → per-forwarding-peer rate limit → topic and size → JSON, schema, run, key binding,
+timestamp → only then the two Ed25519 verifications (libp2p's message signature, then our
+document signature in `_validate`). A flood of junk or of excess messages therefore costs no
+signature check. Every drop is counted in P2PStats (by reason and by forwarding peer) and logged
+through a PeerEventLog: at most one line per peer per minute, never one per message.
+
 Structure (all inside `run`, which the bridge starts in its root nursery):
     host.run(listen) → pubsub service → gossipsub service → nursery{announcement pump}
 `run` returns when the bridge sets the stop event; leaving the `async with` blocks closes the
@@ -34,9 +41,11 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.identity import Identity
 
-from .announce import AnnouncementEvent, decode_announcement, topic_for_run
+from .announce import AnnouncementEvent, CheckedAnnouncement, precheck_announcement, topic_for_run, verify_announcement
 from .errors import AnnouncementRejected, InvalidMultiaddr, P2PError, PeerUnavailable
 from .keys import libp2p_key_pair, node_id_for_peer
+from .peer_log import PeerEventLog
+from .rate_limit import KeyedRateLimit
 from .shard_client import fetch_shard
 from .shard_server import ShardServer
 from .shard_store import ShardStore
@@ -47,7 +56,16 @@ log = logging.getLogger(__name__)
 
 MAX_MULTIADDR_CHARS = 512
 _VALIDATED_CACHE = 1024  # decoded announcements waiting for the pump (it drains them at once)
-_LOUD_DROPS = 20  # per reason, then quieter: a spamming peer must not flood the log
+_REJECTED_CACHE = 1024  # ids of messages our validator refused (counted there, not again)
+LOG_FLUSH_S = 5.0  # how often due per-peer summary lines are written
+# Our per-forwarder gossip limit: gossip_rate_limit messages/s sustained, bursts up to this many
+# seconds' worth (a relay's traffic is bursty: our own 8/s pacing sends 8 at once, and the network
+# can bunch two seconds' worth together).
+GOSSIP_BURST_S = 2.0
+# gossipsub's own per-forwarder check (n per sliding second, after validation; it drops silently
+# and logs a WARNING per message) is set this many times above ours, so it never fires for what
+# we admitted (at most burst + 1 s of rate = 3x in any second): ours is the limit.
+GOSSIPSUB_LIMIT_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -62,9 +80,22 @@ class ServiceSettings:
     connect_timeout_s: float
     announce_max_age_s: float
     heartbeat_interval_s: int = 1
-    # Messages/s gossipsub accepts from one forwarding peer on our topic (py-libp2p's default is
-    # 10, which a hub relaying many workers' announcements exceeds; excess is dropped silently).
+    # Messages/s accepted from one forwarding peer on our topic, checked before any signature
+    # (py-libp2p's own limit, default 10/s, only stops relaying and only after validation).
     gossip_rate_limit: int = 100
+    # A shard request must arrive this soon after its stream opens (it is ≤ 1 KiB).
+    request_timeout_s: float = 2.0
+    # Shard streams one peer may have open at once (waiting for its request or being served).
+    max_streams_per_peer: int = 4
+    # At most one log line per peer per this many seconds about what it made us drop or refuse.
+    log_interval_s: float = 60.0
+
+
+def _peer_name(peer_id_bytes: bytes) -> str:
+    try:
+        return ID(peer_id_bytes).to_base58()
+    except Exception:
+        return "an unreadable peer id"
 
 
 def parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
@@ -76,6 +107,30 @@ def parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
         raise InvalidMultiaddr(f"{addr[:80]!r} is not a valid multiaddr: {e}") from None
 
 
+class GuardedPubsub(Pubsub):
+    """Pubsub whose inbound messages pass our cheap checks before libp2p's (signature first) and
+    whose silent drops are counted. Own publishes (forwarder = this host) take the stock path."""
+
+    def __init__(self, *args: Any, guard: "P2PService", **kw: Any):
+        super().__init__(*args, **kw)
+        self._guard = guard
+
+    async def push_msg(self, msg_forwarder: ID, msg: Any) -> None:
+        if msg_forwarder == self.my_id:
+            await super().push_msg(msg_forwarder, msg)
+            return
+        if self._is_msg_seen(msg):  # a duplicate through another mesh peer: the normal case, free
+            return
+        if not self._guard.precheck(msg_forwarder, msg):
+            return
+        try:
+            await super().push_msg(msg_forwarder, msg)
+        except BaseException:  # cancelled (shutdown): forget it, count nothing
+            self._guard.settled(msg_forwarder, msg, accepted=None)
+            raise
+        self._guard.settled(msg_forwarder, msg, accepted=self._is_msg_seen(msg))
+
+
 class P2PService:
     def __init__(self, identity: Identity, settings: ServiceSettings, store: ShardStore | None, stats: P2PStats,
                  on_announcement: Callable[[AnnouncementEvent], None]):
@@ -85,9 +140,16 @@ class P2PService:
         self.topic = topic_for_run(settings.run_id)
         self._on_announcement = on_announcement
         self._validated: OrderedDict[tuple[bytes, bytes], Any] = OrderedDict()
+        self._rejected: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
+        # Pre-checked, waiting for the signature checks (popped within the same push_msg call).
+        self._prechecked: OrderedDict[tuple[bytes, bytes], CheckedAnnouncement] = OrderedDict()
+        self.gossip_limit = KeyedRateLimit(settings.gossip_rate_limit, settings.gossip_rate_limit * GOSSIP_BURST_S)
+        self.drop_log = PeerEventLog(log, "announcements dropped", interval_s=settings.log_interval_s)
         self.server = ShardServer(store, stats=stats, max_concurrent=settings.max_concurrent_streams,
                                   max_bytes=settings.max_shard_bytes, read_timeout_s=settings.read_timeout_s,
-                                  upload_limit=settings.upload_limit)
+                                  upload_limit=settings.upload_limit, request_timeout_s=settings.request_timeout_s,
+                                  max_streams_per_peer=settings.max_streams_per_peer,
+                                  log_interval_s=settings.log_interval_s)
         self.host: Any = None
         self.pubsub: Pubsub | None = None
         self.gossipsub: GossipSub | None = None
@@ -108,9 +170,10 @@ class P2PService:
         self.gossipsub = GossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
             heartbeat_interval=self.settings.heartbeat_interval_s,
-            max_messages_per_topic_per_second=float(self.settings.gossip_rate_limit),
+            max_messages_per_topic_per_second=float(self.settings.gossip_rate_limit * GOSSIPSUB_LIMIT_FACTOR),
         )
-        self.pubsub = Pubsub(self.host, self.gossipsub, strict_signing=True, allowed_topics={self.topic})
+        self.pubsub = GuardedPubsub(self.host, self.gossipsub, strict_signing=True, allowed_topics={self.topic},
+                                    guard=self)
         self.host.set_stream_handler(TProtocol(PROTOCOL_ID), self.server.handle)
         try:
             async with self.host.run(listen):
@@ -126,6 +189,7 @@ class P2PService:
                     subscription = await self.pubsub.subscribe(self.topic)
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._pump, subscription)
+                        nursery.start_soon(self._flush_logs)
                         task_status.started(self.listen_addrs())
                         await stop.wait()
                         nursery.cancel_scope.cancel()
@@ -190,27 +254,80 @@ class P2PService:
                                  open_timeout_s=self.settings.connect_timeout_s, timeout_s=timeout_s)
 
     # --- announcements -------------------------------------------------------------------------
+    def precheck(self, forwarder: ID, msg: Any) -> bool:
+        """Everything that costs no signature check, before libp2p's: rate, topic, size, content."""
+        if not self.gossip_limit.allow(forwarder):
+            self._drop(forwarder, msg, "rate_limited", f"over {self.settings.gossip_rate_limit} messages/s")
+            return False
+        if len(msg.topicIDs) != 1 or msg.topicIDs[0] != self.topic:
+            self._drop(forwarder, msg, "wrong_topic", f"topics {list(msg.topicIDs)[:4]!r}"[:200], penalize=True)
+            return False
+        try:
+            checked = self._precheck_content(msg)
+        except AnnouncementRejected as e:
+            self._drop(forwarder, msg, e.reason, str(e), penalize=True)
+            return False
+        self._prechecked[(bytes(msg.from_id), bytes(msg.seqno))] = checked
+        while len(self._prechecked) > _VALIDATED_CACHE:
+            self._prechecked.popitem(last=False)
+        return True
+
     def _validate(self, forwarder: ID, msg: Any) -> bool:
         """Gossipsub topic validator (sync). Invalid messages are neither delivered nor relayed."""
-        origin = ID(msg.from_id)
-        try:
-            try:
-                origin_node: str | None = node_id_for_peer(origin)
-            except P2PError:
-                origin_node = None
-            ann = decode_announcement(msg.data, run_id=self.settings.run_id,
-                                      coordinator_key=self.settings.coordinator_key, origin_node_id=origin_node,
-                                      max_age_s=self.settings.announce_max_age_s)
-        except AnnouncementRejected as e:
-            self.stats.count_dropped(e.reason)
-            level = logging.INFO if self.stats.dropped().get(e.reason, 0) <= _LOUD_DROPS else logging.DEBUG
-            log.log(level, "dropped announcement from %s (via %s): %s: %s", origin, forwarder, e.reason, e)
-            return False
         key = (bytes(msg.from_id), bytes(msg.seqno))
+        try:
+            checked = self._prechecked.pop(key, None)
+            if checked is None:  # our own publish, or pre-checked long ago
+                checked = self._precheck_content(msg)
+            ann = verify_announcement(checked)
+        except AnnouncementRejected as e:
+            self._drop(forwarder, msg, e.reason, str(e))
+            self._rejected[key] = None
+            while len(self._rejected) > _REJECTED_CACHE:
+                self._rejected.popitem(last=False)
+            return False
         self._validated[key] = ann
         while len(self._validated) > _VALIDATED_CACHE:
             self._validated.popitem(last=False)
         return True
+
+    def settled(self, forwarder: ID, msg: Any, *, accepted: bool | None) -> None:
+        """After pubsub handled a pre-checked message: if it was refused and our validator did not
+        say so (libp2p's message signature check, its peer score, a cached verdict), count it.
+        `accepted=None`: handling was interrupted; only forget it."""
+        key = (bytes(msg.from_id), bytes(msg.seqno))
+        self._prechecked.pop(key, None)
+        if key in self._rejected:
+            del self._rejected[key]
+        elif accepted is False:
+            self._drop(forwarder, msg, "libp2p_rejected", "gossip message signature, peer score or an earlier verdict")
+
+    def _precheck_content(self, msg: Any) -> CheckedAnnouncement:
+        try:
+            origin_node: str | None = node_id_for_peer(ID(msg.from_id))
+        except (P2PError, ValueError, TypeError):
+            origin_node = None
+        st = self.settings
+        return precheck_announcement(msg.data, run_id=st.run_id, coordinator_key=st.coordinator_key,
+                                     origin_node_id=origin_node, max_age_s=st.announce_max_age_s)
+
+    def _drop(self, forwarder: ID, msg: Any, reason: str, detail: str, *, penalize: bool = False) -> None:
+        peer = forwarder.to_base58()  # cached on the connection's ID object
+        self.stats.count_dropped(reason, peer)
+        origin = bytes(msg.from_id)
+        if origin != forwarder.to_bytes():  # named only if a line is written (base58 is slow)
+            self.drop_log.note(peer, reason, lambda: f"{detail} (originated by {_peer_name(origin)})")
+        else:
+            self.drop_log.note(peer, reason, detail)
+        scorer = getattr(self.gossipsub, "scorer", None) if penalize else None
+        if scorer is not None:  # what pubsub does for a message its validators refuse
+            scorer.on_invalid_message(forwarder, self.topic)
+
+    async def _flush_logs(self) -> None:
+        while True:
+            await trio.sleep(LOG_FLUSH_S)
+            self.drop_log.flush()
+            self.server.refusal_log.flush()
 
     async def _pump(self, subscription: Any) -> None:
         """Hand validated announcements from other nodes to the asyncio side."""

@@ -1,10 +1,17 @@
 """Serve `/prime-node/shard/1.0.0` streams (trio side).
 
-One request per stream. Bounded everywhere: the request is ≤ 1 KiB and must arrive within
-`read_timeout_s`; at most `max_concurrent` transfers run at once (others get BUSY at once rather
-than queueing, so a client can try another peer); a shard above `max_bytes` (ours or the
-client's) is refused; each write must make progress within `read_timeout_s` (a reader that stops
-reading cannot pin a slot forever); the optional rate limiter is shared by all streams.
+One request per stream. Bounded everywhere:
+- one peer may have at most `max_streams_per_peer` shard streams open (waiting for a request or
+  being served); further ones get BUSY at once;
+- the request is ≤ 1 KiB and must arrive within `request_timeout_s` (short: an honest client
+  sends it with the stream) — and it takes no transfer slot while we wait for it, so streams that
+  never say anything cannot starve honest clients;
+- at most `max_concurrent` transfers run at once, a slot being taken only for a well-formed
+  request (others get BUSY at once rather than queueing, so a client can try another peer);
+- a shard above `max_bytes` (ours or the client's) is refused; each write must make progress
+  within `read_timeout_s` (a reader that stops reading cannot pin a slot forever); the optional
+  rate limiter is shared by all streams.
+Refusals and cut streams are counted in P2PStats and logged at most once per peer per minute.
 
 py-libp2p swallows exceptions raised by stream handlers, so this handler catches and logs its own.
 """
@@ -16,6 +23,7 @@ from typing import Any
 import trio
 from libp2p.network.stream.exceptions import StreamError
 
+from .peer_log import PeerEventLog
 from .rate_limit import TrioRateLimiter
 from .shard_store import ShardStore
 from .shard_wire import (
@@ -36,14 +44,22 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 64 * 1024  # one yamux frame
 
 
+class NoRequest(Exception):
+    """The client opened a stream but sent no complete request within `request_timeout_s`."""
+
+
 class ShardServer:
     def __init__(self, store: ShardStore | None, *, stats: P2PStats, max_concurrent: int, max_bytes: int,
-                 read_timeout_s: float, upload_limit: int = 0):
+                 read_timeout_s: float, upload_limit: int = 0, request_timeout_s: float = 2.0,
+                 max_streams_per_peer: int = 4, log_interval_s: float = 60.0):
         self.store = store
         self.stats = stats
         self.max_concurrent = max_concurrent
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
+        self.request_timeout_s = min(request_timeout_s, read_timeout_s)
+        self.max_streams_per_peer = max_streams_per_peer
+        self.refusal_log = PeerEventLog(log, "shard streams refused or cut", interval_s=log_interval_s)
         self.limiter = None
         self.chunk_bytes = CHUNK_BYTES
         if upload_limit > 0:
@@ -51,38 +67,75 @@ class ShardServer:
             # often, so a reader that went away is noticed at the next write, not many seconds later.
             self.chunk_bytes = int(min(CHUNK_BYTES, max(1024, upload_limit // 20)))
             self.limiter = TrioRateLimiter(upload_limit, burst=max(self.chunk_bytes, upload_limit * 0.05))
-        self.active = 0
+        self.active = 0  # transfers running (a well-formed request holds a slot)
+        self.streams_by_peer: dict[str, int] = {}  # open shard streams per peer, any stage
 
     async def handle(self, stream: Any) -> None:
         peer = stream_peer(stream)
+        open_now = self.streams_by_peer.get(peer, 0)
+        if open_now >= self.max_streams_per_peer:
+            await self._refuse_quietly(stream, peer, "busy_peer",
+                                       f"{open_now} shard streams from your peer id are open already")
+            return
+        self.streams_by_peer[peer] = open_now + 1
         try:
             await self._serve(stream, peer)
-        except (StreamClosedEarly, StreamError, trio.TooSlowError) as e:  # the client left or stalled
-            log.info("shard stream from %s ended early: %r", peer, e)
+        except NoRequest as e:
+            self._aborted(peer, "request_timeout", e)
+            await _reset(stream)
+        except trio.TooSlowError as e:  # the client stopped reading
+            self._aborted(peer, "stalled", e)
+            await _reset(stream)
+        except (StreamClosedEarly, StreamError) as e:  # the client left
+            self._aborted(peer, "peer_gone", e)
             await _reset(stream)
         except Exception as e:  # never let libp2p swallow it silently
             log.warning("shard stream from %s failed: %r", peer, e)
             await _reset(stream)
+        finally:
+            left = self.streams_by_peer[peer] - 1
+            if left:
+                self.streams_by_peer[peer] = left
+            else:
+                del self.streams_by_peer[peer]
 
     async def _serve(self, stream: Any, peer: str) -> None:
+        try:
+            with trio.move_on_after(self.request_timeout_s) as waited:
+                n = parse_request_length(await read_exactly(stream, REQUEST_PREFIX.size))
+                req = decode_request(await read_exactly(stream, n))
+            if waited.cancelled_caught:
+                raise NoRequest(f"no request within {self.request_timeout_s:g} s")
+        except BadRequest as e:
+            self.stats.count_refused("bad_request")
+            await self._refuse(stream, Status.BAD_REQUEST, str(e))
+            return
         if self.active >= self.max_concurrent:
             self.stats.count_refused("busy")
             await self._refuse(stream, Status.BUSY, f"serving {self.active} shards already; try another peer")
             return
         self.active += 1
         try:
-            try:
-                with trio.fail_after(self.read_timeout_s):
-                    n = parse_request_length(await read_exactly(stream, REQUEST_PREFIX.size))
-                    req = decode_request(await read_exactly(stream, n))
-            except BadRequest as e:
-                self.stats.count_refused("bad_request")
-                await self._refuse(stream, Status.BAD_REQUEST, str(e))
-                return
             await self._send_shard(stream, peer, req.step, req.index, req.manifest_hash,
                                    min(req.max_bytes, self.max_bytes))
         finally:
             self.active -= 1
+
+    def _aborted(self, peer: str, reason: str, e: BaseException) -> None:
+        self.stats.count_aborted(reason)
+        self.refusal_log.note(peer, reason, repr(e)[:200])
+
+    async def _refuse_quietly(self, stream: Any, peer: str, counted_as: str, reason: str) -> None:
+        """BUSY for a stream over a peer's limit: counted, logged at most once a minute per peer,
+        and bounded by the short request deadline (a peer that does not read gets a reset)."""
+        self.stats.count_refused(counted_as)
+        self.refusal_log.note(peer, counted_as, reason)
+        try:
+            with trio.fail_after(self.request_timeout_s):
+                await stream.write(encode_error(Status.BUSY, reason))
+                await stream.close()
+        except Exception:  # it left or does not read: nothing more to tell it
+            await _reset(stream)
 
     async def _send_shard(self, stream: Any, peer: str, step: int, index: int, manifest_hash: str | None,
                           limit: int) -> None:

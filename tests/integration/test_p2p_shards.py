@@ -63,7 +63,9 @@ def node(**kw) -> P2PNode:
 async def test_many_shards_in_parallel_byte_exact_with_manifest_check(tmp_path):
     manifest, shards = write_checkpoint(tmp_path, 3, n_shards=24, raw_size=256 * KIB)  # ~5 MiB compressed
     h = manifest_hash(manifest)
-    async with running(node(shard_root=tmp_path, max_concurrent_streams=8), node(listen=[])) as (server, client):
+    # This client may take every slot: the per-peer limit (default 4) is raised to match.
+    async with running(node(shard_root=tmp_path, max_concurrent_streams=8, max_streams_per_peer=8),
+                       node(listen=[])) as (server, client):
         [peer] = await client.connect(server.listen_addrs)
         limit = asyncio.Semaphore(8)  # what a fetcher does: no more in flight than the peer serves
 
