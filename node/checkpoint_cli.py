@@ -32,14 +32,15 @@ def cmd_pack(args) -> int:
         if args.step <= parent.step:
             raise PrimeNodeError(f"--step {args.step} does not move forward from parent step {parent.step}")
     want_delta = parent is not None and args.encoding != "full"
-    explicit = args.encoding == "xor-delta"
+    explicit = args.encoding in ("xor-delta", "sparse-delta")
+    delta_encoding = args.encoding if explicit else "xor-delta"  # the default with --parent
     if explicit and parent is None:
-        raise PrimeNodeError("--encoding xor-delta needs --parent (the base step's checkpoint)")
+        raise PrimeNodeError(f"--encoding {args.encoding} needs --parent (the base step's checkpoint)")
     if want_delta and parent.encoding != "full":
         if explicit:
-            raise PrimeNodeError(f"parent {args.parent} is itself an xor-delta, so its full payload cannot be "
-                                 "rebuilt from it alone; use --encoding full or a full parent")
-        _note("parent is an xor-delta checkpoint; packing this step as full")
+            raise PrimeNodeError(f"parent {args.parent} is itself a {parent.encoding}, so its full payload cannot "
+                                 "be rebuilt from it alone; use --encoding full or a full parent")
+        _note(f"parent is a {parent.encoding} checkpoint; packing this step as full")
         want_delta = False
     out = Path(args.out).absolute()
     if out.exists():
@@ -51,7 +52,8 @@ def cmd_pack(args) -> int:
         common = dict(identity=identity, step=args.step, run_id=args.run_id, parent=parent,
                       shard_size=args.shard_size, level=args.level, progress=progress)
         try:
-            manifest = pack_checkpoint(args.model, args.out, base_payload=base, **common)
+            manifest = pack_checkpoint(args.model, args.out, base_payload=base,
+                                       encoding=delta_encoding if want_delta else "full", **common)
         except CheckpointError as e:
             if e.code != "delta_layout" or explicit:
                 raise

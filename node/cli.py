@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", required=True, type=int)
     p.add_argument("--parent", metavar="CKPT", help="previous step's checkpoint (chains, enables xor-delta)")
     p.add_argument("--run-id", default="local")
-    p.add_argument("--encoding", choices=["full", "xor-delta"], default=None,
-                   help="default: xor-delta when --parent is given, else full")
+    p.add_argument("--encoding", choices=["full", "xor-delta", "sparse-delta"], default=None,
+                   help="default: xor-delta when --parent is given, else full (docs/PROTOCOL.md)")
     p.add_argument("--shard-size", type=int, default=32 * 1024 * 1024)
     p.add_argument("--level", type=int, default=1, help="zstd level")
     p = ckpt.add_parser("unpack", help="verify and unpack a checkpoint into a model directory")

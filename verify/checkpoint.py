@@ -3,7 +3,7 @@
 Unlike `unpack_checkpoint`, which stops at the first problem, this collects every failure (one line
 each, `[code] detail`) so an operator sees the whole picture: signature, signer, parent chain, stray or
 missing shard files, each shard's size/hash/decompression bound, and the reconstructed payload's
-sha256 (for xor-delta only when the base payload is given). Never imports `node`.
+sha256 (for a delta, xor-delta or sparse-delta, only when the base payload is given). Never imports `node`.
 
 URL form: `http://HOST:PORT/v1/checkpoints/STEP`; the manifest is `GET URL/manifest` and shard i is
 `GET URL/shards/i`, both read with size limits (the manifest's bound, then each shard's `zsize`) and
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from protocol.checkpoint import (MAX_MANIFEST_BYTES, CheckpointError, DirShardReader, Manifest, check_forward,
-                                 check_parent, decompress_shard, load_manifest, open_base, read_manifest_bytes,
-                                 resolve_base, scan_shard_dir, verify_shard, verify_signature, xor_into)
+from protocol.checkpoint import (MAX_MANIFEST_BYTES, CheckpointError, DirShardReader, Manifest, ShardDecoder,
+                                 check_forward, check_parent, decompress_shard, load_manifest, open_base,
+                                 read_manifest_bytes, resolve_base, scan_shard_dir, verify_shard, verify_signature)
 from protocol.checkpoint.parallel import BufferPool, ordered_map
 from protocol.checkpoint.reconstruct import pooled_reader
 
@@ -136,38 +136,44 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
                               skip: set[int], base_payload: Any, threads: int, progress: bool) -> None:
     from tqdm import tqdm
 
-    can_hash = manifest.encoding == "full" or base_payload is not None
-    base = open_base(base_payload) if (base_payload is not None and manifest.encoding == "xor-delta") else None
+    base = open_base(base_payload) if (base_payload is not None and manifest.is_delta) else None
     if base is not None and base.size != manifest.total_size:
         report.fail(CheckpointError("base_mismatch", f"base payload is {base.size} bytes but step "
                                                      f"{manifest.step} has {manifest.total_size}: wrong base"))
-        base, can_hash = None, False
+        if base is not base_payload:
+            base.close()
+        base = None
+    # Without its base a delta's shards are still checked (size, hash, bounded decompression of what was
+    # signed), but the payload they rebuild, and so its sha256, cannot be.
+    can_hash = (not manifest.is_delta or base is not None) and not skip
     digest = hashlib.sha256()
 
     window = threads + 1
-    buffers = BufferPool(manifest.shards[0].size, window + 1)
+    buffers = BufferPool(manifest.raw_size(0), window + 1)
+    decoder = ShardDecoder(manifest, reader, base) if can_hash else None
     read_shard = pooled_reader(manifest, reader)
 
     def check(index: int) -> bytearray:
-        with read_shard(index) as data:
-            verify_shard(manifest, index, data)
-            buf = buffers.acquire()
-            try:
-                raw = memoryview(buf)[:manifest.shards[index].size]
-                decompress_shard(manifest, index, data, out=raw)
-                if base is not None:  # un-XOR here, in the worker threads; hashing stays in order
-                    xor_into(raw, base.read(manifest.shard_offset(index), len(raw)))
-            except BaseException:
-                buffers.release(buf)
-                raise
+        buf = buffers.acquire()
+        try:
+            if decoder is not None:
+                decoder.decode_into(index, memoryview(buf)[:manifest.raw_size(index)])
+            else:  # a delta without its base: verify and decompress (bounded) what was signed
+                with read_shard(index) as data:
+                    verify_shard(manifest, index, data)
+                    block = buf if len(buf) >= manifest.shards[index].size else bytearray(manifest.shards[index].size)
+                    decompress_shard(manifest, index, data, out=memoryview(block)[:manifest.shards[index].size])
+        except BaseException:
+            buffers.release(buf)
+            raise
         return buf
 
     todo = [i for i in range(manifest.num_shards) if i not in skip]
-    can_hash = can_hash and not skip
+    results = ordered_map(check, todo, threads=threads, window=window)
     try:
         with tqdm(total=manifest.total_size, unit="B", unit_scale=True, desc=f"verify step {manifest.step}",
                   file=sys.stderr, disable=not progress, leave=False) as bar:
-            for index, fut in ordered_map(check, todo, threads=threads, window=window):
+            for index, fut in results:
                 err = fut.exception()
                 if err is not None:
                     if not isinstance(err, CheckpointError):
@@ -177,13 +183,14 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
                     continue
                 report.shards_ok += 1
                 buf = fut.result()
-                raw = memoryview(buf)[:manifest.shards[index].size]
+                raw = memoryview(buf)[:manifest.raw_size(index)]
                 bar.update(len(raw))
                 if can_hash:
                     digest.update(raw)
                 raw.release()
                 buffers.release(buf)
     finally:
+        results.close()
         if base is not None and base is not base_payload:
             base.close()
     if can_hash:
@@ -191,12 +198,12 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
         if got == manifest.sha256:
             report.payload_verified = True
         else:
-            hint = " (wrong base?)" if manifest.encoding == "xor-delta" else ""
+            hint = " (wrong base?)" if manifest.is_delta else ""
             report.fail(CheckpointError("payload_hash", f"reconstructed payload sha256 {got[:16]}… differs "
                                                         f"from the manifest's {manifest.sha256[:16]}…{hint}"))
-    elif manifest.encoding == "xor-delta" and base_payload is None:
-        report.notes.append(f"payload sha256 not checked: step {manifest.step} is an xor-delta against step "
-                            f"{manifest.base_step}; pass the base to check it")
+    elif manifest.is_delta and base_payload is None:
+        report.notes.append(f"payload sha256 not checked: step {manifest.step} is a {manifest.encoding} against "
+                            f"step {manifest.base_step}; pass the base to check it")
 
 
 def _verify(source: str, get_manifest: Callable[[], bytes], make_reader: Callable[[Manifest], Callable],
@@ -232,7 +239,7 @@ def _verify(source: str, get_manifest: Callable[[], bytes], make_reader: Callabl
                 skip.add(problem.shard)
     with tempfile.TemporaryDirectory(prefix="prime-node-verify-") as work:
         base_payload = None
-        if base is not None and manifest.encoding == "xor-delta":
+        if base is not None and manifest.is_delta:
             try:
                 base_payload = resolve_base(base, trusted_keys, work, threads=threads, progress=progress)
             except CheckpointError as e:

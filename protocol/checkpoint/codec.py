@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from typing import Iterator
 
 import numpy as np
 import zstandard
@@ -57,6 +58,14 @@ def compress_shard_to(raw: bytes | bytearray | memoryview, level: int, f) -> tup
     return sink.size, sink.sha.hexdigest()
 
 
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """One decompressor per thread, reused: its context and window buffers are allocated once."""
+    dctx = getattr(_local, "decompressor", None)
+    if dctx is None:
+        dctx = _local.decompressor = zstandard.ZstdDecompressor()
+    return dctx
+
+
 def _entry(manifest: Manifest, index: int):
     if not (type(index) is int and 0 <= index < manifest.num_shards):
         raise CheckpointError("shard_index", f"shard {index!r} does not exist (the manifest lists "
@@ -94,7 +103,7 @@ def decompress_shard(manifest: Manifest, index: int, compressed: bytes | bytearr
         if len(out) != size:
             raise ValueError("output buffer must have the shard's declared size")
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
+        reader = _decompressor().stream_reader(compressed, read_across_frames=True)
         pos = 0
         while pos < size:
             n = reader.readinto(out[pos:])
@@ -109,6 +118,37 @@ def decompress_shard(manifest: Manifest, index: int, compressed: bytes | bytearr
         raise CheckpointError("decompress_error", f"shard {index}: not a valid zstd stream ({e})",
                               shard=index) from None
     return buf
+
+
+def decompress_chunks(manifest: Manifest, index: int, compressed: bytes | bytearray | memoryview,
+                      scratch: memoryview) -> Iterator[tuple[int, memoryview]]:
+    """Yield (position, chunk) over exactly the declared `size` bytes, decompressed into `scratch` piece
+    by piece (each chunk is only valid until the next one), with the same bounds as `decompress_shard`:
+    a stream that ends early is `shard_size`, one that goes on past `size` is `decompress_bomb` (checked
+    after the last chunk, before the generator finishes). Lets a caller write a shard out of a small,
+    cache-hot buffer instead of a shard-sized one."""
+    entry = _entry(manifest, index)
+    size = entry.size
+    try:
+        reader = _decompressor().stream_reader(compressed, read_across_frames=True)
+        pos = 0
+        while pos < size:
+            want = min(len(scratch), size - pos)
+            got = 0
+            while got < want:
+                n = reader.readinto(scratch[got:want])
+                if n == 0:
+                    raise CheckpointError("shard_size", f"shard {index}: decompresses to {pos + got} bytes, the "
+                                                        f"manifest says {size}", shard=index)
+                got += n
+            yield pos, scratch[:want]
+            pos += want
+        if reader.readinto(memoryview(bytearray(1))) != 0:
+            raise CheckpointError("decompress_bomb", f"shard {index}: decompresses beyond its declared "
+                                                     f"size of {size} bytes (stopped there)", shard=index)
+    except zstandard.ZstdError as e:
+        raise CheckpointError("decompress_error", f"shard {index}: not a valid zstd stream ({e})",
+                              shard=index) from None
 
 
 def xor_into(dest: memoryview | bytearray, other: memoryview | bytes | bytearray) -> None:

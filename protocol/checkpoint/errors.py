@@ -12,7 +12,8 @@ class CheckpointError(PrimeNodeError):
     missing_manifest, bad_signature, unknown_signer, rollback, run_mismatch, parent_chain, shard_index, shard_size,
     shard_hash, decompress_bomb, decompress_error, missing_shard, extra_shard, bad_shard_name,
     payload_hash, base_mismatch, delta_layout, bad_payload, out_exists, step_mismatch (URL vs manifest),
-    io_error.
+    io_error, unknown_encoding (an encoding this version does not know), bad_delta (a sparse-delta block
+    that does not fit its shard).
     `shard` is the shard index the failure is about, or None.
     """
 

@@ -28,6 +28,13 @@ MAX_TOTAL_SIZE = 4 * 1024 ** 4  # 4 TiB: far above any model this runs, far belo
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # ~150 bytes per shard entry * MAX_SHARDS, with room to spare
 MIN_PAYLOAD_SIZE = 8  # a safetensors file starts with an 8-byte header length
 
+# Encodings a reader of this version knows (docs/PROTOCOL.md). A delta needs the base step's raw payload.
+ENCODINGS = ("full", "xor-delta", "sparse-delta")
+DELTA_ENCODINGS = ("xor-delta", "sparse-delta")
+# A sparse-delta shard decompresses to one block: a 16-byte header, then at most the raw range's length
+# (the dense fallback is header + XOR of the range). protocol/checkpoint/sparse.py holds the format.
+SPARSE_BLOCK_HEADER = 16
+
 _HEX64 = r"^[0-9a-f]{64}$"
 _HEX128 = r"^[0-9a-f]{128}$"
 
@@ -60,7 +67,7 @@ class Manifest(_Strict):
     run_id: str = Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")
     step: int = Field(ge=0, le=2 ** 53)
     parent: Optional[str] = Field(pattern=_HEX64)
-    encoding: Literal["full", "xor-delta"]
+    encoding: Literal["full", "xor-delta", "sparse-delta"]
     base_step: Optional[int] = Field(ge=0, le=2 ** 53)
     dtype: str = Field(pattern=r"^[a-z0-9_]{1,32}$")
     compression: Compression
@@ -77,9 +84,9 @@ class Manifest(_Strict):
         # Each message names the field, so a refused manifest says exactly what is wrong with it.
         if self.encoding == "full" and self.base_step is not None:
             raise ValueError("base_step must be null for encoding 'full'")
-        if self.encoding == "xor-delta":
+        if self.encoding in DELTA_ENCODINGS:
             if self.base_step is None:
-                raise ValueError("base_step is required for encoding 'xor-delta'")
+                raise ValueError(f"base_step is required for encoding '{self.encoding}'")
             if self.base_step >= self.step:
                 raise ValueError(f"base_step {self.base_step} must be before step {self.step}")
         if self.step == 0 and self.parent is not None:
@@ -91,9 +98,14 @@ class Manifest(_Strict):
         for i, entry in enumerate(self.shards):
             if entry.index != i:
                 raise ValueError(f"shards[{i}].index is {entry.index}, expected {i}")
-            want = min(self.shard_size, self.total_size - i * self.shard_size)
-            if entry.size != want:
-                raise ValueError(f"shards[{i}].size is {entry.size}, expected {want}")
+            raw = min(self.shard_size, self.total_size - i * self.shard_size)
+            if self.encoding == "sparse-delta":
+                # `size` is what the shard decompresses to: one encoded block for this raw range.
+                if not (SPARSE_BLOCK_HEADER <= entry.size <= SPARSE_BLOCK_HEADER + raw):
+                    raise ValueError(f"shards[{i}].size is {entry.size}, impossible for a sparse-delta block "
+                                     f"of {raw} raw bytes ({SPARSE_BLOCK_HEADER}..{SPARSE_BLOCK_HEADER + raw})")
+            elif entry.size != raw:
+                raise ValueError(f"shards[{i}].size is {entry.size}, expected {raw}")
             if entry.zsize > max_compressed_size(entry.size):
                 raise ValueError(f"shards[{i}].zsize {entry.zsize} is impossible for {entry.size} raw bytes")
         return self
@@ -103,6 +115,13 @@ class Manifest(_Strict):
     def from_dict(cls, doc: Any) -> "Manifest":
         if not isinstance(doc, dict):
             raise CheckpointError("manifest_schema", "manifest is not a JSON object")
+        encoding = doc.get("encoding")
+        if isinstance(encoding, str) and encoding not in ENCODINGS:
+            # Said plainly, before the schema: a newer coordinator may use an encoding this reader lacks.
+            shown = encoding[:40] + ("…" if len(encoding) > 40 else "")
+            raise CheckpointError("unknown_encoding", f"field 'encoding': {shown!r} is not an encoding this "
+                                                      f"reader knows ({', '.join(ENCODINGS)}); upgrade "
+                                                      "prime-node or fetch a full checkpoint")
         try:
             return cls.model_validate(doc)
         except ValidationError as e:
@@ -139,11 +158,20 @@ class Manifest(_Strict):
     def compressed_size(self) -> int:
         return sum(s.zsize for s in self.shards)
 
+    @property
+    def is_delta(self) -> bool:
+        """True when reconstructing this step needs the raw payload of `base_step`."""
+        return self.encoding in DELTA_ENCODINGS
+
     def shard_offset(self, index: int) -> int:
         return index * self.shard_size
 
+    def raw_size(self, index: int) -> int:
+        """Raw payload bytes covered by shard `index` (equal to its `size` except for sparse-delta)."""
+        return min(self.shard_size, self.total_size - index * self.shard_size)
+
     def describe(self) -> str:
-        base = f", base step {self.base_step}" if self.encoding == "xor-delta" else ""
+        base = f", base step {self.base_step}" if self.is_delta else ""
         return (f"step {self.step} of run {self.run_id} ({self.encoding}{base}, {self.dtype}, "
                 f"{self.num_shards} shards, {self.total_size / 1e6:.1f} MB raw, "
                 f"{self.compressed_size / 1e6:.1f} MB compressed)")

@@ -1,10 +1,10 @@
-"""Packing: payload -> (optional XOR against a base) -> shards -> zstd -> signed manifest, streamed.
+"""Packing: payload -> (optional delta against a base) -> shards -> zstd -> signed manifest, streamed.
 
 Memory: the payload is produced one shard at a time straight from the tensors (or source files), so
 packing holds the model once (if given as tensors) plus about `threads + 2` shards in flight.
 Work split: the calling thread fills each shard and feeds the payload hash (sequential by nature); a
-pool of `threads` XORs against the base, compresses, hashes and writes shards (zstd/hashlib/numpy drop
-the GIL).
+pool of `threads` encodes against the base (XOR or sparse blocks), compresses, hashes and writes shards
+(zstd/hashlib/numpy drop the GIL).
 Atomicity: everything is written into a hidden temporary directory next to `out_dir`, renamed into
 place only after the manifest is on disk; a crash leaves at worst a `.NAME.tmp-*` directory.
 """
@@ -22,12 +22,13 @@ from typing import Any
 from ..identity import Identity
 from .codec import compress_shard_to, xor_into
 from .errors import CheckpointError
-from .manifest import (DEFAULT_SHARD_SIZE, FORMAT, MAX_SHARD_SIZE, MAX_SHARDS, MIN_SHARD_SIZE, Manifest,
-                       sign_manifest)
+from .manifest import (DEFAULT_SHARD_SIZE, DELTA_ENCODINGS, ENCODINGS, FORMAT, MAX_SHARD_SIZE, MAX_SHARDS,
+                       MIN_SHARD_SIZE, Manifest, sign_manifest)
 from .parallel import BufferPool, ordered_map
 from .payload import PayloadLayout, open_layout
 from .reconstruct import BasePayload, open_base
 from .shard_files import MANIFEST_NAME, SHARDS_DIR, shard_file_name
+from .sparse import encode_block, word_size_for
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
@@ -38,7 +39,7 @@ def _progress_bar(enabled: bool, total: int, desc: str):
 
 
 def check_delta_compatible(layout: PayloadLayout, base: BasePayload) -> None:
-    """XOR needs the same layout: equal size and a byte-identical safetensors header."""
+    """A delta needs the same layout: equal size and a byte-identical safetensors header."""
     if base.size != layout.total_size or base.header() != layout.header:
         raise CheckpointError("delta_layout", "the base payload's tensor layout differs from this step's "
                                               f"({base.size} vs {layout.total_size} bytes or a different "
@@ -57,14 +58,23 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
                     parent: Manifest | None = None, base_payload: Any = None, base_step: int | None = None,
                     shard_size: int = DEFAULT_SHARD_SIZE, level: int = 1, threads: int = 2,
                     progress: bool = False, payload_out: str | os.PathLike | None = None,
-                    created_at: int | None = None) -> Manifest:
+                    created_at: int | None = None, encoding: str | None = None) -> Manifest:
     """Pack `source` (state dict, .safetensors file or HF model dir) as a signed checkpoint in `out_dir`.
 
     `parent`: the previous published manifest (its hash goes into `parent`; it must be an earlier step of
     the same run). `base_payload` (raw payload bytes or path of step `base_step`; default parent.step)
-    selects encoding "xor-delta"; a layout mismatch raises CheckpointError("delta_layout") so the caller
-    can fall back to full. `payload_out`: also write this step's raw payload there (the next base).
+    is what a delta encoding is taken against. `encoding`: "full", "xor-delta" or "sparse-delta";
+    None means "xor-delta" when a base is given, else "full". A layout mismatch with the base raises
+    CheckpointError("delta_layout") so the caller can fall back to full. `payload_out`: also write this
+    step's raw payload there (the next base).
     """
+    if encoding is None:
+        encoding = "xor-delta" if base_payload is not None else "full"
+    if encoding not in ENCODINGS:
+        raise CheckpointError("unknown_encoding", f"encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
+    if (encoding in DELTA_ENCODINGS) != (base_payload is not None):
+        raise CheckpointError("base_mismatch", f"encoding {encoding!r} " + (
+            "needs base_payload (the base step's raw payload)" if base_payload is None else "takes no base payload"))
     out_dir = Path(out_dir)
     if not (MIN_SHARD_SIZE <= shard_size <= MAX_SHARD_SIZE):
         raise CheckpointError("bad_payload", f"shard size must be within {MIN_SHARD_SIZE}..{MAX_SHARD_SIZE}")
@@ -76,7 +86,7 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
     if base_payload is not None:
         base_step = parent.step if base_step is None and parent is not None else base_step
         if base_step is None or not (0 <= base_step < step):
-            raise CheckpointError("base_mismatch", "xor-delta needs base_step, an earlier step than this one")
+            raise CheckpointError("base_mismatch", f"{encoding} needs base_step, an earlier step than this one")
     if out_dir.exists():
         raise CheckpointError("out_exists", f"{out_dir} already exists; refusing to overwrite a checkpoint")
 
@@ -103,17 +113,22 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
 
         window = threads + 1
         buffers = BufferPool(min(shard_size, total), window + 1)
+        word = word_size_for(layout.dtype)
 
         def compress_and_write(item: tuple[int, bytearray, int]) -> dict[str, Any]:
             index, buf, size = item
             try:
-                if base is not None:  # after the payload hash saw the plain bytes, before compression
-                    xor_into(memoryview(buf)[:size], base.read(index * shard_size, size))
+                data = memoryview(buf)[:size]
+                # after the payload hash saw the plain bytes, before compression
+                if encoding == "xor-delta":
+                    xor_into(data, base.read(index * shard_size, size))
+                elif encoding == "sparse-delta":
+                    data = memoryview(encode_block(data, base.read(index * shard_size, size), word))
                 with open(tmp / SHARDS_DIR / shard_file_name(index), "xb") as f:
-                    zsize, digest = compress_shard_to(memoryview(buf)[:size], level, f)
+                    zsize, digest = compress_shard_to(data, level, f)
             finally:
                 buffers.release(buf)
-            return {"index": index, "size": size, "zsize": zsize, "sha256": digest}
+            return {"index": index, "size": len(data), "zsize": zsize, "sha256": digest}
 
         def produce():
             # Runs in this thread, lazily, as the pool asks for more: fill, hash the plain bytes, hand over.
@@ -138,7 +153,7 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
         manifest = sign_manifest(identity, {
             "format": FORMAT, "run_id": run_id, "step": step,
             "parent": parent.canonical_hash() if parent is not None else None,
-            "encoding": "xor-delta" if base is not None else "full",
+            "encoding": encoding,
             "base_step": base_step if base is not None else None,
             "dtype": layout.dtype, "compression": {"codec": "zstd", "level": level},
             "shard_size": shard_size, "total_size": total, "sha256": payload_hash.hexdigest(),

@@ -1,9 +1,10 @@
-"""Reconstruction: verified shards -> bounded decompression -> un-XOR -> payload hash -> atomic file.
+"""Reconstruction: verified shards -> bounded decompression -> un-delta -> payload hash -> atomic file.
 
 Shards come from any `shard_reader(i) -> bytes` (a directory, an HTTP mirror, a libp2p peer): each one
 is checked against the signed manifest before it is decompressed, so an untrusted source can cost a
 retry but never a corrupted model. Readers are called from a small thread pool (they must be
-thread-safe); at most `threads + 1` shards are in memory at once, plus one base slice for xor-delta.
+thread-safe). Writing a file, workers decode straight into a shared mapping of it (no shard buffers);
+only verifying, at most `threads + 2` decoded shards are in memory at once.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .codec import decompress_shard, verify_shard, xor_into
+from .codec import decompress_chunks, decompress_shard, verify_shard, xor_into
+from .sparse import ParsedBlock, apply_block
 from .errors import CheckpointError
 from .manifest import Manifest, verify_manifest
 from .parallel import BufferPool, ordered_map
@@ -29,11 +31,16 @@ PAYLOAD_FILE_NAME = "model.safetensors"
 ShardReader = Callable[[int], bytes]
 
 
+XOR_CHUNK = 1 << 20  # un-XOR a file base through a small scratch buffer that stays in cache
+WRITE_CHUNK = 1 << 20  # decode-and-write piece: small enough to stay in a core's cache (a multiple of 8)
+READ_BACK_CHUNK = 1 << 20
+
+
 @dataclass
 class BasePayload:
     """Random access to the base step's raw payload (bytes in memory or a file read with os.preadv).
 
-    A slice returned by `read` is only valid until the same thread's next `read`.
+    A slice returned by `read` is only valid until the same thread's next `read`. Thread-safe.
     """
 
     size: int
@@ -41,10 +48,21 @@ class BasePayload:
     _fd: int | None = None
     _local: threading.local = field(default_factory=threading.local)
 
-    def read(self, offset: int, length: int) -> memoryview:
+    def _check(self, offset: int, length: int) -> None:
         if offset < 0 or offset + length > self.size:
             raise CheckpointError("base_mismatch", f"base payload has {self.size} bytes; "
                                                    f"byte {offset + length} was needed")
+
+    def _pread_into(self, offset: int, view: memoryview) -> None:
+        done, length = 0, len(view)
+        while done < length:
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError("base_mismatch", "base payload file shrank while reading it")
+            done += n
+
+    def read(self, offset: int, length: int) -> memoryview:
+        self._check(offset, length)
         if self._data is not None:
             return self._data[offset:offset + length]
         # One scratch buffer per thread, reused: callers XOR the slice right away (fresh buffers cost
@@ -52,13 +70,32 @@ class BasePayload:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None or len(scratch) < length:
             scratch = self._local.scratch = bytearray(length)
-        view, done = memoryview(scratch)[:length], 0
-        while done < length:
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointError("base_mismatch", "base payload file shrank while reading it")
-            done += n
+        view = memoryview(scratch)[:length]
+        self._pread_into(offset, view)
         return view
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        """dest[:] = base[offset:offset + len(dest)], straight from the file (no intermediate copy)."""
+        self._check(offset, len(dest))
+        if self._data is not None:
+            dest[:] = self._data[offset:offset + len(dest)]
+        else:
+            self._pread_into(offset, dest)
+
+    def xor_into(self, offset: int, dest: memoryview) -> None:
+        """dest ^= base[offset:offset + len(dest)], a file base read in cache-sized chunks."""
+        self._check(offset, len(dest))
+        if self._data is not None:
+            xor_into(dest, self._data[offset:offset + len(dest)])
+            return
+        chunk = getattr(self._local, "chunk", None)
+        if chunk is None:
+            chunk = self._local.chunk = bytearray(XOR_CHUNK)
+        for at in range(0, len(dest), XOR_CHUNK):
+            part = dest[at:at + XOR_CHUNK]
+            view = memoryview(chunk)[:len(part)]
+            self._pread_into(offset + at, view)
+            xor_into(part, view)
 
     def header(self) -> bytes:
         """The safetensors header bytes (length prefix + JSON), or b"" if it cannot be one."""
@@ -117,56 +154,172 @@ def pooled_reader(manifest: Manifest, shard_reader: ShardReader):
     return read
 
 
+class ShardDecoder:
+    """Shard i, from an untrusted reader, to the raw payload bytes it covers, from any thread and in any
+    order: read -> size and sha256 against the signed manifest -> bounded decompression -> un-delta
+    against the base (xor-delta: XOR; sparse-delta: base bytes, then the block's changes)."""
+
+    def __init__(self, manifest: Manifest, shard_reader: ShardReader, base: BasePayload | None):
+        if manifest.is_delta:
+            if base is None:
+                raise CheckpointError("base_mismatch", f"step {manifest.step} is a {manifest.encoding} against "
+                                                       f"step {manifest.base_step}; its full payload is needed "
+                                                       "as base")
+            if base.size != manifest.total_size:
+                raise CheckpointError("base_mismatch", f"base payload is {base.size} bytes but step "
+                                                       f"{manifest.step} has {manifest.total_size}: wrong base")
+        self.manifest = manifest
+        self.base = base
+        self._read = pooled_reader(manifest, shard_reader)
+        self._local = threading.local()
+
+    def _block_buffer(self, size: int) -> memoryview:
+        buf = getattr(self._local, "block", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.block = bytearray(size)
+        return memoryview(buf)[:size]
+
+    def decode_into(self, index: int, dest: memoryview) -> None:
+        """Fill `dest` (exactly `manifest.raw_size(index)` bytes) with shard `index`'s raw payload bytes."""
+        m = self.manifest
+        if len(dest) != m.raw_size(index):
+            raise ValueError("destination must have the shard's raw size")
+        offset = m.shard_offset(index)
+        with self._read(index) as compressed:
+            verify_shard(m, index, compressed)
+            if m.encoding == "sparse-delta":
+                block = self._block_buffer(m.shards[index].size)
+                decompress_shard(m, index, compressed, out=block)
+            else:
+                decompress_shard(m, index, compressed, out=dest)
+        if m.encoding == "xor-delta":
+            self.base.xor_into(offset, dest)
+        elif m.encoding == "sparse-delta":
+            self.base.read_into(offset, dest)
+            try:
+                apply_block(block, dest, index)
+            finally:
+                block.release()
+
+
+    def _chunk_buffer(self) -> memoryview:
+        buf = getattr(self._local, "chunk", None)
+        if buf is None:
+            buf = self._local.chunk = bytearray(WRITE_CHUNK)
+        return memoryview(buf)
+
+    def decode_to(self, index: int, write: Callable[[int, memoryview], None]) -> None:
+        """Like `decode_into`, but piece by piece through a small per-thread buffer: `write(offset, piece)`
+        gets this shard's raw bytes in order (offset in the payload; the piece is only valid during the
+        call). No shard-sized raw buffer is ever touched, so nothing is page-faulted but the destination.
+        A bomb is detected after the last piece was written (the caller only keeps the result once the
+        whole-payload hash matched)."""
+        m = self.manifest
+        offset, raw = m.shard_offset(index), m.raw_size(index)
+        scratch = self._chunk_buffer()
+        with self._read(index) as compressed:
+            verify_shard(m, index, compressed)
+            if m.encoding != "sparse-delta":
+                for pos, piece in decompress_chunks(m, index, compressed, scratch):
+                    if m.encoding == "xor-delta":
+                        self.base.xor_into(offset + pos, piece)
+                    write(offset + pos, piece)
+                return
+            block = self._block_buffer(m.shards[index].size)
+            decompress_shard(m, index, compressed, out=block)
+        parsed = ParsedBlock(block, raw, index)
+        for pos in range(0, raw, WRITE_CHUNK):
+            piece = scratch[:min(WRITE_CHUNK, raw - pos)]
+            self.base.read_into(offset + pos, piece)
+            parsed.apply(piece, pos)
+            write(offset + pos, piece)
+
+
 def iter_payload(manifest: Manifest, shard_reader: ShardReader, *, base: BasePayload | None = None,
                  threads: int = 2, sink: Callable[[int, memoryview], None] | None = None,
                  ) -> Iterator[tuple[int, memoryview]]:
     """Yield (index, raw payload slice) in order, every shard verified and decompressed within bounds.
 
-    Reading, verifying, decompressing, un-XORing and `sink(offset, raw)` (e.g. a positioned write) run in
-    the worker threads; the caller sees the shards in order (to hash them) while the next ones are
+    Reading, verifying, decompressing, un-deltaing and `sink(offset, raw)` (e.g. a positioned write) run
+    in the worker threads; the caller sees the shards in order (to hash them) while the next ones are
     being processed. The slice is only valid until the next iteration (buffers are recycled).
     Does not check the whole-payload hash; `reconstruct_payload` does.
     """
-    if manifest.encoding == "xor-delta":
-        if base is None:
-            raise CheckpointError("base_mismatch", f"step {manifest.step} is an xor-delta against step "
-                                                   f"{manifest.base_step}; its full payload is needed as base")
-        if base.size != manifest.total_size:
-            raise CheckpointError("base_mismatch", f"base payload is {base.size} bytes but step "
-                                                   f"{manifest.step} has {manifest.total_size}: wrong base")
-
+    decoder = ShardDecoder(manifest, shard_reader, base)
     window = threads + 1
-    buffers = BufferPool(manifest.shards[0].size, window + 1)
-
-    read_shard = pooled_reader(manifest, shard_reader)
+    buffers = BufferPool(manifest.raw_size(0), window + 1)
 
     def fetch(index: int) -> tuple[bytearray, memoryview]:
-        with read_shard(index) as compressed:
-            verify_shard(manifest, index, compressed)
-            buf = buffers.acquire()
-            try:
-                view = memoryview(buf)[:manifest.shards[index].size]
-                decompress_shard(manifest, index, compressed, out=view)
-                offset = manifest.shard_offset(index)
-                if manifest.encoding == "xor-delta":
-                    xor_into(view, base.read(offset, len(view)))
-                if sink is not None:
-                    sink(offset, view)
-            except BaseException:
-                buffers.release(buf)
-                raise
+        buf = buffers.acquire()
+        try:
+            view = memoryview(buf)[:manifest.raw_size(index)]
+            decoder.decode_into(index, view)
+            if sink is not None:
+                sink(manifest.shard_offset(index), view)
+        except BaseException:
+            buffers.release(buf)
+            raise
         return buf, view
 
-    for index, fut in ordered_map(fetch, range(manifest.num_shards), threads=threads, window=window):
-        buf, raw = fut.result()
-        try:
-            yield index, raw
-        finally:
+    results = ordered_map(fetch, range(manifest.num_shards), threads=threads, window=window)
+    try:
+        for index, fut in results:
+            buf, raw = fut.result()
             try:
-                raw.release()  # the buffer is reused: a view kept by the consumer must not see later shards
-            except BufferError:
-                pass
-            buffers.release(buf)
+                yield index, raw
+            finally:
+                try:
+                    raw.release()  # the buffer is reused: a view kept by the consumer must not see later shards
+                except BufferError:
+                    pass
+                buffers.release(buf)
+    finally:
+        results.close()
+
+
+def _hash_mismatch(manifest: Manifest, got: str) -> CheckpointError:
+    hint = f" (wrong base for this {manifest.encoding}?)" if manifest.is_delta else ""
+    return CheckpointError("payload_hash", f"reconstructed payload sha256 {got[:16]}… differs from "
+                                          f"the manifest's {manifest.sha256[:16]}…{hint}")
+
+
+def _write_streamed(manifest: Manifest, decoder: ShardDecoder, fd: int, digest, bar, threads: int) -> None:
+    """Decode every shard into the file at its offset from the workers, hash the file in order here.
+
+    Workers decompress (and un-delta) through a small cache-hot buffer and `pwrite` each piece: no
+    shard-sized buffers, whose first touch costs more than the decompression in a VM. This thread reads
+    each finished shard back from the page cache, in order, into another small buffer and hashes it, while
+    the workers go on with the next shards.
+    """
+    def write(offset: int, piece: memoryview) -> None:
+        done = 0
+        try:
+            while done < len(piece):
+                done += os.pwritev(fd, [piece[done:]], offset + done)
+        except OSError as e:
+            raise CheckpointError("io_error", f"writing the payload: {e.strerror}") from None
+
+    def decode(index: int) -> None:
+        decoder.decode_to(index, write)
+
+    back = memoryview(bytearray(READ_BACK_CHUNK))
+    results = ordered_map(decode, range(manifest.num_shards), threads=threads, window=2 * threads + 2)
+    try:
+        for index, fut in results:
+            fut.result()
+            offset, raw = manifest.shard_offset(index), manifest.raw_size(index)
+            for at in range(0, raw, READ_BACK_CHUNK):
+                part = back[:min(READ_BACK_CHUNK, raw - at)]
+                done = 0
+                while done < len(part):
+                    n = os.preadv(fd, [part[done:]], offset + at + done)
+                    if n <= 0:
+                        raise CheckpointError("io_error", "the payload file shrank while it was written")
+                    done += n
+                digest.update(part)
+            bar.update(raw)
+    finally:
+        results.close()  # waits for the workers: nothing writes to the file after this
 
 
 def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path: str | os.PathLike | None,
@@ -174,7 +327,7 @@ def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path:
     """Rebuild the raw payload into `out_path` (atomically; None = only verify) and return its sha256.
 
     Raises CheckpointError on the first bad shard, or "payload_hash" if the result is not what was signed
-    (for xor-delta that usually means the wrong base).
+    (for a delta that usually means the wrong base).
     """
     from tqdm import tqdm
 
@@ -184,33 +337,25 @@ def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path:
     digest = hashlib.sha256()
     fd = None
     try:
-        sink = None
-        if out_path is not None:
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out_path.with_name(f".{out_path.name}.tmp-{uuid.uuid4().hex[:12]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            os.ftruncate(fd, manifest.total_size)
-
-            def sink(offset: int, raw: memoryview) -> None:
-                # Workers write their own shards at their offsets: writing is parallel, hashing stays
-                # in order in this thread. The file only gets its real name after the hash matched.
-                done = 0
-                while done < len(raw):
-                    done += os.pwritev(fd, [raw[done:]], offset + done)
-
         with tqdm(total=manifest.total_size, unit="B", unit_scale=True, desc=f"unpack step {manifest.step}",
                   file=sys.stderr, disable=not progress, leave=False) as bar:
-            for _, raw in iter_payload(manifest, shard_reader, base=base, threads=threads, sink=sink):
-                digest.update(raw)
-                bar.update(len(raw))
-        if fd is not None:
-            os.close(fd)
-            fd = None
+            if out_path is None:
+                for _, raw in iter_payload(manifest, shard_reader, base=base, threads=threads):
+                    digest.update(raw)
+                    bar.update(len(raw))
+            else:
+                decoder = ShardDecoder(manifest, shard_reader, base)
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out_path.with_name(f".{out_path.name}.tmp-{uuid.uuid4().hex[:12]}")
+                # The file only gets its real name after the whole-payload hash matched.
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                os.ftruncate(fd, manifest.total_size)
+                _write_streamed(manifest, decoder, fd, digest, bar, threads)
+                os.close(fd)
+                fd = None
         got = digest.hexdigest()
         if got != manifest.sha256:
-            hint = " (wrong base for this xor-delta?)" if manifest.encoding == "xor-delta" else ""
-            raise CheckpointError("payload_hash", f"reconstructed payload sha256 {got[:16]}… differs from "
-                                                  f"the manifest's {manifest.sha256[:16]}…{hint}")
+            raise _hash_mismatch(manifest, got)
         if tmp is not None:
             os.replace(tmp, out_path)
             tmp = None
@@ -239,9 +384,9 @@ def resolve_base(base: Any, trusted_keys: set[str] | None, workdir: str | os.Pat
     if (path / MANIFEST_NAME).is_file():
         manifest = load_manifest(path)
         verify_manifest(manifest, trusted_keys)
-        if manifest.encoding != "full":
-            raise CheckpointError("base_mismatch", f"base checkpoint {path} is itself an xor-delta; give its "
-                                                   f"unpacked {PAYLOAD_FILE_NAME} or a full checkpoint instead")
+        if manifest.is_delta:
+            raise CheckpointError("base_mismatch", f"base checkpoint {path} is itself a {manifest.encoding}; give "
+                                                   f"its unpacked {PAYLOAD_FILE_NAME} or a full checkpoint instead")
         problems = scan_shard_dir(path, manifest)
         if problems:
             raise CheckpointError(problems[0].code, f"base checkpoint {path}: {problems[0].detail}")
@@ -270,7 +415,7 @@ def unpack_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
         raise problems[0]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = tempfile.mkdtemp(prefix=".base-", dir=out_dir) if manifest.encoding == "xor-delta" else None
+    work = tempfile.mkdtemp(prefix=".base-", dir=out_dir) if manifest.is_delta else None
     try:
         base_payload = resolve_base(base, trusted_keys, work or out_dir, threads=threads, progress=progress)
         reconstruct_payload(manifest, DirShardReader(ckpt_dir, manifest), out_dir / PAYLOAD_FILE_NAME,
