@@ -117,8 +117,14 @@ class Ledger:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # an acknowledged rollout survives power loss too
+        # NORMAL: in WAL mode a commit survives the process being killed; `durable` transactions (what a
+        # node was told it got: accepted rollouts, bans, published steps) also survive power loss (FULL).
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        # Reads go through one connection per thread and never wait on the writer's lock, so the event
+        # loop is not held up by a commit (an fsync) running in another thread.
+        self._readers = threading.local()
+        self._reader_conns: list[sqlite3.Connection] = []
         self._migrate()
 
     def _migrate(self) -> None:
@@ -136,19 +142,37 @@ class Ledger:
 
     def close(self) -> None:
         with self._lock:
+            for conn in self._reader_conns:
+                conn.close()
             self._db.close()
 
     # -- plumbing --------------------------------------------------------------------------------
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._readers, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA query_only=1")
+            self._readers.conn = conn
+            with self._lock:
+                self._reader_conns.append(conn)
+        return conn
+
     def _exec(self, sql: str, args: Iterable[Any] = ()) -> sqlite3.Cursor:
+        if sql.lstrip()[:6].upper() == "SELECT":
+            return self._reader().execute(sql, tuple(args))
         with self._lock:
             return self._db.execute(sql, tuple(args))
 
-    def transaction(self):
+    def transaction(self, *, durable: bool = False):
+        """`with ledger.transaction() as db:` one atomic write; `durable`: fsync'd before it returns."""
         ledger = self
 
         class _Tx:
             def __enter__(self):
                 ledger._lock.acquire()
+                if durable:
+                    ledger._db.execute("PRAGMA synchronous=FULL")
                 ledger._db.execute("BEGIN IMMEDIATE")
                 return ledger._db
 
@@ -156,6 +180,8 @@ class Ledger:
                 try:
                     ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
                 finally:
+                    if durable:
+                        ledger._db.execute("PRAGMA synchronous=NORMAL")
                     ledger._lock.release()
                 return False
 
@@ -274,7 +300,7 @@ class Ledger:
         now banned."""
         t = now_ms()
         n_acc = sum(len(g["data"]["rollouts"]) for g in groups)
-        with self.transaction() as db:
+        with self.transaction(durable=True) as db:
             for g in groups:
                 db.execute(
                     "INSERT INTO groups(assignment_id, node_id, prompt_id, problem_index, batch_step, "
@@ -350,7 +376,7 @@ class Ledger:
         """A proven cheat: ban the node and void every group of it not trained on yet (its accepted count
         moves to rejected). Returns (rollouts voided, batch -> groups voided)."""
         t = now_ms()
-        with self.transaction() as db:
+        with self.transaction(durable=True) as db:
             rows = db.execute("SELECT group_id, batch_step, data FROM groups WHERE node_id=? AND consumed_step IS NULL "
                               "AND dropped IS NULL AND (verdict IS NULL OR verdict != 'void')", (node_id,)).fetchall()
             voided = sum(len(json.loads(r[2])["rollouts"]) for r in rows)
@@ -367,7 +393,7 @@ class Ledger:
                         banned: bool) -> tuple[int, dict]:
         """One submission's groups void (never trained), with its rejections and the node's new
         reputation. Returns (rollouts voided, batch -> groups voided)."""
-        with self.transaction() as db:
+        with self.transaction(durable=True) as db:
             rows = db.execute("SELECT group_id, batch_step, data FROM groups WHERE assignment_id=? AND verdict IS NULL",
                               (assignment_id,)).fetchall()
             voided = sum(len(json.loads(r[2])["rollouts"]) for r in rows)
@@ -426,7 +452,7 @@ class Ledger:
                      dropped: dict[str, list[int]] | None = None) -> None:
         """One transaction: the step, the groups it trained on and the groups it dropped (reason ->
         group ids), so a crash before it leaves every one of them waiting for the redone step."""
-        with self.transaction() as db:
+        with self.transaction(durable=True) as db:
             db.execute(
                 "INSERT INTO steps(step, published_ms, manifest_hash, encoding, base_step, compressed_bytes, "
                 "metrics) VALUES(?,?,?,?,?,?,?)",
