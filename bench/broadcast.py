@@ -33,9 +33,11 @@ import aiohttp  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.coordinator.app import start_server  # noqa: E402
 from node.coordinator.service import Coordinator  # noqa: E402
-from node.p2p.relay import Relay  # noqa: E402
-from node.worker.fetcher import CheckpointStore, Fetcher, FetchError  # noqa: E402
-from node.worker.peers import HaveAnnouncer, PeerSource, local_shard_getter  # noqa: E402
+from node.relay import Relay  # noqa: E402
+from node.checkpoint_dir import CheckpointDir  # noqa: E402
+from node.worker.client import CoordinatorClient  # noqa: E402
+from node.worker.fetcher import Fetcher, FetchError  # noqa: E402
+from node.worker.peers import HaveAnnouncer, PeerSource  # noqa: E402
 from node.worker.sources import HttpSource  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 
@@ -46,25 +48,33 @@ async def run_node(args) -> None:
     """One fetch-only node in its own process (one node per machine, as deployed): set up, print
     "ready", wait for "go" on stdin, fetch the newest checkpoint, print the result as JSON."""
     logging.basicConfig(level=logging.ERROR)
-    store = CheckpointStore(Path(args.dir))
+    store = CheckpointDir(Path(args.dir))
     done: dict[str, float] = {}
     stop = asyncio.Event()
+    identity = Identity.generate()
     async with aiohttp.ClientSession() as session:
-        sources = [HttpSource(args.origin, "coordinator", session, swarm=args.mode == "swarm")] \
-            if args.mode != "relay" else []
-        if args.mode == "relay":
-            sources.append(HttpSource(args.relay, "relay", session))
-        f = Fetcher(store, sources, args.key, keep=3, on_new_step=lambda s, p: done.setdefault("t", time.monotonic()))
+        sources: list = []
         p2p = announcer = None
-        if args.mode == "swarm":
+        if args.mode == "swarm":  # a joined node: super-seeding counts only signed requests of joined nodes
             from node.p2p import P2PNode
+            from node.p2p.shard_store import CheckpointShards
+            from protocol.signing import sign_request
 
-            p2p = P2PNode(Identity.generate(), run_id=args.run_id, coordinator_key=args.key,
-                          shard_source=local_shard_getter(store), bootstrap=args.bootstrap)
+            await CoordinatorClient(args.origin, identity, session).join()
+            sources.append(HttpSource(args.origin, "coordinator", session, swarm=True,
+                                      signer=lambda m, path: sign_request(identity, m, path, b"", run_id=args.run_id)))
+            p2p = P2PNode(identity, run_id=args.run_id, coordinator_key=args.key,
+                          shard_source=CheckpointShards(store.ckpt_dir), bootstrap=args.bootstrap)
             await p2p.start()
-            f.sources.append(PeerSource(p2p, f.manifest_hashes))
+            sources.append(PeerSource(p2p))
             announcer = HaveAnnouncer(p2p, interval=0.05)
-            f.on_shards = announcer.add
+        elif args.mode == "relay":
+            sources.append(HttpSource(args.relay, "relay", session))
+        else:
+            sources.append(HttpSource(args.origin, "coordinator", session))
+        f = Fetcher(store, sources, args.key, keep=3, on_new_step=lambda s, p: done.setdefault("t", time.monotonic()),
+                    on_shards=announcer.add if announcer else None)
+        if p2p:
             p2p.add_listener(lambda event: f.announce_change())
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -135,7 +145,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     if relay is not None:
         relay.stop_event.set()
         await relay_task
-    payload = coord.publisher.payload_path(0).read_bytes()
+    payload = coord.checkpoints.payload_path(0).read_bytes()
     for i in range(n):
         assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
@@ -162,7 +172,7 @@ async def main_async(sizes: list[int], cap: int) -> dict:
             coord, runner, url = await start_origin(tmp, cap)
             try:
                 if compressed is None:
-                    compressed = coord.publisher.manifest(0).compressed_size
+                    compressed = coord.checkpoints.manifest(0).compressed_size
                     ideal = compressed / cap
                     print(f"checkpoint: {compressed / 1e6:.2f} MB compressed, origin cap {cap / 1e6:.2f} MB/s "
                           f"-> one copy takes {ideal:.2f} s", flush=True)

@@ -18,7 +18,7 @@ HANDLERS = {
     "coordinator": "node.coordinator.main:cmd_coordinator",
     "join": "node.worker.main:cmd_join",
     "demo": "node.demo:cmd_demo",
-    "relay": "node.p2p.relay:cmd_relay",
+    "relay": "node.relay:cmd_relay",
     "checkpoint pack": "node.checkpoint_cli:cmd_pack",
     "checkpoint unpack": "node.checkpoint_cli:cmd_unpack",
     "verify checkpoint": "verify.cli:cmd_verify_checkpoint",

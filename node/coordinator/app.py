@@ -8,13 +8,12 @@ import time
 
 from aiohttp import web
 
-from node.coordinator.http import (
-    BODY_TIMEOUT, MAX_BODY_BYTES, SWARM_HEADER, ApiError, HardenedAppRunner, RateLimiter, UploadThrottle, error_middleware,
-    file_response, int_param, parse_body, read_signed, shard_path,
-)
+from node.checkpoint_routes import CheckpointRoutes
 from node.coordinator.openapi import build_openapi
+from node.coordinator.seeding import SeedingGate
+from node.http import (BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, HardenedAppRunner, RateLimiter, UploadThrottle,
+                       error_middleware, parse_body, read_signed)
 from protocol import messages as M
-from protocol.errors import SignatureError
 from protocol.signing import RequestVerifier
 
 
@@ -75,57 +74,14 @@ def build_app(coord) -> web.Application:
         signer, req = await signed(request, M.SubmitRequest)
         return _json(await coord.submit(signer, req))
 
-    async def checkpoints(request):
-        steps = coord.servable_steps()
-        return _json({"steps": steps, "newest": coord.published_step,
-                      "checkpoints": [c for c in coord.publisher.listing() if c["step"] in steps]})
+    def count(n: int) -> None:
+        coord.bytes_by_source["coordinator"] += n
+        coord.metrics.bytes_served.inc(n)
 
-    async def manifest(request):
-        step = int_param(request, "step")
-        data = coord.publisher.manifest_bytes(step) if step <= coord.published_step else None
-        if data is None:
-            raise ApiError(404, "not_found", f"no checkpoint for step {step} (available: {coord.publisher.steps()})")
-        return web.Response(body=data, content_type="application/json")
-
-    async def shard(request):
-        step, index = int_param(request, "step"), int_param(request, "index", 100_000)
-        if step > coord.published_step:
-            raise ApiError(404, "not_found", f"step {step} is not published yet")
-        key = (step, index)
-        # Super-seeding (node/coordinator/seeding.py) only for a swarm request signed by a joined node:
-        # an anonymous request is served like any HTTP client's, and never holds a first copy.
-        node_id = swarm_node(request) if request.headers.get(SWARM_HEADER) == "1" else None
-        if not coord.seeder.admit(key, node_id):
-            raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer")
-        # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
-        sending = request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-")
-        if sending:
-            coord.seeder.started(key, node_id)
-
-        def count(n: int) -> None:
-            coord.bytes_by_source["coordinator"] += n
-            coord.metrics.bytes_served.inc(n)
-
-        try:
-            resp = await file_response(request, shard_path(coord.publisher.ckpt_dir, step, index), throttle, count)
-        except BaseException:
-            if sending:
-                coord.seeder.failed(key, node_id)  # the first copy did not get out: the next swarm node may
-            raise
-        if sending:
-            coord.seeder.finished(key, node_id)
-        return resp
-
-    def swarm_node(request) -> str | None:
-        """The joined node that signed this GET (DESIGN §4, empty body), or None for an unsigned one."""
-        if not request.headers.get("X-Prime-Signature"):
-            return None
-        try:
-            signer = verifier.verify(request.method, request.path_qs, request.headers, b"").signer
-        except SignatureError as e:
-            raise ApiError(401, e.code, e.detail) from None
-        node = coord.ledger.node(signer)
-        return signer if node is not None and not node["banned"] else None
+    gate = SeedingGate(coord.seeder, verifier, lambda node_id: (n := coord.ledger.node(node_id)) is not None
+                       and not n["banned"])
+    CheckpointRoutes(coord.checkpoints, servable=coord.servable_steps, throttle=throttle, on_bytes=count,
+                     gate=gate).add_to(app)
 
     async def status(request):
         return _json(coord.status(max_age_s=STATUS_MAX_AGE_S))
@@ -150,9 +106,6 @@ def build_app(coord) -> web.Application:
     app.router.add_post("/v1/heartbeat", heartbeat)
     app.router.add_post("/v1/work", work)
     app.router.add_post("/v1/submit", submit)
-    app.router.add_get("/v1/checkpoints", checkpoints)
-    app.router.add_get("/v1/checkpoints/{step}/manifest", manifest)
-    app.router.add_get("/v1/checkpoints/{step}/shards/{index}", shard)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/dashboard", dashboard)

@@ -1,5 +1,6 @@
 """Super-seeding: the origin sends each shard's first copy to one swarm node and defers the others to
-peers while that copy spreads. Pure state with an injected clock (no IO), so every rule is unit-tested.
+peers while that copy spreads. `SuperSeeder` is pure state with an injected clock (no IO), so every
+rule is unit-tested; `SeedingGate` puts it in front of the shard route.
 
 A first copy counts only when a *joined node* asked for it in a *signed* request (the caller checks
 both and passes the node id; anyone else is served like any HTTP client and never holds a claim), and
@@ -16,6 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
+
+from node.http import SWARM_HEADER, ApiError
+from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
 
@@ -109,3 +113,35 @@ class SuperSeeder:
             self._claims.clear()
         if len(self._broken) >= self.max_keys:
             self._broken.clear()
+
+
+class SeedingGate:
+    """The shard route's gate (node/checkpoint_routes.py `ShardGate`): a swarm request signed by a joined
+    node (DESIGN §4, empty body) goes through the `SuperSeeder`; an unsigned one is served like any
+    HTTP client's and never holds a first copy; a signature that does not verify is a 401."""
+
+    def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool]):
+        self.seeder, self.verifier, self.is_member = seeder, verifier, is_member
+
+    def _node(self, request) -> str | None:
+        if request.headers.get(SWARM_HEADER) != "1" or not request.headers.get("X-Prime-Signature"):
+            return None
+        try:
+            signer = self.verifier.verify(request.method, request.path_qs, request.headers, b"").signer
+        except SignatureError as e:
+            raise ApiError(401, e.code, e.detail) from None
+        return signer if self.is_member(signer) else None
+
+    def before(self, request, step: int, index: int) -> tuple | None:
+        key, node_id = (step, index), self._node(request)
+        if not self.seeder.admit(key, node_id):
+            raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer")
+        # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
+        if request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-"):
+            self.seeder.started(key, node_id)
+            return key, node_id
+        return None
+
+    def after(self, ticket: tuple | None, sent: bool) -> None:
+        if ticket is not None:
+            (self.seeder.finished if sent else self.seeder.failed)(*ticket)

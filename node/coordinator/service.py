@@ -16,9 +16,10 @@ from collections import Counter, deque
 from pathlib import Path
 
 from node.config import Config
-from node.coordinator.http import ApiError
+from node.http import ApiError
 from node.coordinator.ledger import Ledger, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
+from node.checkpoint_dir import CheckpointDir
 from node.coordinator.publisher import Publisher
 from node.coordinator.seeding import SuperSeeder
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
@@ -43,7 +44,8 @@ class Coordinator:
         self.root.mkdir(parents=True, exist_ok=True)
         self.ledger = Ledger(self.root / "ledger.sqlite")
         self.metrics = CoordinatorMetrics()
-        self.publisher = Publisher(self.root, identity, cfg.run.run_id, async_level=self.k,
+        self.checkpoints = CheckpointDir(self.root)
+        self.publisher = Publisher(self.checkpoints, identity, cfg.run.run_id, async_level=self.k,
                                    shard_size=cfg.distribution.shard_size,
                                    level=cfg.distribution.compression_level,
                                    full_every=cfg.distribution.full_every)
@@ -154,7 +156,7 @@ class Coordinator:
         return self.training.published_step if self.training else 0
 
     def servable_steps(self) -> list[int]:
-        return [s for s in self.publisher.steps() if s <= self.published_step]
+        return [s for s in self.checkpoints.steps() if s <= self.published_step]
 
     def on_groups_dropped(self, by_batch: dict[int, int], keep_rate: float) -> None:
         """Called on the loop by the training thread when it drops groups (stale, filtered)."""
@@ -166,7 +168,7 @@ class Coordinator:
         self.scheduler.on_step_published(step, consumed)
         self.metrics.step.set(step)
         if self.p2p is not None:
-            self._spawn(self.p2p.announce_manifest(step, self.publisher.manifest(step).canonical_hash()),
+            self._spawn(self.p2p.announce_manifest(step, self.checkpoints.manifest(step).canonical_hash()),
                         f"announce-{step}")
 
     def _spawn(self, coro, name: str) -> None:

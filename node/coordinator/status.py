@@ -79,7 +79,7 @@ def build_status(c) -> dict:
                       "idle_seconds": r.metrics.get("idle_seconds", 0.0), "busy_seconds": r.metrics.get("busy_seconds", 0.0),
                       "publish_seconds": r.metrics.get("publish_seconds", 0.0), "max_staleness": r.metrics.get("max_staleness", 0)}
                      for r in steps[-200:]],
-        "checkpoints": c.publisher.listing(),
+        "checkpoints": c.checkpoints.listing(),
         # node-reported counters: each is bounded on the wire, their sum is clamped to what JSON readers take
         "checkpoint_bytes_by_source": {k: min(bytes_by_source.get(k, 0), 2**63 - 1)
                                        for k in ("coordinator", "relay", "peer")},

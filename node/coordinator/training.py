@@ -63,23 +63,23 @@ class TrainingLoop:
 
     def restore_or_init(self) -> None:
         latest = self.c.ledger.latest_step()
-        pub = self.c.publisher
+        store = self.c.checkpoints
         if latest is None:
-            pub.discard_after(-1)
+            store.discard_after(-1)
             shutil.rmtree(self.state_root, ignore_errors=True)
             self.trainer = self._make_trainer(resume=False)
             self._publish(0, {"note": "initial policy"}, [])
             return
         step = latest.step
         log.info("resuming from published step %d", step)
-        pub.discard_after(step)
+        store.discard_after(step)
         if step > 0 and not self._rewind_trainer_state(step):
             raise RuntimeError(f"trainer state for published step {step} is missing under {self.state_root}")
         self.trainer = self._make_trainer(resume=step > 0)
         self.published_step = step
         for s in range(max(0, step - self.k - 1), step + 1):
-            if pub.payload_path(s).is_file():
-                self.c.policies.put_payload(s, pub.payload_path(s))
+            if store.payload_path(s).is_file():
+                self.c.policies.put_payload(s, store.payload_path(s))
 
     # -- thread ------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -19,6 +19,7 @@ class Problem:
     prompt_id: str
     prompt: str  # the user message (the chat template is applied by encode_prompt)
     answer: Any  # whatever the task's score() needs; must be JSON-serialisable
+    system: str | None = None  # an optional system message (see prompt.encode_prompt)
 
 
 class TaskKwargs(BaseModel):

@@ -5,12 +5,30 @@ from node.envs.base import Problem
 
 
 def encode_prompt(tokenizer, problem: Problem) -> list[int]:
-    """The user message through the tokenizer's chat template, with the generation prompt added."""
-    messages = [{"role": "user", "content": problem.prompt}]
+    """The user message through the tokenizer's chat template, with the generation prompt added.
+
+    A problem's system message goes first as a system turn; where the chat template has no system
+    role (the tiny character tokenizer's), it is put before the user's text instead, separated by a
+    blank line, as verifiers' harnesses do.
+    """
+    system = getattr(problem, "system", None)
+    user = {"role": "user", "content": problem.prompt}
+    folded = {"role": "user", "content": f"{system}\n\n{problem.prompt}"} if system else user
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(problem.prompt, add_special_tokens=True)["input_ids"]]
+        if system:
+            from jinja2 import TemplateError
+
+            try:
+                return _apply(tokenizer, [{"role": "system", "content": system}, user])
+            except TemplateError:
+                pass
+        return _apply(tokenizer, [folded])
+    return [int(i) for i in tokenizer(folded["content"], add_special_tokens=True)["input_ids"]]
+
+
+def _apply(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(i) for i in ids]
 
 
 def decode_completion(tokenizer, completion_ids: list[int]) -> str:

@@ -1,4 +1,8 @@
-"""Find a task by built-in name or by "package.module:Class"."""
+"""Find a task by built-in name, "reasoning-gym:<dataset>", "verifiers:<environment>" or "package.module:Class".
+
+The reasoning-gym and verifiers modules are imported only when such a task is asked for (they are
+optional, the `envs` extra, and slow to import).
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -14,9 +18,17 @@ def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:
     kwargs = dict(kwargs or {})
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name](**kwargs)
+    if name.startswith("reasoning-gym:"):
+        from node.envs.reasoning_gym_task import PREFIX, ReasoningGymTask
+
+        return ReasoningGymTask(_target(name, PREFIX), kwargs)
+    if name.startswith("verifiers:"):
+        from node.envs.verifiers_env import PREFIX, VerifiersTask
+
+        return VerifiersTask(_target(name, PREFIX), kwargs)
     if ":" not in name:
         raise TaskError(f"unknown task {name!r} (built-ins: {', '.join(sorted(BUILTIN_TASKS))}; "
-                        "or give 'package.module:Class')")
+                        "or 'reasoning-gym:<dataset>', 'verifiers:<environment>', 'package.module:Class')")
     from node.trainer.plugins import PluginError, import_object
 
     try:
@@ -33,3 +45,10 @@ def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:
         if not callable(getattr(task, method, None)):
             raise TaskError(f"task {name!r} has no {method}() method")
     return task
+
+
+def _target(name: str, prefix: str) -> str:
+    target = name[len(prefix):].strip()
+    if not target:
+        raise TaskError(f"task {name!r} names nothing after {prefix!r}")
+    return target

@@ -73,7 +73,8 @@ ShardGetter = Callable[[int, int], Union[bytes, None]]
 
 
 class CallableShardStore:
-    """Wrap `(step, index) -> bytes | None`. It cannot check a manifest hash, so it ignores one."""
+    """Wrap `(step, index) -> bytes | None` (tests and embedders serving bytes they have in memory). It
+    cannot check a manifest hash, so it ignores one: a node serves its shards with `CheckpointShards`."""
 
     def __init__(self, getter: ShardGetter):
         self._getter = getter
@@ -140,6 +141,25 @@ class DirectoryShardStore:
             f.close()
             return None
         return FileBody(f, st.st_size)
+
+
+class CheckpointShards:
+    """A node's checkpoint directory (node/checkpoint_dir.py) as a peer shard store: the shards of its
+    complete steps, then the verified shards of a step still downloading. Streaming reads, the manifest
+    hash checked, no path from the network (both parts are `DirectoryShardStore`s)."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike):
+        from node.checkpoint_dir import PARTIAL_PREFIX
+
+        self._stores = (DirectoryShardStore(ckpt_dir),
+                        DirectoryShardStore(ckpt_dir, step_dir=lambda step: f"{PARTIAL_PREFIX}{step}"))
+
+    def open(self, step: int, index: int, manifest_hash: str | None) -> ShardBody | None:
+        for store in self._stores:
+            body = store.open(step, index, manifest_hash)
+            if body is not None:
+                return body
+        return None
 
 
 def as_store(source: ShardStore | ShardGetter | str | os.PathLike | None) -> ShardStore | None:

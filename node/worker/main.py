@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from node.config import load_config
+from node.logs import setup_logging
 from protocol.identity import Identity
 
 log = logging.getLogger("prime_node.worker")
@@ -24,8 +25,6 @@ async def run_worker(cfg, url: str, identity: Identity, coordinator_key: str | N
 
 
 def cmd_join(args) -> int:
-    from node.coordinator.main import setup_logging
-
     cfg = load_config(args.config, args.overrides)
     setup_logging(cfg.server.log_format)
     if args.coordinator_key:

@@ -22,7 +22,8 @@ from node.aio import sleep_or_stop, wait_any
 from node.config import Config
 from node.worker.backends import GenRequest, start_backend
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
-from node.worker.fetcher import CheckpointStore, Fetcher
+from node.checkpoint_dir import CheckpointDir
+from node.worker.fetcher import Fetcher
 from node.worker.sources import HttpSource
 from protocol import messages as M
 from protocol.errors import PrimeNodeError
@@ -125,13 +126,21 @@ class WorkerNode:
                                   signer=lambda method, path: sign_request(self.identity, method, path, b"",
                                                                            run_id=run_id))]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
-            store = CheckpointStore(self.root)
-            self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1,
-                                   on_new_step=self._on_new_step, progress=self.status_line)
+            store = CheckpointDir(self.root)
+            self.p2p, self.announcer = None, None
+            if self.cfg.p2p.enabled:  # peers become one more shard source, and we serve ours
+                from node.p2p.shard_store import CheckpointShards
+                from node.worker.peers import HaveAnnouncer, PeerSource
+
+                self.p2p = await self._start_p2p(spec, key, CheckpointShards(store.ckpt_dir))
+                self.announcer = HaveAnnouncer(self.p2p)
+                sources.append(PeerSource(self.p2p))
+            self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1, on_new_step=self._on_new_step,
+                                   on_shards=self.announcer.add if self.announcer else None,
+                                   progress=self.status_line)
             held = store.held_steps()
             if held:
                 self._on_new_step(held[-1], store.payload_path(held[-1]))
-            self.p2p = await self._start_p2p(spec, key, store) if self.cfg.p2p.enabled else None
             try:
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self.fetcher.run(self.stop_event), name="fetch")
@@ -151,18 +160,14 @@ class WorkerNode:
                     await self.p2p.stop()
         log.info("worker stopped (accepted %d, rejected %d rollouts)", self.stats.accepted, self.stats.rejected)
 
-    async def _start_p2p(self, spec: M.RunSpec, key: str, store: CheckpointStore):
-        """Join the run's libp2p swarm: peers become one more shard source, and we serve ours."""
+    async def _start_p2p(self, spec: M.RunSpec, key: str, shard_source):
+        """Join the run's libp2p swarm; its announcements wake the fetcher."""
         from node.p2p import P2PNode
-        from node.worker.peers import HaveAnnouncer, PeerSource, local_shard_getter
 
         p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=spec.run_id, coordinator_key=key,
-                                  shard_source=local_shard_getter(store),
+                                  shard_source=shard_source,
                                   bootstrap=[*self.cfg.p2p.bootstrap, *spec.p2p_bootstrap])
         await p2p.start()
-        self.fetcher.sources.append(PeerSource(p2p, self.fetcher.manifest_hashes))
-        self.announcer = HaveAnnouncer(p2p)
-        self.fetcher.on_shards = self.announcer.add
 
         def on_announcement(event) -> None:
             if event.announcement.kind == "manifest":  # a new step: fetch now, not at the next poll

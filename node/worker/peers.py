@@ -10,8 +10,9 @@ import logging
 import random
 from collections import defaultdict
 
+from node.p2p.errors import ShardBusy
 from node.worker.sources import ShardDeferred, SourceError
-from protocol.checkpoint import shard_file_name
+from protocol.errors import PrimeNodeError
 
 log = logging.getLogger("prime_node.peers")
 
@@ -20,19 +21,17 @@ class PeerSource:
     kind = "peer"
     name = "peer:swarm"
 
-    def __init__(self, p2p, manifest_hashes: dict[int, str]):
+    def __init__(self, p2p):
         self.p2p = p2p
-        self.hashes = manifest_hashes  # step -> manifest hash, filled by the fetcher
         self.banned: set[str] = set()
         self._last: dict[tuple[int, int], str] = {}
 
-    def holders(self, step: int, index: int) -> list[str]:
-        h = self.hashes.get(step)
-        return [p for p in self.p2p.peers_with(step, index, h)
-                if p not in self.banned and p != self.p2p.peer_id] if h else []
+    def _holders(self, step: int, index: int, manifest_hash: str) -> list[str]:
+        return [p for p in self.p2p.peers_with(step, index, manifest_hash)
+                if p not in self.banned and p != self.p2p.peer_id]
 
-    def has(self, step: int, index: int) -> bool:
-        return bool(self.holders(step, index))
+    def holders(self, step: int, index: int, manifest_hash: str) -> int:
+        return len(self._holders(step, index, manifest_hash))
 
     async def listing(self) -> dict:
         raise SourceError("peers do not list checkpoints")
@@ -40,22 +39,19 @@ class PeerSource:
     async def manifest(self, step: int) -> bytes:
         raise SourceError("manifests come from the coordinator or a relay")
 
-    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
+    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0, *,
+                    manifest_hash: str | None = None) -> bytes:
         """From a random holder among the freshest announcers; a busy or vanished peer costs a try
         of the next one, not a failure of the swarm."""
-        from protocol.errors import PrimeNodeError
-
-        holders = self.holders(step, index)
+        holders = self._holders(step, index, manifest_hash) if manifest_hash else []
         if not holders:
             raise SourceError(f"no peer holds shard {index} of step {step}")
-        from node.p2p.errors import ShardBusy
-
         random.shuffle(holders)
         errors, busy = [], 0
         for peer in holders[:4]:
             self._last[(step, index)] = peer
             try:
-                return await self.p2p.fetch_shard(peer, step, index, max_bytes, manifest_hash=self.hashes[step])
+                return await self.p2p.fetch_shard(peer, step, index, max_bytes, manifest_hash=manifest_hash)
             except ShardBusy as e:
                 busy += 1
                 errors.append(f"{peer[:12]}: {e}")
@@ -65,11 +61,12 @@ class PeerSource:
             raise ShardDeferred(f"every holder of shard {index} of step {step} is busy")
         raise SourceError("; ".join(errors))
 
-    def report_bad(self, step: int, index: int) -> None:
+    def report_bad(self, step: int, index: int) -> bool:
         peer = self._last.get((step, index))
         if peer:
             self.banned.add(peer)
             log.warning("dropping peer %s for this run: it served a bad shard %d of step %d", peer, index, step)
+        return True
 
 
 class HaveAnnouncer:
@@ -110,17 +107,3 @@ class HaveAnnouncer:
                     await self.p2p.announce_have(step, sorted(idx), h)
                 except Exception as e:  # announcing is best effort; downloads go on without it
                     log.debug("announce failed: %s", e)
-
-
-def local_shard_getter(store):
-    """Serve shards we hold, including verified ones of a step still downloading."""
-
-    def get(step: int, index: int) -> bytes | None:
-        name = shard_file_name(int(index))
-        for d in (store.ckpt_dir / str(int(step)) / "shards", store.partial_dir(step) / "shards"):
-            p = d / name
-            if p.is_file():
-                return p.read_bytes()
-        return None
-
-    return get

@@ -24,12 +24,27 @@ class ShardDeferred(SourceError):
 
 
 class ShardSource(Protocol):
+    """Everything the fetcher asks of a source (an HTTP server, or the swarm of peers)."""
+
     name: str
     kind: str  # "coordinator" | "relay" | "peer"
 
-    async def listing(self) -> dict: ...
-    async def manifest(self, step: int) -> bytes: ...
-    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes: ...
+    async def listing(self) -> dict:
+        """GET /v1/checkpoints (SourceError if this source cannot list)."""
+
+    async def manifest(self, step: int) -> bytes:
+        """The manifest's bytes, untrusted (SourceError if this source has none)."""
+
+    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0, *,
+                    manifest_hash: str | None = None) -> bytes:
+        """Bytes [offset, end) of a compressed shard (ShardDeferred: "not now, ask peers")."""
+
+    def holders(self, step: int, index: int, manifest_hash: str) -> int:
+        """How many peers behind this source are known to hold the shard (0 for a server)."""
+
+    def report_bad(self, step: int, index: int) -> bool:
+        """The shard just served failed verification: True if the source dealt with it (dropped the
+        one peer that served it), False if the fetcher should ban the source itself."""
 
 
 class HttpSource:
@@ -69,7 +84,14 @@ class HttpSource:
             raise SourceError(f"{self.name}: manifest of step {step} answered {status}")
         return body
 
-    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0) -> bytes:
+    def holders(self, step: int, index: int, manifest_hash: str) -> int:
+        return 0
+
+    def report_bad(self, step: int, index: int) -> bool:
+        return False
+
+    async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0, *,
+                    manifest_hash: str | None = None) -> bytes:
         """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         path = f"/v1/checkpoints/{int(step)}/shards/{int(index)}"

@@ -365,7 +365,7 @@ def test_malformed_http_is_logged_once_per_peer_address_per_minute(live, caplog)
 
 
 def test_peer_log_limiter_says_how_many_it_held_back():
-    from node.coordinator.http import PeerLogLimiter
+    from node.http import PeerLogLimiter
 
     t = [0.0]
     lim = PeerLogLimiter(60.0, max_peers=2, clock=lambda: t[0])

@@ -24,7 +24,7 @@ def backend_at(coord, step: int):
     from protocol.checkpoint import load_payload
 
     b = TransformersBackend(load_model(coord.model_dir))
-    b.load_state_dict(load_payload(coord.publisher.payload_path(step)), step)
+    b.load_state_dict(load_payload(coord.checkpoints.payload_path(step)), step)
     return b
 
 
@@ -250,7 +250,7 @@ async def test_steering_within_the_margin_is_banned_by_the_near_tie_rate(tmp_pat
 
     async with running_coordinator(tmp_path, "verification.near_tie_min_tokens=150") as (coord, base):
         model = load_model(coord.model_dir)
-        model.load_state_dict(load_payload(coord.publisher.payload_path(0)), strict=False)
+        model.load_state_dict(load_payload(coord.checkpoints.payload_path(0)), strict=False)
         async with aiohttp.ClientSession() as s:
             steerer, honest = RawNode(base, s), RawNode(base, s)
             await steerer.post("/v1/join", {})

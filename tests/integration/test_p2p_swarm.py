@@ -20,7 +20,7 @@ async def test_four_nodes_capped_origin_most_bytes_from_peers(tmp_path):
             "every node to hold step 2", coord)
         await stop_workers(*nodes)
         for step in (0, 1, 2):  # every node got every checkpoint, byte-exact with what was published
-            published = coord.publisher.payload_path(step).read_bytes() if coord.publisher.payload_path(step).exists() else None
+            published = coord.checkpoints.payload_path(step).read_bytes() if coord.checkpoints.payload_path(step).exists() else None
             for n, _ in nodes:
                 assert step in n.fetcher.store.held_steps() or step < n.fetcher.store.held_steps()[0]
                 if published is not None and step in n.fetcher.store.held_steps():
@@ -39,8 +39,8 @@ async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_pat
 
     async with running_coordinator(tmp_path, *BIGGER, "distribution.origin_upload_limit=300000",
                                    "run.max_steps=0") as (coord, url):
-        m = coord.publisher.manifest(0)
-        good = {i: (coord.publisher.ckpt_dir / "0" / "shards" / f"{i:05d}.zst").read_bytes() for i in range(m.num_shards)}
+        m = coord.checkpoints.manifest(0)
+        good = {i: (coord.checkpoints.ckpt_dir / "0" / "shards" / f"{i:05d}.zst").read_bytes() for i in range(m.num_shards)}
         served = {"n": 0}
 
         def corrupt(step, index):
@@ -70,6 +70,6 @@ async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_pat
             peer_src = next(s for s in node.fetcher.sources if s.kind == "peer")
             assert served["n"] >= 1, "the malicious peer was never asked (test did not exercise it)"
             assert evil.peer_id in peer_src.banned
-            assert node.fetcher.store.payload_path(0).read_bytes() == coord.publisher.payload_path(0).read_bytes()
+            assert node.fetcher.store.payload_path(0).read_bytes() == coord.checkpoints.payload_path(0).read_bytes()
         finally:
             await evil.stop()

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from node.p2p.relay import Relay
+from node.relay import Relay
 from tests.integration.coordinator_harness import running_coordinator
 from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
 
@@ -29,7 +29,7 @@ async def test_relay_serves_a_node(tmp_path):
         # everything the relay holds is byte-identical to what the coordinator published
         for s in relay.store.held_steps():
             ours = (relay.store.ckpt_dir / str(s) / "shards")
-            theirs = coord.publisher.ckpt_dir / str(s) / "shards"
+            theirs = coord.checkpoints.ckpt_dir / str(s) / "shards"
             if theirs.exists():
                 for f in ours.iterdir():
                     assert f.read_bytes() == (theirs / f.name).read_bytes()

@@ -42,7 +42,7 @@ async def test_late_joiner_catches_up_full_then_deltas(tmp_path):
     async with running_coordinator(tmp_path, "distribution.full_every=3", "run.max_steps=7") as (coord, url):
         early = start_worker(tmp_path, "early", coord, url)
         await wait_for(lambda: coord.published_step >= 5, 180, "step 5", coord)
-        listing = {c["step"]: c for c in coord.publisher.listing()}
+        listing = {c["step"]: c for c in coord.checkpoints.listing()}
         # The early node has done its part. Left running, it could take every prompt up to max_steps while
         # the late node is still downloading, and leave it no work at all (seen on a loaded machine).
         await stop_workers(early)
@@ -52,7 +52,7 @@ async def test_late_joiner_catches_up_full_then_deltas(tmp_path):
         late_node._on_new_step = lambda step, path: (fetched.append(step), original(step, path))
         await wait_for(lambda: late_node.stats.accepted > 0, 120, "the late node's first accepted rollouts", coord)
         await stop_workers((late_node, late_task))
-        listing.update({c["step"]: c for c in coord.publisher.listing()})  # steps published since (5-7)
+        listing.update({c["step"]: c for c in coord.checkpoints.listing()})  # steps published since (5-7)
         first = fetched[0]
         assert listing[first]["encoding"] == "full" and first > 0  # older steps were pruned; it began at a full one
         assert fetched == list(range(first, fetched[-1] + 1))  # then every delta in order

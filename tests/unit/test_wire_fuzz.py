@@ -4,9 +4,9 @@ and whatever a parser accepts stays within its bounds.
 
   parser                                         documented error
   protocol.messages models (model_validate[_json]) pydantic ValidationError
-  node.coordinator.http.parse_body               ApiError 400
-  node.coordinator.http._parse_range             ApiError 416 (a valid range is inside the file)
-  node.coordinator.http.int_param                ApiError 400
+  node.http.parse_body               ApiError 400
+  node.http._parse_range             ApiError 416 (a valid range is inside the file)
+  node.http.int_param                ApiError 400
   Manifest.from_json_bytes                       CheckpointError
   node.p2p.shard_wire decode_request etc.        BadRequest
   node.p2p.announce.decode_announcement          AnnouncementRejected
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from node.coordinator.http import ApiError, _parse_range, int_param, parse_body
+from node.http import ApiError, _parse_range, int_param, parse_body
 from node.p2p.announce import decode_announcement, encode_have_announcement, encode_manifest_announcement
 from node.p2p.errors import AnnouncementRejected
 from node.p2p.shard_wire import (BadRequest, Status, decode_header, decode_request, parse_request_length)
@@ -213,7 +213,7 @@ def test_parse_body_refuses_deep_nesting_with_400():
         assert e.value.status == 400
 
 
-# -- node.coordinator.http: Range and path numbers --------------------------------------------------------
+# -- node.http: Range and path numbers --------------------------------------------------------
 def reference_range(header: str, size: int):
     """RFC 9110 single byte range with ASCII digits, written independently of _parse_range."""
     if not header.startswith("bytes="):

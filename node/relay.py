@@ -1,24 +1,27 @@
 """`prime-node relay --upstream URL`: mirror verified checkpoints and serve them over HTTP.
 
 A relay is a fetcher without an inference engine: it pulls every published step from its upstream
-(coordinator or another relay), verifies every shard against the coordinator-signed manifest before
-storing it, and serves the same `/v1/checkpoints/...` paths as the coordinator, with Range support
-and an optional upload cap. Nodes find relays in the join response (`distribution.relays`).
+(coordinator or another relay) with the worker's own fetcher, which verifies every shard against the
+coordinator-signed manifest before storing it, and serves the same checkpoint routes as the
+coordinator (node/checkpoint_routes.py), with Range support and an optional upload cap. Nodes find
+relays in the join response (`distribution.relays`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from node.coordinator.http import (ApiError, UploadThrottle, error_middleware, file_response, int_param,
-                                   shard_path)
-from node.coordinator.publisher import checkpoint_listing
-from node.worker.fetcher import CheckpointStore, Fetcher
+from node.checkpoint_dir import CheckpointDir
+from node.checkpoint_routes import CheckpointRoutes
+from node.http import HardenedAppRunner, UploadThrottle, error_middleware
+from node.logs import setup_logging
+from node.worker.fetcher import Fetcher
 from node.worker.sources import HttpSource
 from protocol.identity import parse_public_key
 
@@ -29,12 +32,18 @@ class Relay:
     def __init__(self, upstream: str, root: Path, *, upstream_key: str | None = None, keep: int = 16,
                  upload_limit: int = 0):
         self.upstream = upstream.rstrip("/")
-        self.store = CheckpointStore(Path(root))
+        self.store = CheckpointDir(Path(root))
         self.key = upstream_key.lower() if upstream_key else None
         self.keep = keep
-        self.throttle = UploadThrottle(upload_limit)
         self.bytes_served = 0
+        self.routes = CheckpointRoutes(self.store, servable=self.store.held_steps, throttle=UploadThrottle(upload_limit),
+                                       on_bytes=self._count)
         self.stop_event = asyncio.Event()
+        self.url: str | None = None
+        self.fetcher: Fetcher | None = None
+
+    def _count(self, n: int) -> None:
+        self.bytes_served += n
 
     async def _learn_key(self, session: aiohttp.ClientSession) -> str:
         pin = self.store.root / "upstream.pub"
@@ -49,41 +58,14 @@ class Relay:
         log.warning("pinned upstream coordinator key %s on first sight; pass --upstream-key to be strict", key)
         return key
 
-    def listing(self) -> dict:
-        steps = self.store.held_steps()
-        return {"steps": steps, "newest": steps[-1] if steps else None,
-                "checkpoints": checkpoint_listing((s, self.store.manifest(s)) for s in steps)}
-
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware])
-
-        async def checkpoints(request):
-            return web.json_response(self.listing())
-
-        async def manifest(request):
-            step = int_param(request, "step")
-            if step not in self.store.held_steps():
-                raise ApiError(404, "not_found", f"this relay does not hold step {step}")
-            return web.Response(body=(self.store.ckpt_dir / str(step) / "manifest.json").read_bytes(),
-                                content_type="application/json")
-
-        async def shard(request):
-            step, index = int_param(request, "step"), int_param(request, "index", 100_000)
-            if step not in self.store.held_steps():  # only complete, verified steps are served
-                raise ApiError(404, "not_found", f"this relay does not hold step {step}")
-
-            def count(n: int) -> None:
-                self.bytes_served += n
-
-            return await file_response(request, shard_path(self.store.ckpt_dir, step, index), self.throttle, count)
+        self.routes.add_to(app)
 
         async def status(request):
             return web.json_response({"role": "relay", "upstream": self.upstream, "steps": self.store.held_steps(),
                                       "bytes_served": self.bytes_served})
 
-        app.router.add_get("/v1/checkpoints", checkpoints)
-        app.router.add_get("/v1/checkpoints/{step}/manifest", manifest)
-        app.router.add_get("/v1/checkpoints/{step}/shards/{index}", shard)
         app.router.add_get("/v1/status", status)
         return app
 
@@ -93,7 +75,7 @@ class Relay:
             key = await self._learn_key(session)
             self.fetcher = Fetcher(self.store, [HttpSource(self.upstream, "coordinator", session)], key,
                                    keep=self.keep, on_new_step=lambda step, path: log.info("mirrored step %d", step))
-            runner = web.AppRunner(self.app(), access_log=None)
+            runner = HardenedAppRunner(self.app(), access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, host, port)
             await site.start()
@@ -107,14 +89,12 @@ class Relay:
 
 
 def cmd_relay(args) -> int:
-    from node.coordinator.main import setup_logging
-
     setup_logging("plain")
     if args.upstream_key:
         try:
             parse_public_key(args.upstream_key)
         except ValueError as e:
-            print(f"error: --upstream-key: {e}")
+            print(f"error: --upstream-key: {e}", file=sys.stderr)
             return 2
     relay = Relay(args.upstream, Path(args.dir), upstream_key=args.upstream_key)
 
