@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 async def measure(n_nodes: int, n_steps: int, repeats: int = 7) -> dict:
     from node.config import load_config
-    from node.coordinator.ledger import StepRow, now_ms
+    from node.coordinator.ledger import now_ms
     from node.coordinator.service import Coordinator
     from protocol.identity import Identity
 

@@ -15,7 +15,8 @@ from typing import Callable, Protocol
 from aiohttp import web
 
 from node.checkpoint_dir import CheckpointDir
-from node.http import ApiError, UploadThrottle, file_response, int_param
+from node.http import ApiError, file_response, int_param
+from node.rate_limit import AsyncRateLimiter
 
 
 class ShardGate(Protocol):
@@ -27,7 +28,7 @@ class ShardGate(Protocol):
 
 
 class CheckpointRoutes:
-    def __init__(self, store: CheckpointDir, *, servable: Callable[[], list[int]], throttle: UploadThrottle,
+    def __init__(self, store: CheckpointDir, *, servable: Callable[[], list[int]], throttle: AsyncRateLimiter,
                  on_bytes: Callable[[int], None] = lambda n: None, gate: ShardGate | None = None):
         self.store = store
         self.servable = servable  # steps this server may hand out (the coordinator: committed to its ledger)

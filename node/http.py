@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -18,6 +17,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
 
 from node.aio import read_bounded
+from node.peer_log import PeerEventLog
+from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
 from protocol.errors import SignatureError
 from protocol.signing import SIGNED_HEADERS, RequestVerifier, strict_json_loads
 
@@ -87,45 +88,19 @@ async def error_middleware(request: web.Request, handler):
 
 
 # -- below the application: malformed HTTP -----------------------------------------------------------
-class PeerLogLimiter:
-    """At most one log line per peer address per `interval_s`; the lines in between are counted and the
-    count is told on the next line. Bounded: at most `max_peers` addresses are remembered."""
-
-    def __init__(self, interval_s: float = 60.0, max_peers: int = 4096, clock: Callable[[], float] = time.monotonic):
-        self.interval_s, self.max_peers, self.clock = interval_s, max_peers, clock
-        self._peers: dict[str, tuple[float, int]] = {}  # address -> (last logged, suppressed since)
-
-    def allow(self, peer: str) -> tuple[bool, int]:
-        """(log this one?, how many were suppressed before it)."""
-        now = self.clock()
-        last, suppressed = self._peers.get(peer, (None, 0))
-        if last is not None and now - last < self.interval_s:
-            self._peers[peer] = (last, suppressed + 1)
-            return False, suppressed
-        if last is None and len(self._peers) >= self.max_peers:
-            self._peers = {p: v for p, v in self._peers.items() if now - v[0] < self.interval_s}
-            if len(self._peers) >= self.max_peers:
-                self._peers.pop(next(iter(self._peers)))
-        self._peers[peer] = (now, 0)
-        return True, suppressed
-
-
 class _JsonErrorRequestHandler(web.RequestHandler):
     """aiohttp's connection handler, with two changes for requests that never reach the application
     (a bad request line, bad or oversized headers, a lying Content-Length): the answer is DESIGN §5's
     JSON error instead of text, and the log gets one line per peer address per minute instead of a
     traceback per request (a peer can send thousands of those a second)."""
 
-    log_limiter: PeerLogLimiter
+    peer_log: PeerEventLog
 
     def log_exception(self, *args, **kw) -> None:
         exc = kw.get("exc_info")
         peer = args[1] if len(args) > 1 and isinstance(args[1], str) else _peer_of(self.transport)
         if isinstance(exc, HttpProcessingError):
-            ok, suppressed = self.log_limiter.allow(peer)
-            if ok:
-                more = f" ({suppressed} more from this address in the last minute)" if suppressed else ""
-                self.logger.warning("malformed HTTP request from %s: %s%s", peer, _one_line(exc), more)
+            self.peer_log.note(peer, "malformed", lambda: _one_line(exc))
             return
         super().log_exception(*args, **kw)
 
@@ -154,7 +129,7 @@ def _one_line(exc: BaseException) -> str:
 class _JsonErrorServer(web.Server):
     def __call__(self) -> web.RequestHandler:
         handler = _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
-        handler.log_limiter = self.log_limiter
+        handler.peer_log = self.peer_log
         return handler
 
 
@@ -164,64 +139,14 @@ class HardenedAppRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, *, log_interval_s: float = 60.0, **kwargs):
         super().__init__(app, **kwargs)
-        self.log_limiter = PeerLogLimiter(log_interval_s)
+        self.peer_log = PeerEventLog(logging.getLogger("aiohttp.server"), "malformed HTTP requests",
+                                     level=logging.WARNING, interval_s=log_interval_s)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer  # same state; only the per-connection handler class differs
-        server.log_limiter = self.log_limiter
+        server.peer_log = self.peer_log
         return server
-
-
-class TokenBucket:
-    def __init__(self, rate: float, burst: float):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.stamp = burst, time.monotonic()
-
-    def take(self, n: float = 1.0) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= n:
-            self.tokens -= n
-            return True
-        return False
-
-
-class RateLimiter:
-    """Per-key token buckets, bounded in number (least recently created dropped first)."""
-
-    def __init__(self, rate: float, burst: int, max_keys: int = 100_000):
-        self.rate, self.burst, self.max_keys = rate, burst, max_keys
-        self._buckets: dict[str, TokenBucket] = {}
-
-    def allow(self, key: str) -> bool:
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            if len(self._buckets) >= self.max_keys:
-                self._buckets.pop(next(iter(self._buckets)))
-            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst)
-        return bucket.take()
-
-
-class UploadThrottle:
-    """One shared byte budget for every upload of a server (0 = unlimited). Async: waits, never drops."""
-
-    def __init__(self, bytes_per_second: int):
-        self.rate = bytes_per_second
-        self._lock = asyncio.Lock()
-        self._next = time.monotonic()
-
-    async def consume(self, n: int) -> None:
-        if self.rate <= 0:
-            return
-        async with self._lock:
-            now = time.monotonic()
-            start = max(now, self._next)
-            self._next = start + n / self.rate
-            delay = self._next - now
-        if delay > 0:
-            await asyncio.sleep(delay)
 
 
 def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -238,7 +163,7 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         raise ApiError(400, "malformed", f"invalid request: {probs}") from None
 
 
-async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: RateLimiter) -> tuple[str, bytes]:
+async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: KeyedRateLimit) -> tuple[str, bytes]:
     """Read the (size-limited) body and check its signature. Returns (signer node id, body)."""
     limit = request.app[MAX_BODY_BYTES]
     for name in SIGNED_HEADERS:
@@ -298,7 +223,7 @@ def _parse_range(header: str, size: int) -> tuple[int, int]:
     return start, end
 
 
-async def file_response(request: web.Request, path: Path, throttle: UploadThrottle,
+async def file_response(request: web.Request, path: Path, throttle: AsyncRateLimiter,
                         on_bytes: Callable[[int], None] | None = None,
                         content_type: str = "application/octet-stream") -> web.StreamResponse:
     """Serve a file from disk in chunks with Range support, under the shared upload cap."""
@@ -332,7 +257,7 @@ async def file_response(request: web.Request, path: Path, throttle: UploadThrott
             chunk = f.read(min(CHUNK, left))
             if not chunk:
                 break
-            await throttle.consume(len(chunk))
+            await throttle.acquire(len(chunk))
             await resp.write(chunk)
             if on_bytes:
                 on_bytes(len(chunk))

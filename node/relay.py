@@ -19,8 +19,9 @@ from aiohttp import web
 
 from node.checkpoint_dir import CheckpointDir
 from node.checkpoint_routes import CheckpointRoutes
-from node.http import HardenedAppRunner, UploadThrottle, error_middleware
+from node.http import HardenedAppRunner, error_middleware
 from node.logs import setup_logging
+from node.rate_limit import AsyncRateLimiter
 from node.worker.fetcher import Fetcher
 from node.worker.sources import HttpSource
 from protocol.identity import parse_public_key
@@ -36,7 +37,7 @@ class Relay:
         self.key = upstream_key.lower() if upstream_key else None
         self.keep = keep
         self.bytes_served = 0
-        self.routes = CheckpointRoutes(self.store, servable=self.store.held_steps, throttle=UploadThrottle(upload_limit),
+        self.routes = CheckpointRoutes(self.store, servable=self.store.held_steps, throttle=AsyncRateLimiter(upload_limit),
                                        on_bytes=self._count)
         self.stop_event = asyncio.Event()
         self.url: str | None = None

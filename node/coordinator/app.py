@@ -4,15 +4,14 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import json
-import time
 
 from aiohttp import web
 
 from node.checkpoint_routes import CheckpointRoutes
 from node.coordinator.openapi import build_openapi
 from node.coordinator.seeding import SeedingGate
-from node.http import (BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, HardenedAppRunner, RateLimiter, UploadThrottle,
-                       error_middleware, parse_body, read_signed)
+from node.http import BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, HardenedAppRunner, error_middleware, parse_body, read_signed
+from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
 from protocol import messages as M
 from protocol.signing import RequestVerifier
 
@@ -44,10 +43,10 @@ def build_app(coord) -> web.Application:
     app[MAX_BODY_BYTES] = cfg.max_body_bytes
     app[BODY_TIMEOUT] = cfg.body_timeout_s
     verifier = RequestVerifier(coord.cfg.run.run_id)
-    limiter = RateLimiter(cfg.rate_limit_per_second, cfg.rate_limit_burst)
+    limiter = KeyedRateLimit(cfg.rate_limit_per_second, cfg.rate_limit_burst, max_keys=100_000)  # per node
     joins_per_minute = coord.cfg.admission.joins_per_address_per_minute
-    join_limiter = RateLimiter(joins_per_minute / 60.0, joins_per_minute)  # per client address
-    throttle = UploadThrottle(coord.cfg.distribution.origin_upload_limit)
+    join_limiter = KeyedRateLimit(joins_per_minute / 60.0, joins_per_minute, max_keys=100_000)  # per address
+    throttle = AsyncRateLimiter(coord.cfg.distribution.origin_upload_limit)  # one cap for every upload
 
     async def signed(request: web.Request, model):
         signer, body = await read_signed(request, verifier, limiter)

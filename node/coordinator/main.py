@@ -5,7 +5,6 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 import time
 from pathlib import Path
 

@@ -8,7 +8,6 @@ before the window's start, so a node that holds nothing can always rebuild the n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from node.checkpoint_dir import CheckpointDir
 from protocol.identity import Identity

@@ -44,8 +44,8 @@ from protocol.identity import Identity
 from .announce import AnnouncementEvent, CheckedAnnouncement, precheck_announcement, topic_for_run, verify_announcement
 from .errors import AnnouncementRejected, InvalidMultiaddr, P2PError, PeerUnavailable
 from .keys import libp2p_key_pair, node_id_for_peer
-from .peer_log import PeerEventLog
-from .rate_limit import KeyedRateLimit
+from node.peer_log import PeerEventLog
+from node.rate_limit import KeyedRateLimit
 from .shard_client import fetch_shard
 from .shard_server import ShardServer
 from .shard_store import ShardStore

@@ -23,8 +23,8 @@ from typing import Any
 import trio
 from libp2p.network.stream.exceptions import StreamError
 
-from .peer_log import PeerEventLog
-from .rate_limit import TrioRateLimiter
+from node.peer_log import PeerEventLog
+from node.rate_limit import TrioRateLimiter
 from .shard_store import ShardStore
 from .shard_wire import (
     BadRequest,

@@ -364,20 +364,6 @@ def test_malformed_http_is_logged_once_per_peer_address_per_minute(live, caplog)
     assert st == 200
 
 
-def test_peer_log_limiter_says_how_many_it_held_back():
-    from node.http import PeerLogLimiter
-
-    t = [0.0]
-    lim = PeerLogLimiter(60.0, max_peers=2, clock=lambda: t[0])
-    assert lim.allow("a") == (True, 0)
-    assert [lim.allow("a")[0] for _ in range(5)] == [False] * 5
-    assert lim.allow("b") == (True, 0)
-    t[0] = 61.0
-    assert lim.allow("a") == (True, 5)  # the next line tells the 5 held back
-    assert lim.allow("c") == (True, 0)  # a third address: "b" (expired) is forgotten, memory stays bounded
-    assert len(lim._peers) <= 2
-
-
 # -- item 9: the OpenAPI description and a schemathesis fuzz run -------------------------------------
 def test_openapi_document_describes_every_route(live):
     from node.coordinator.app import build_app

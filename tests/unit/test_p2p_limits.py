@@ -1,8 +1,8 @@
 """The per-peer summary log and the per-forwarder gossip rate limit (pure; fake clocks, no hosts)."""
 import logging
 
-from node.p2p.peer_log import OTHERS, PeerEventLog
-from node.p2p.rate_limit import KeyedRateLimit, TokenBucket
+from node.peer_log import OTHERS, PeerEventLog
+from node.rate_limit import KeyedRateLimit, TokenBucket
 
 
 class Clock:

@@ -6,7 +6,7 @@ import pytest
 
 from node.p2p.announce import HaveAnnouncement, ManifestAnnouncement
 from node.p2p.peer_table import PeerTable
-from node.p2p.rate_limit import TokenBucket
+from node.rate_limit import TokenBucket
 from node.p2p.shard_store import CallableShardStore, DirectoryShardStore, as_store, manifest_hash
 from node.p2p.shard_wire import (
     MAX_REQUEST_BYTES,

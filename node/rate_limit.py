@@ -1,14 +1,16 @@
-"""Rate limits: the upload limit shared by every shard stream a node serves (a stand-in for a thin
-uplink), and the per-forwarding-peer gossip limit checked before any signature.
+"""The one rate limiter of every role: a clock-free token bucket, with a keyed form and asyncio and
+trio adapters. Used for upload caps shared by every transfer of a server (the coordinator's and a
+relay's HTTP uploads, a peer's shard streams), per-node request limits, joins per address, and the
+per-forwarding-peer gossip limit checked before any signature.
 
-A token bucket that may go into debt: a sender takes what it needs and then sleeps until the
-bucket is back at zero. Concurrent senders therefore share the rate, and a chunk larger than the
-burst still passes (just later). The gossip limit uses one bucket per peer the other way
-(`try_take`: take only if there is enough, else refuse; nothing owed). The arithmetic is
-separate from the clock so it can be tested without sleeping.
+Two ways to take tokens. `reserve` may go into debt: a sender takes what it needs and then sleeps until
+the bucket is back at zero, so concurrent senders share the rate and a chunk larger than the burst
+still passes (just later). `try_take` takes only if there is enough, else refuses; nothing owed.
+The arithmetic is separate from the clock so it can be tested without sleeping.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from typing import Callable, Hashable
@@ -67,6 +69,20 @@ class KeyedRateLimit:
         else:
             self._buckets.move_to_end(key)
         return bucket.try_take(1, now)
+
+
+class AsyncRateLimiter:
+    """TokenBucket on the asyncio loop's clock: `await acquire(n)` returns once `n` tokens are paid for.
+    A rate of 0 means unlimited. Concurrent callers share the rate (one event loop: no lock needed)."""
+
+    def __init__(self, rate: float, burst: float | None = None):
+        self._bucket = TokenBucket(rate, burst, now=time.monotonic()) if rate > 0 else None
+
+    async def acquire(self, n: int) -> None:
+        if self._bucket is not None:
+            delay = self._bucket.reserve(n, time.monotonic())
+            if delay > 0:
+                await asyncio.sleep(delay)
 
 
 class TrioRateLimiter:
