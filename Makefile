@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,envs]"
 	touch $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
