@@ -1,0 +1,647 @@
+"""Swarm simulation: a discrete-event, flow-level network model driving the REAL shard planner
+(node.worker.planner.ShardPlanner) and the REAL super-seeder (node.coordinator.seeding.SuperSeeder,
+with the simulated clock injected), to see how a checkpoint broadcast behaves at N = 16 ... 4,000
+nodes on internet links, which the real benchmark (bench/broadcast.py, 16 processes on 2 cores)
+cannot reach.
+
+    python bench/swarm_sim.py [--quick]
+Writes bench/results/swarm_sim.json and docs/swarm_sim.png.
+
+Model (every number is a parameter of `Case`):
+* Links ("internet" mix): 60 % home (down U(20, 100) Mbit/s, up U(5, 40)), 30 % fiber (symmetric
+  U(300, 1000) Mbit/s), 10 % datacenter (symmetric U(1, 10) Gbit/s). The origin's uploads together
+  are capped at `origin_cap` (1 Gbit/s by default). Round-trip times 10-200 ms, fixed per peer pair
+  (and per node to the origin).
+* Bandwidth: flow level. A transfer's rate is min(sender's uplink / its active uploads, receiver's
+  downlink / its active downloads), recomputed for the flows of both ends whenever a flow starts or
+  ends. (Not max-min fair: capacity a sender-limited flow leaves unused at the receiver is not
+  handed to the receiver's other flows, so times are, if anything, pessimistic.) A transfer starts
+  one RTT after it is requested.
+* Checkpoint: shards of 32 MiB (DistributionConfig.shard_size, what the publisher cuts); the
+  wire bytes are taken as the checkpoint size (bf16 barely compresses at zstd level 1). A delta
+  (xor-delta) keeps the same shards, each 1/30 of the bytes (`delta_fraction`).
+* Each node: the worker's fetcher loop: `parallel` = 4 download slots over one ShardPlanner
+  (rarest first among shards peers announced, one origin slot, deferrals), peers tried as PeerSource
+  does (up to 4 random holders; a holder serving `upload_slots` = 8 transfers answers "busy", which
+  costs an RTT; all busy -> the planner's deferral), then the coordinator. A node keeps serving
+  once done.
+* Origin: super-seeding as node/coordinator/seeding.py (the real class: first copy of each shard to
+  one swarm node, "429 seeded" to the others for `super_seed_s` = 10 s after that copy, served anyway
+  after 3 deferrals); a refusal costs an RTT.
+* "have" gossip: a shard a node verified becomes visible to every node (and the origin's seeder)
+  after the HaveAnnouncer's batch delay (uniform in [0, max(interval, min(5, N/8))] s, the real
+  formula) plus log6(N) gossip hops of the mean RTT. One global view (identical events aggregated:
+  everyone learns a "have" at the same instant).
+* Churn (`churn_mean_s`): every node leaves after an exponential time (mean 1 h by default) and is
+  replaced at once by a fresh node with an empty store and a new link draw. A leaving node's
+  transfers fail (its receivers' planners get `failed`, the slot retries after 1 s) and its shards
+  leave the view at once. Churn stops once every node present at t = 0 that did not leave holds the
+  checkpoint; the run ends when every node present holds it.
+
+Not modelled: TCP dynamics (slow start, loss, RTT-limited windows), CPU cost (hashing, Noise,
+py-libp2p: the cause of the real N = 16 miss), NAT / outbound-only nodes, the network core (only
+the edges are bottlenecks), gossip loss, stale "have" views after a peer leaves, the manifest and
+listing round trips, nodes that lie, the fetcher's 0.25 s polling (slots wake on news or deadlines,
+which is the same decision earlier).
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from node.coordinator.seeding import SuperSeeder  # noqa: E402
+from node.worker.planner import Pick, ShardPlanner, Wait  # noqa: E402
+
+MIB = 1 << 20
+MBIT = 125_000.0  # bytes/s
+SHARD_BYTES = 32 * MIB  # node/config.py DistributionConfig.shard_size (what the publisher cuts)
+MIX = [  # (share, name, down range Mbit/s, up range Mbit/s or None = symmetric)
+    (0.6, "home", (20, 100), (5, 40)),
+    (0.3, "fiber", (300, 1000), None),
+    (0.1, "datacenter", (1000, 10000), None),
+]
+
+
+@dataclass
+class Case:
+    nodes: int
+    checkpoint_bytes: int
+    kind: str = "full"  # "full" | "delta"
+    mode: str = "swarm"  # "swarm" | "origin" (HTTP from the origin only) | "relay" (one relay in front)
+    churn_mean_s: float = 0.0  # mean session length; 0 = no churn
+    origin_cap: float = 1000 * MBIT
+    shard_bytes: int = SHARD_BYTES
+    delta_fraction: float = 1 / 30
+    links: str = "internet"  # "internet" (MIX) | "loopback" (every node `loopback_rate` both ways)
+    loopback_rate: float = 100e6
+    rtt_range: tuple = (0.010, 0.200)
+    parallel: int = 4
+    upload_slots: int = 8
+    super_seed_s: float = 10.0
+    have_interval: float = 0.3  # HaveAnnouncer(interval): 0.3 in the worker, 0.05 in bench/broadcast.py
+    seed: int = 0
+    max_sim_s: float = 10 * 86400
+
+
+class Flow:
+    __slots__ = ("s", "r", "pick", "rem", "rate", "last", "ver", "server", "live", "started")
+
+    def __init__(self, s, r, pick, size, server):
+        self.s, self.r, self.pick, self.rem, self.server = s, r, pick, float(size), server
+        self.rate, self.last, self.ver, self.live, self.started = 0.0, 0.0, 0, True, False
+
+
+class Node:
+    __slots__ = ("id", "cls", "up", "down", "rtt_o", "planner", "held", "idle", "ups", "downs", "reserved",
+                 "active", "joined", "done_t", "initial", "holds", "server", "sent", "parked", "waiters", "wake_t")
+
+    def __init__(self, nid, cls, up, down, rtt_o):
+        self.id, self.cls, self.up, self.down, self.rtt_o = nid, cls, up, down, rtt_o
+        self.planner = None
+        self.held = 0
+        self.idle = 0
+        self.ups: set = set()  # flows sending bytes
+        self.downs: set = set()
+        self.reserved = 0  # upload slots taken (requested or sending)
+        self.active = True
+        self.joined = 0.0
+        self.done_t = None
+        self.initial = False
+        self.holds: list = []  # shards visible to others as held by this node
+        self.server = None  # where this node's HTTP fetches go (origin or relay)
+        self.sent = 0.0
+        self.parked: set = set()  # shards whose every tried holder was busy: retried when one frees a slot
+        self.waiters: list = []  # (node, shard) told "busy" by this node
+        self.wake_t = -1.0
+
+
+# event kinds
+WAKE, FSTART, FEND, DEFER, HAVE, LEAVE, JOIN, RETRY = range(8)
+
+
+class Sim:
+    def __init__(self, case: Case):
+        self.c = case
+        self.rng = random.Random(case.seed)
+        self.now = 0.0
+        self.q: list = []
+        self.seq = 0
+        size = case.checkpoint_bytes * (case.delta_fraction if case.kind == "delta" else 1.0)
+        self.num_shards = max(1, math.ceil(case.checkpoint_bytes / case.shard_bytes))
+        self.shard_size = size / self.num_shards
+        self.total = size
+        self.swarm = case.mode == "swarm"
+        self.seeder = SuperSeeder(case.super_seed_s, clock=lambda: self.now) if self.swarm else None
+        self.nodes: list[Node] = []
+        self.origin = Node(-1, "origin", case.origin_cap, float("inf"), 0.0)
+        self.origin.held = self.num_shards
+        self.relay = None
+        self.holders: dict[int, int] = {}  # the gossip view: shard -> how many peers announced it
+        self.holder_list: list[list[int]] = [[] for _ in range(self.num_shards)]
+        self.holder_pos: list[dict[int, int]] = [{} for _ in range(self.num_shards)]
+        self.idle_nodes: set[int] = set()
+        self.shard_waiters: dict[int, list] = {}
+        self.origin_bytes = 0.0
+        self.peer_bytes = 0.0
+        self.events = 0
+        self.churning = case.churn_mean_s > 0
+        self.leaves = self.joins = 0
+        self.takes = 0
+        self.waiting_initial = self.waiting_all = 0  # present nodes not yet holding the checkpoint
+        n = case.nodes
+        self.gossip_batch = max(case.have_interval, min(5.0, n / 8.0))
+        self.gossip_hops = max(1, math.ceil(math.log(max(n, 2), 6)))
+        self.mean_rtt = sum(case.rtt_range) / 2 if case.links == "internet" else case.rtt_range[0]
+
+    # ---- plumbing -------------------------------------------------------------------------------
+    def push(self, t, kind, a=None, b=None):
+        self.seq += 1
+        heapq.heappush(self.q, (t, self.seq, kind, a, b))
+
+    def rtt(self, a: Node, b: Node) -> float:
+        if a is self.origin or a is self.relay:
+            return b.rtt_o
+        if b is self.origin or b is self.relay:
+            return a.rtt_o
+        lo, hi = self.c.rtt_range
+        x, y = (a.id, b.id) if a.id < b.id else (b.id, a.id)
+        h = ((x * 2654435761) ^ (y * 40503 + 0x9E3779B9)) & 0xFFFFFFFF
+        return lo + (hi - lo) * ((h * 2246822519) & 0xFFFF) / 0xFFFF
+
+    def new_node(self, initial: bool) -> Node:
+        c, rng = self.c, self.rng
+        if c.links == "loopback":
+            cls, up, down = "loopback", c.loopback_rate, c.loopback_rate
+        else:
+            x, acc = rng.random(), 0.0
+            for share, cls, dr, ur in MIX:
+                acc += share
+                if x < acc:
+                    break
+            down = rng.uniform(*dr) * MBIT
+            up = down if ur is None else rng.uniform(*ur) * MBIT
+        node = Node(len(self.nodes), cls, up, down, rng.uniform(*c.rtt_range))
+        node.joined, node.initial = self.now, initial
+        node.server = self.origin
+        self.nodes.append(node)
+        self.waiting_all += 1
+        self.waiting_initial += initial
+        return node
+
+    def start_fetching(self, node: Node) -> None:
+        node.planner = ShardPlanner(self.num_shards, range(self.num_shards), swarm=self.swarm,
+                                    rng=random.Random(self.rng.random()))
+        node.idle = min(self.c.parallel, self.num_shards)
+        self.wake(node)
+
+    # ---- bandwidth --------------------------------------------------------------------------------
+    def settle(self, f: Flow) -> None:
+        if f.rate > 0:
+            f.rem -= f.rate * (self.now - f.last)
+        f.last = self.now
+
+    def reshare(self, node: Node, up: bool) -> None:
+        for f in list(node.ups if up else node.downs):
+            self.settle(f)
+            rate = min(f.s.up / len(f.s.ups), f.r.down / len(f.r.downs))
+            if rate != f.rate:
+                f.rate = rate
+                f.ver += 1
+                self.push(self.now + max(f.rem, 0.0) / rate, FEND, f, f.ver)
+
+    def flow_begin(self, f: Flow) -> None:
+        if not f.live:
+            return
+        f.started, f.last = True, self.now
+        f.s.ups.add(f)
+        f.r.downs.add(f)
+        self.reshare(f.s, True)
+        self.reshare(f.r, False)
+
+    def release(self, s: Node) -> None:
+        """An upload slot of `s` is free: the first node it told "busy" (still waiting) looks again."""
+        s.reserved -= 1
+        w = s.waiters
+        while w:
+            node, i = w.pop(0)
+            if self.unpark(node, i):
+                return
+
+    def unpark(self, node: Node, i: int) -> bool:
+        if not node.active or i not in node.parked:
+            return False
+        node.parked.discard(i)
+        if i not in node.planner.remaining:
+            return False
+        t = max(self.now, node.planner.peers_wait.get(i, 0.0))
+        self.push(t, WAKE, node)
+        return True
+
+    def flow_stop(self, f: Flow) -> None:
+        """Take a flow out of both ends and reshare."""
+        f.live = False
+        self.release(f.s)
+        if f.started:
+            self.settle(f)
+            f.s.ups.discard(f)
+            f.r.downs.discard(f)
+            self.reshare(f.s, True)
+            self.reshare(f.r, False)
+
+    # ---- the fetcher's slots -----------------------------------------------------------------------
+    def wake(self, node: Node) -> None:
+        """Run the node's idle download slots until one is told to wait (slots are interchangeable)."""
+        p = node.planner
+        while node.idle > 0 and node.active:
+            self.takes += 1
+            pick = p.take(self.now, self.holders)
+            if isinstance(pick, Wait):
+                self.idle_nodes.add(node.id)
+                if pick.until is not None:  # a deadline, except busy-peer waits: those wake on a freed slot
+                    now, parked = self.now, node.parked
+                    ts = [t for t in p.origin_wait.values() if t > now]
+                    ts += [t for i, t in p.peers_wait.items() if t > now and i not in parked]
+                    if ts:
+                        t = min(ts)
+                        if not (now <= node.wake_t <= t):
+                            node.wake_t = t
+                            self.push(t, WAKE, node)
+                return
+            node.idle -= 1
+            self.dispatch(node, pick)
+        self.idle_nodes.discard(node.id)
+
+    def dispatch(self, node: Node, pick: Pick) -> None:
+        i = pick.index
+        if self.swarm and self.holders.get(i, 0) > 0:  # PeerSource: up to 4 random holders, busy ones cost an RTT
+            lst = self.holder_list[i]
+            tries = self.rng.sample(lst, min(4, len(lst)))
+            delay = 0.0
+            for hid in tries:
+                h = self.nodes[hid]
+                rtt = self.rtt(node, h)
+                if h.reserved < self.c.upload_slots:
+                    self.transfer(h, node, pick, delay + rtt, server=False)
+                    return
+                delay += rtt
+            for hid in tries:  # every holder busy: the planner defers it; we retry when one frees a slot
+                self.nodes[hid].waiters.append((node, i))
+            self.shard_waiters.setdefault(i, []).append(node)
+            node.parked.add(i)
+            self.push(self.now + delay, DEFER, node, pick)
+            return
+        server = node.server
+        if server is self.relay and self.relay is not None:
+            self.transfer(server, node, pick, node.rtt_o, server=True)
+            return
+        if self.seeder is not None and not self.seeder.admit(i, node.id):  # 429 seeded
+            self.push(self.now + node.rtt_o, DEFER, node, pick)
+            return
+        if self.seeder is not None:
+            self.seeder.started(i, node.id)
+        self.transfer(self.origin, node, pick, node.rtt_o, server=True)
+
+    def transfer(self, s: Node, r: Node, pick: Pick, delay: float, server: bool) -> None:
+        f = Flow(s, r, pick, self.shard_size, server)
+        s.reserved += 1
+        self.push(self.now + delay, FSTART, f)
+
+    def flow_end(self, f: Flow) -> None:
+        self.flow_stop(f)
+        node, pick = f.r, f.pick
+        if f.s is self.origin:
+            self.origin_bytes += self.shard_size
+            if self.seeder is not None:
+                self.seeder.finished(pick.index, node.id)
+        else:
+            self.peer_bytes += self.shard_size if not f.server else 0.0
+        f.s.sent += self.shard_size
+        node.planner.done(pick)
+        node.held += 1
+        if self.swarm:
+            delay = self.rng.uniform(0, self.gossip_batch) + self.gossip_hops * self.mean_rtt
+            self.push(self.now + delay, HAVE, node, pick.index)
+        if node.held == self.num_shards:
+            node.done_t = self.now
+            if node is not self.relay:
+                self.waiting_all -= 1
+                self.waiting_initial -= node.initial
+            self.on_done(node)
+        node.idle += 1
+        self.wake(node)
+
+    def on_done(self, node: Node) -> None:
+        if node is self.relay:  # the relay lists the step once it mirrored all of it
+            for n in self.nodes:
+                if n is not self.relay:
+                    self.start_fetching(n)
+
+    def have(self, node: Node, i: int) -> None:
+        if not node.active:
+            return
+        pos = self.holder_pos[i]
+        pos[node.id] = len(self.holder_list[i])
+        self.holder_list[i].append(node.id)
+        node.holds.append(i)
+        n = self.holders.get(i, 0) + 1
+        self.holders[i] = n
+        self.seeder.announced(node.id, [i])
+        ws = self.shard_waiters.get(i)
+        if ws:  # a new holder: up to `upload_slots` nodes parked on this shard look again
+            k = 0
+            while ws and k < self.c.upload_slots:
+                k += self.unpark(ws.pop(0), i)
+        if n == 1:  # news: a shard nobody held; one idle slot per waiting node looks again
+            for nid in list(self.idle_nodes):
+                nd = self.nodes[nid]
+                if i in nd.planner.remaining:
+                    self.wake(nd)
+
+    # ---- churn --------------------------------------------------------------------------------------
+    def leave(self) -> None:
+        live = [n for n in self.nodes if n.active and n is not self.relay]
+        node = self.rng.choice(live)
+        node.active = False
+        self.leaves += 1
+        if node.done_t is None:
+            self.waiting_all -= 1
+            self.waiting_initial -= node.initial
+        self.idle_nodes.discard(node.id)
+        for f in list(node.downs):
+            self.flow_stop(f)
+            if f.s is self.origin and self.seeder is not None:
+                self.seeder.failed(f.pick.index, node.id)
+        for f in list(node.ups):
+            self.flow_stop(f)
+            self.fail(f)
+        node.downs.clear()
+        node.ups.clear()
+        for i in node.holds:  # remove from the view (swap-remove)
+            pos, lst = self.holder_pos[i], self.holder_list[i]
+            k = pos.pop(node.id)
+            last = lst.pop()
+            if last != node.id:
+                lst[k] = last
+                pos[last] = k
+            self.holders[i] -= 1
+        node.holds = []
+        for w, i in node.waiters:  # the nodes it told "busy" look elsewhere
+            self.unpark(w, i)
+        node.waiters = []
+        self.push(self.now, JOIN)
+
+    def fail(self, f: Flow) -> None:
+        if f.r.active:
+            self.push(self.now + 1.0, RETRY, f.r, f.pick)
+
+    def all_initial_stayers_done(self) -> bool:
+        return all(n.done_t is not None for n in self.nodes if n.initial and n.active)
+
+    # ---- run ---------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.c
+        wall0 = time.perf_counter()
+        if c.mode == "relay":
+            self.relay = Node(-2, "relay", c.loopback_rate if c.links == "loopback" else 10_000 * MBIT,
+                              c.loopback_rate if c.links == "loopback" else 10_000 * MBIT,
+                              self.rng.uniform(*c.rtt_range))
+            self.relay.server = self.origin
+            self.relay.id = 10**9
+        for _ in range(c.nodes):
+            self.new_node(initial=True)
+        if self.relay is not None:
+            for n in self.nodes:
+                n.server = self.relay
+            self.relay.planner = ShardPlanner(self.num_shards, range(self.num_shards), swarm=False,
+                                              rng=random.Random(1))
+            self.relay.idle = min(c.parallel, self.num_shards)
+            self.wake(self.relay)
+        else:
+            for n in self.nodes:
+                self.start_fetching(n)
+        if self.churning:
+            self.push(self.rng.expovariate(c.nodes / c.churn_mean_s), LEAVE)
+        stayers_t = None
+        q = self.q
+        while q:
+            t, _, kind, a, b = heapq.heappop(q)
+            if t > c.max_sim_s:
+                raise RuntimeError(f"simulation passed {c.max_sim_s} s: {self.summary_counts()}")
+            self.now = t
+            self.events += 1
+            if kind == FEND:
+                if a.live and b == a.ver:
+                    self.flow_end(a)
+            elif kind == FSTART:
+                if a.live and a.r.active and a.s.active:
+                    self.flow_begin(a)
+                elif a.live:
+                    a.live = False
+                    self.release(a.s)
+                    if a.s is self.origin and self.seeder is not None:
+                        self.seeder.failed(a.pick.index, a.r.id)
+                    if a.r.active:
+                        self.fail(a)
+            elif kind == WAKE:
+                if t == a.wake_t:
+                    a.wake_t = -1.0
+                if a.active and a.planner is not None:
+                    self.wake(a)
+            elif kind == HAVE:
+                self.have(a, b)
+            elif kind == DEFER:
+                if a.active:
+                    a.planner.deferred(b, self.now)
+                    a.idle += 1
+                    self.wake(a)
+            elif kind == RETRY:
+                if a.active:
+                    a.planner.failed(b)
+                    a.idle += 1
+                    self.wake(a)
+            elif kind == LEAVE:
+                if self.churning:
+                    self.leave()
+                    self.push(self.now + self.rng.expovariate(c.nodes / c.churn_mean_s), LEAVE)
+            elif kind == JOIN:
+                if self.churning:
+                    self.joins += 1
+                    self.start_fetching(self.new_node(initial=False))
+            if kind in (FEND,) and stayers_t is None and self.all_done(initial_only=True):
+                stayers_t = self.now
+                self.churning = False
+            if kind == FEND and self.all_done(initial_only=False):
+                break
+        if not self.all_done(initial_only=False):
+            raise RuntimeError(f"simulation stalled: {self.summary_counts()}")
+        return self.result(stayers_t, time.perf_counter() - wall0)
+
+    def all_done(self, initial_only: bool) -> bool:
+        return (self.waiting_initial if initial_only else self.waiting_all) == 0
+
+    def summary_counts(self) -> str:
+        live = [n for n in self.nodes if n.active]
+        return (f"t={self.now:.1f} live={len(live)} done={sum(n.done_t is not None for n in live)} "
+                f"events={self.events} takes={self.takes}")
+
+    def lower_bound(self, nodes: list[Node]) -> dict:
+        """Every schedule needs at least: one copy through the origin cap (every byte leaves the origin
+        once), the slowest node's download of every byte at its full downlink, and all nodes' bytes
+        (N copies, less nothing) through the total upload capacity (origin cap + every node's uplink);
+        plus one RTT to the origin."""
+        S = self.total
+        one_copy = S / self.c.origin_cap
+        slowest = max(S / n.down for n in nodes)
+        supply = self.c.origin_cap + (sum(n.up for n in nodes) if self.swarm else 0.0)
+        if self.relay is not None:  # the nodes' bytes come through the relay's uplink
+            supply = self.relay.up
+        aggregate = len(nodes) * S / supply
+        bound = max(one_copy, slowest, aggregate) + min(n.rtt_o for n in nodes)
+        which = max(("one copy at origin cap", one_copy), ("slowest downlink", slowest),
+                    ("aggregate upload", aggregate), key=lambda kv: kv[1])[0]
+        return {"lower_bound_seconds": bound, "bound_by": which, "one_copy_seconds": one_copy,
+                "slowest_download_seconds": slowest, "aggregate_upload_seconds": aggregate}
+
+    def result(self, stayers_t, wall) -> dict:
+        c = self.c
+        initial = [n for n in self.nodes if n.initial]
+        stayed = [n for n in initial if n.active]
+        joiners = [n for n in self.nodes if not n.initial]
+        seconds = max(n.done_t for n in stayed)
+        lb = self.lower_bound(stayed if stayed else initial)
+        row = {
+            "nodes": c.nodes, "checkpoint_bytes": c.checkpoint_bytes, "kind": c.kind, "mode": c.mode,
+            "links": c.links, "churn": (f"mean session {c.churn_mean_s:.0f} s" if c.churn_mean_s else None),
+            "wire_bytes": round(self.total), "shards": self.num_shards, "shard_wire_bytes": round(self.shard_size),
+            "origin_cap_bytes_s": c.origin_cap,
+            "seconds": round(seconds, 2), **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lb.items()},
+            "ratio": round(seconds / lb["lower_bound_seconds"], 3),
+            "origin_bytes": round(self.origin_bytes), "origin_copies": round(self.origin_bytes / self.total, 3),
+            "peer_bytes": round(self.peer_bytes),
+            "median_node_seconds": round(sorted(n.done_t - n.joined for n in stayed)[len(stayed) // 2], 2),
+            "sim_events": self.events, "planner_takes": self.takes, "wall_seconds": round(wall, 1),
+        }
+        if c.churn_mean_s:
+            done_j = [n.done_t - n.joined for n in joiners if n.done_t is not None]
+            row.update({"left": self.leaves, "joined": self.joins, "stayers": len(stayed),
+                        "joiners_done": len(done_j),
+                        "joiner_median_seconds": round(sorted(done_j)[len(done_j) // 2], 2) if done_j else None,
+                        "all_present_seconds": round(self.now, 2)})
+        return row
+
+
+def simulate(case: Case) -> dict:
+    return Sim(case).run()
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------
+GB = 10**9
+
+
+def validation() -> list[dict]:
+    """bench/broadcast.py's set-up: 3,700,211 B in 128 KiB shards, origin cap 0.5 MB/s, loopback
+    (nodes uncapped: 100 MB/s, RTT 1 ms), HaveAnnouncer interval 0.05 s, 4 slots, 10 s super-seeding."""
+    measured = json.loads((REPO / "bench/results/broadcast.json").read_text())
+    rows = []
+    for m in measured["results"]:
+        case = Case(nodes=m["nodes"], checkpoint_bytes=measured["compressed_bytes"], mode=m["mode"],
+                    origin_cap=measured["origin_upload_limit"], shard_bytes=131072, links="loopback",
+                    rtt_range=(0.001, 0.001), have_interval=0.05)
+        r = simulate(case)
+        err = r["seconds"] / m["seconds"] - 1
+        rows.append({"mode": m["mode"], "nodes": m["nodes"], "sim_seconds": r["seconds"],
+                     "measured_seconds": m["seconds"], "sim_vs_measured": round(err, 3),
+                     "within_20pct": abs(err) <= 0.2, "sim_origin_bytes": r["origin_bytes"],
+                     "measured_origin_bytes": m["bytes_from_origin"]})
+    return rows
+
+
+def cases(quick: bool) -> list[Case]:
+    out = []
+    sizes = [16, 100] if quick else [16, 100, 1000, 4000]
+    for ck in (1 * GB, 16 * GB):
+        for kind in ("full", "delta"):
+            for n in sizes:
+                out.append(Case(nodes=n, checkpoint_bytes=ck, kind=kind))
+        for n in sizes:
+            out.append(Case(nodes=n, checkpoint_bytes=ck, kind="full", churn_mean_s=3600.0))
+    return out
+
+
+def fmt_table(rows: list[dict]) -> str:
+    head = "| N | checkpoint | kind | churn | s | lower bound s (by) | ratio | origin copies | median node s |"
+    lines = [head, "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        churn = "-" if not r["churn"] else f"{r['left']} left / {r['joined']} joined"
+        lines.append(f"| {r['nodes']:,} | {r['checkpoint_bytes'] / GB:g} GB | {r['kind']} | {churn} | "
+                     f"{r['seconds']:,.1f} | {r['lower_bound_seconds']:,.1f} ({r['bound_by']}) | "
+                     f"**{r['ratio']:.2f}** | {r['origin_copies']:.2f} | {r['median_node_seconds']:,.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ck, ax in zip((1 * GB, 16 * GB), axes):
+        for kind, churn, style in (("full", False, "o-"), ("delta", False, "s--"), ("full", True, "^:")):
+            sel = [r for r in rows if r["checkpoint_bytes"] == ck and r["kind"] == kind and bool(r["churn"]) == churn]
+            if not sel:
+                continue
+            label = f"{kind}{' + churn' if churn else ''}"
+            ax.plot([r["nodes"] for r in sel], [r["ratio"] for r in sel], style, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("nodes")
+        ax.set_ylabel("time to 100 % ÷ lower bound")
+        ax.set_title(f"{ck / GB:g} GB checkpoint (simulated)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="N = 16 and 100 only")
+    ap.add_argument("--skip-validation", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for case in cases(args.quick):
+        r = simulate(case)
+        print(f"N={r['nodes']:5d} {r['checkpoint_bytes'] / GB:4g} GB {r['kind']:5s} churn={bool(r['churn'])!s:5s} "
+              f"{r['seconds']:9.1f} s  bound {r['lower_bound_seconds']:9.1f} s  ratio {r['ratio']:.2f}  "
+              f"origin {r['origin_copies']:.2f} copies  (wall {r['wall_seconds']} s)", flush=True)
+        rows.append(r)
+    val = [] if args.skip_validation else validation()
+    print()
+    print(fmt_table(rows))
+    for v in val:
+        print(v)
+    out = {"benchmark": "swarm_sim", "model": {
+        "links": [{"share": s, "class": c, "down_mbit": d, "up_mbit": u or "symmetric"} for s, c, d, u in MIX],
+        "origin_cap_bytes_s": Case(1, 1).origin_cap, "shard_bytes": SHARD_BYTES,
+        "delta_fraction": Case(1, 1).delta_fraction, "rtt_s": list(Case(1, 1).rtt_range),
+        "churn": "each node leaves after Exp(mean 3600 s) and is replaced at once by an empty node",
+        "defaults": {k: v for k, v in asdict(Case(1, 1)).items() if k not in ("nodes", "checkpoint_bytes")}},
+        "rows": rows, "validation": val}
+    (REPO / "bench/results/swarm_sim.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(rows, REPO / "docs/swarm_sim.png")
+
+
+if __name__ == "__main__":
+    main()
