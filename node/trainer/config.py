@@ -99,6 +99,9 @@ class TrainerConfig(_Strict):
     # and before the ledger records it resumes from step n's, which must still be there.
     keep_states: int = Field(2, ge=2)
     seed: int = 0
+    # FSDP2 data-parallel ranks of the coordinator's trainer (node.trainer.distributed), all on this
+    # machine: 1 = the plain single-process Trainer.
+    ranks: int = Field(1, ge=1, le=64)
     # Short supervised warm start on the task's reference answers, done before RL step 1 (0 = off).
     warm_start_steps: int = Field(0, ge=0)
     warm_start_lr: float = Field(3e-3, gt=0)

@@ -1,0 +1,619 @@
+"""FSDP2 data-parallel trainer: the training step on N local ranks, gradients equal to one rank's.
+
+Who does what
+-------------
+Rank 0 is the coordinator's process. It runs a `DistributedTrainer`, which *is* a `Trainer`: groups are
+offered to it (`add_group`: advantages, filters, pools, keep rate -- all rank-0 state, unchanged), and
+the four methods that touch the model become collective commands that rank 0 broadcasts and every rank
+executes together:
+
+    FB      forward/backward on a list of samples      (Trainer.forward_backward)
+    APPLY   divide by the batch's loss tokens, clip, optimizer step, zero grads  (Trainer._apply_gradients)
+    GATHER  full (unsharded) state dict for the broadcast checkpoint            (weights_for_broadcast)
+    SAVE    sharded trainer state with torch.distributed.checkpoint            (save_state)
+
+Ranks 1..N-1 are followers (`python -m node.trainer.distributed`, or `serve_follower()` inside a process
+whose process group is up): they build the same model from the init message rank 0 broadcasts, then loop
+on commands until STOP. A command is a header tensor plus int64 / float64 / uint8 payload tensors
+(`encode_samples`): no pickle crosses between ranks, and the followers never see network input --
+only samples rank 0 built from verified, already-selected groups.
+
+Gradients = the single-rank step
+--------------------------------
+Every rank packs the batch's samples into the same micro-batches (`build_micro_batches` is
+deterministic) and takes its share (greedy balance by padded tokens). Each back-propagates the SUM of
+its per-token losses; FSDP's reduce-scatter SUMS across ranks (gradient divide factor 1); APPLY then
+divides by the batch's loss-token count, all-reduced over the ranks -- exactly the single-rank
+normalisation (trainer.py's docstring). Ranks with fewer micro-batches run zero-weighted dummy passes so
+every rank issues the same collectives. Only the summation order differs: weights match the
+single-rank run to float32 rounding (tests/unit/test_fsdp_trainer.py: 1e-5 after 3 steps).
+
+Trainer state (sharded): STATE_DIR/LATEST and STATE_DIR/step-NNNNNNNN/ as in node.trainer.state, with
+`dcp/` (model + optimizer through torch.distributed.checkpoint, one file per rank: resumable on any
+number of ranks), `model/` (config + tokenizer, no weights), rng.safetensors and trainer.json
+(format FSDP_FORMAT). The single-rank Trainer keeps its own safetensors format (see the report in
+issue #15): DCP's `.metadata` file is a pickle, which the single-rank format avoids on purpose.
+
+All ranks live on one machine (MASTER_ADDR 127.0.0.1): gloo on CPU, NCCL with one GPU per rank.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from node.trainer.config import TrainerConfig
+from node.trainer.loss import sft_loss
+from node.trainer.packing import TrainSample, build_micro_batches
+from node.trainer.trainer import Trainer, TrainerError
+from node.trainer.types import Group
+
+FSDP_FORMAT = "prime-node/trainer-state/fsdp-v1"
+LOOPBACK = "127.0.0.1"
+# Followers wait in a broadcast while rank 0 collects a batch, which may take long: the process-group
+# timeout must outlast the slowest batch. A dead rank 0 is noticed sooner: its sockets close (and a
+# follower started by start_followers also watches its stdin pipe).
+DEFAULT_TIMEOUT = timedelta(hours=24)
+
+OP_STOP, OP_FB, OP_APPLY, OP_GATHER, OP_SAVE, OP_NEW_OPTIMIZER, OP_INIT = 0, 1, 2, 3, 4, 5, 6
+_HEADER = 8  # float64: op, n_ints, n_floats, n_bytes, a0..a3
+_LOSSES = {0: None, 1: sft_loss}  # 0 = the trainer's own loss (self.loss_fn)
+_WEIGHTED = ("masked_frac", "clipped_frac", "mean_ratio", "kl", "nll", "teacher_kl")  # trainer._TOKEN_WEIGHTED
+
+
+# ------------------------------------------------------------------------------- process group
+
+def free_port() -> int:
+    """An ephemeral TCP port on the loopback interface (free when asked; the rendezvous binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for a rank (single node, loopback rendezvous)."""
+    return {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+
+
+def init_process_group(*, rank: int | None = None, world_size: int | None = None, port: int | None = None,
+                       device: str = "cpu", timeout: timedelta = DEFAULT_TIMEOUT,
+                       threads: int | None = None) -> tuple[int, int]:
+    """Join the process group (gloo on CPU, NCCL on CUDA). Arguments not given come from the torchrun
+    environment (RANK, WORLD_SIZE, MASTER_PORT); the address is always the loopback one. On CPU the
+    machine's cores are split between the ranks unless `threads` says otherwise."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    port = int(os.environ["MASTER_PORT"]) if port is None else port
+    addr = os.environ.get("MASTER_ADDR", LOOPBACK)
+    if addr not in (LOOPBACK, "localhost"):
+        raise TrainerError(f"trainer ranks rendezvous on {LOOPBACK} only, not {addr!r}")
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return rank, world_size
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------- launching
+
+def start_followers(world_size: int, port: int, *, device: str = "cpu", python: str = sys.executable,
+                    cwd: str | Path | None = None) -> list[subprocess.Popen]:
+    """Start ranks 1..world_size-1 as `python -m node.trainer.distributed` (the caller is rank 0 and must
+    then call init_process_group(rank=0, world_size=..., port=port)). Each follower exits when its stdin
+    closes, i.e. when this process dies."""
+    procs = []
+    root = Path(__file__).resolve().parents[2]
+    for rank in range(1, world_size):
+        env = {**os.environ, **rank_env(rank, world_size, port), "PRIME_TRAINER_DEVICE": device}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
+        procs.append(subprocess.Popen([python, "-m", "node.trainer.distributed"], env=env,
+                                      stdin=subprocess.PIPE, cwd=str(cwd or root)))
+    return procs
+
+
+def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, results) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
+    try:
+        results.put((rank, "ok", fn(*args)))
+    except BaseException as e:  # reported to the parent, which raises
+        import traceback
+
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 600.0) -> list[Any]:
+    """Run fn(*args) in `world_size` fresh processes, as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port), and return their results in rank order. `fn` must
+    be importable (a module-level function); it calls init_process_group() itself. For tests and
+    benchmarks: the coordinator instead uses `launch` (it is rank 0 itself)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, args, r, world_size, port, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except Exception:  # queue.Empty: check the children are alive
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s") from None
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode}") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed: {value}")
+            out[rank] = value
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
+
+
+def launch(world_size: int, model_dir: str | Path | None, cfg: TrainerConfig | None = None, *,
+           resume_from: str | Path | None = None, device: str = "cpu", **kwargs: Any) -> "DistributedTrainer":
+    """For the coordinator: make this process rank 0 of `world_size` local ranks (followers started as
+    subprocesses) and return its DistributedTrainer -- fresh from `model_dir`, or resumed from the latest
+    snapshot under `resume_from` (a state dir written by a DistributedTrainer, any world size).
+    Call `.close()` when done (stops the followers, leaves the process group)."""
+    port = free_port()
+    procs = start_followers(world_size, port, device=device)
+    try:
+        init_process_group(rank=0, world_size=world_size, port=port, device=device)
+        if resume_from is not None:
+            trainer = DistributedTrainer.resume(resume_from, cfg, device=device, **kwargs)
+        else:
+            trainer = DistributedTrainer(model_dir, cfg, device=device, **kwargs)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        destroy_process_group()
+        raise
+    trainer._followers = procs
+    return trainer
+
+
+# ------------------------------------------------------------------------------- batch codec
+
+def encode_samples(samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples -> (int64 tensor, float64 tensor). Per sample: ints [len(prompt), len(completion),
+    has_teacher, key0, key1, *prompt, *completion]; floats [advantage, *inference_logprobs, *teacher]."""
+    ints: list[int] = []
+    floats: list[float] = []
+    for s in samples:
+        teacher = s.teacher_logprobs is not None
+        ints += [len(s.prompt_ids), len(s.completion_ids), int(teacher), int(s.key[0]), int(s.key[1])]
+        ints += s.prompt_ids
+        ints += s.completion_ids
+        floats.append(float(s.advantage))
+        floats += s.inference_logprobs
+        if teacher:
+            floats += s.teacher_logprobs
+    return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float64)
+
+
+def decode_samples(ints: torch.Tensor, floats: torch.Tensor) -> list[TrainSample]:
+    iv, fv = ints.tolist(), floats.tolist()
+    out: list[TrainSample] = []
+    i = f = 0
+    while i < len(iv):
+        lp, lc, teacher, k0, k1 = iv[i: i + 5]
+        i += 5
+        prompt, completion = iv[i: i + lp], iv[i + lp: i + lp + lc]
+        i += lp + lc
+        adv = fv[f]
+        lps = fv[f + 1: f + 1 + lc]
+        f += 1 + lc
+        tl = None
+        if teacher:
+            tl = fv[f: f + lc]
+            f += lc
+        out.append(TrainSample(prompt, completion, lps, adv, tl, key=(k0, k1)))
+    if f != len(fv):
+        raise TrainerError("malformed sample batch from rank 0")
+    return out
+
+
+def assign_micro_batches(sizes: list[int], world_size: int) -> list[list[int]]:
+    """Micro-batch indices per rank: largest first onto the least-loaded rank (ties: lower rank), each
+    rank's share in batch order. Deterministic, so every rank computes the same split."""
+    load = [0] * world_size
+    share: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        load[r] += sizes[i]
+        share[r].append(i)
+    return [sorted(s) for s in share]
+
+
+# ------------------------------------------------------------------------------- the trainer
+
+class DistributedTrainer(Trainer):
+    """A Trainer whose model is sharded with FSDP2 over the process group's ranks. On rank 0, use it like
+    a Trainer (plus `close()`); on the other ranks, `serve_follower()` builds and drives it."""
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig | None = None, *, _snapshot: Path | None = None,
+                 **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            raise TrainerError("DistributedTrainer needs the process group (init_process_group or launch)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._ready = self._sharded = False
+        self._followers: list[subprocess.Popen] = []
+        self._extra_optimizer: torch.optim.Optimizer | None = None
+        cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
+        if self.rank == 0:  # tell the followers what to build (each picks its own GPU)
+            cfg = cfg or TrainerConfig()
+            init = {"model_dir": str(model_dir), "cfg": cfg.model_dump(mode="json"),
+                    "snapshot": None if _snapshot is None else str(_snapshot),
+                    "kwargs": {**{k: v for k, v in kwargs.items() if k != "state_dir"},
+                               "device": "cuda" if cuda else "cpu"}}
+            self._comm_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            self._send(OP_INIT, text=json.dumps(init))
+        if cuda:
+            kwargs["device"] = f"cuda:{torch.cuda.current_device()}"
+        self._comm_device = torch.device(kwargs["device"] if cuda else "cpu")
+        super().__init__(model_dir, cfg, **kwargs)
+        if _snapshot is not None:
+            self._load_sharded(_snapshot / "dcp")
+        self._ready = True
+
+    # -- hooks of Trainer ------------------------------------------------------------------------
+    @staticmethod
+    def _shard(model) -> None:
+        """fully_shard every decoder layer, then the root (embeddings, final norm, output head)."""
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        layers = getattr(model.get_decoder(), "layers", None)
+        if layers is None:
+            raise TrainerError(f"{type(model).__name__}: no decoder layers to shard")
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for m in model.modules():  # plain SUM over ranks (gloo has no PREMUL_SUM); APPLY divides by tokens
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        # micro_batch_logprobs calls the decoder and the output embedding directly, not model.forward:
+        # run it as an FSDP forward method so the root's parameters are gathered (and reduced after).
+        model.prime_logprobs = _bound_logprobs(model)
+        register_fsdp_forward_method(model, "prime_logprobs")
+
+    def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        # Trainer.__init__ asks for its optimizer right after loading the model: shard it first.
+        if not self._sharded:
+            self._shard(self.model)
+            self._sharded = True
+        opt = super()._new_optimizer(lr)
+        if self._ready:  # after construction: a second optimizer (the SFT warm start)
+            if self.rank == 0:
+                self._send(OP_NEW_OPTIMIZER, args=(lr,))
+            self._extra_optimizer = opt
+        return opt
+
+    def forward_backward(self, groups: list[Group], loss_fn) -> None:
+        samples = [TrainSample(g.prompt_ids, r.completion_ids, r.inference_logprobs, g.advantages[j],
+                               r.teacher_logprobs, key=(gi, j))
+                   for gi, g in enumerate(groups) for j, r in enumerate(g.rollouts)]
+        loss_id = 0 if loss_fn is self.loss_fn else next((k for k, v in _LOSSES.items() if v is loss_fn), None)
+        if loss_id is None:
+            raise TrainerError("DistributedTrainer runs its own loss or sft_loss only")
+        ints, floats = encode_samples(samples)
+        self._send(OP_FB, ints=ints, floats=floats, args=(loss_id,))
+        self._fb(samples, loss_id)
+
+    def _apply_gradients(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> dict[str, Any]:
+        which = 0 if optimizer is self.optimizer else 1
+        if which and optimizer is not self._extra_optimizer:
+            raise TrainerError("DistributedTrainer steps its own optimizers only")
+        tokens = self._win["loss_tokens"]
+        self._send(OP_APPLY, args=(which, max_grad_norm, tokens))
+        return self._apply(which, max_grad_norm, tokens)
+
+    def weights_for_broadcast(self) -> dict[str, torch.Tensor]:
+        self._send(OP_GATHER)
+        return self._gather()
+
+    def save_state(self) -> Path:
+        if self.state_dir is None:
+            raise TrainerError("this Trainer has no state_dir to save into")
+        from node.trainer import distributed_state
+
+        return distributed_state.save(self, self.state_dir)
+
+    @classmethod
+    def resume(cls, state_dir: str | Path, cfg: TrainerConfig | None = None, **kwargs: Any) -> "DistributedTrainer":
+        from node.trainer import distributed_state
+
+        return distributed_state.load(cls, Path(state_dir), cfg or TrainerConfig(), **kwargs)
+
+    def close(self) -> None:
+        """Rank 0: stop the followers and leave the process group."""
+        if self.rank == 0 and dist.is_initialized():
+            self._send(OP_STOP)
+        destroy_process_group()
+        for p in self._followers:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self._followers = []
+
+    # -- collective bodies (every rank) ------------------------------------------------------------
+    def _fb(self, samples: list[TrainSample], loss_id: int) -> None:
+        loss_fn = self.loss_fn if loss_id == 0 else _LOSSES[loss_id]
+        t0 = time.perf_counter()
+        mbs = build_micro_batches(samples, self.cfg.packing, self.cfg.micro_batch_tokens)
+        share = assign_micro_batches([mb.padded_tokens for mb in mbs], self.world_size)
+        slots = max(len(s) for s in share)
+        outer, self._win = self._win, _fresh_window(self._win)
+        try:
+            mine = share[self.rank]
+            for k in range(slots):
+                if k < len(mine):
+                    self._micro_batch_backward(mbs[mine[k]], loss_fn)
+                else:
+                    self._dummy_backward()
+            local = self._win
+        finally:
+            self._win = outer
+        vec = [local["loss_sum"], local["loss_tokens"], local["nonfinite"], local["tokens_processed"]]
+        vec += [local["weighted"].get(k, 0.0) for k in _WEIGHTED]
+        vec += [float(k in local["weighted"]) for k in _WEIGHTED]
+        t = torch.tensor(vec, dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t)
+        v = t.tolist()
+        w = self._win
+        w["loss_sum"] += v[0]
+        w["loss_tokens"] += int(round(v[1]))
+        w["nonfinite"] += int(round(v[2]))
+        w["tokens_processed"] += int(round(v[3]))
+        n = len(_WEIGHTED)
+        for i, k in enumerate(_WEIGHTED):
+            if v[4 + n + i] > 0:
+                w["weighted"][k] = w["weighted"].get(k, 0.0) + v[4 + i]
+        w["seconds"] += time.perf_counter() - t0
+
+    def _micro_batch_backward(self, mb, loss_fn) -> None:
+        # The body of Trainer.forward_backward's loop, with the logprobs computed under FSDP.
+        from node.trainer.loss import LossInputs
+
+        slices = [s for row in mb.rows for s in row.slices]
+        logprobs = self.model.prime_logprobs(mb, self.temperature)
+        total = None
+        for sl, lp in zip(slices, logprobs):
+            s = sl.sample
+            n = len(s.completion_ids)
+            like = dict(dtype=lp.dtype, device=lp.device)
+            out = loss_fn(LossInputs(
+                trainer_logprobs=lp,
+                inference_logprobs=torch.tensor(s.inference_logprobs, **like),
+                teacher_logprobs=None if s.teacher_logprobs is None else torch.tensor(s.teacher_logprobs, **like),
+                advantages=torch.full((n,), float(s.advantage), **like),
+                loss_mask=torch.ones(n, dtype=torch.bool, device=lp.device),
+            ))
+            total = out.loss if total is None else total + out.loss
+            self._record_loss_metrics(out, n)
+        self._win["tokens_processed"] += mb.padded_tokens
+        if total is not None and total.requires_grad:
+            total.backward()
+        else:  # keep the collectives in step with the other ranks
+            (sum(lp.sum() for lp in logprobs) * 0.0).backward()
+
+    def _dummy_backward(self) -> None:
+        """A pass that contributes exactly zero gradient, so that this rank joins the same all-gathers and
+        reduce-scatters as the ranks that still have micro-batches."""
+        mb = build_micro_batches([TrainSample([0], [0], [0.0], 0.0)], "packed", 64)[0]
+        (self.model.prime_logprobs(mb, self.temperature)[0].sum() * 0.0).backward()
+
+    def _apply(self, which: int, max_grad_norm: float, tokens: int) -> dict[str, Any]:
+        """Trainer._apply_gradients on sharded gradients: the same division, clipping and skip rule."""
+        from torch.distributed.tensor import DTensor
+
+        optimizer = self.optimizer if which == 0 else self._extra_optimizer
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params if p.grad is not None]
+        if tokens > 0:
+            for g in grads:
+                g.div_(tokens)
+        grad_norm = 0.0
+        if tokens and grads:
+            total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+            if isinstance(total, DTensor):
+                total = total.full_tensor()
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, total)
+            grad_norm = float(total)
+        skipped = not (tokens > 0 and math.isfinite(grad_norm))
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": self._win["loss_sum"] / max(tokens, 1), "grad_norm": grad_norm,
+                "loss_tokens": tokens, "lr": optimizer.param_groups[0]["lr"], "optimizer_skipped": skipped}
+
+    def _gather(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return {}
+        dtype = getattr(torch, self.cfg.broadcast_dtype)
+        return {name: full[name].detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                for name in self._broadcast_keys()}
+
+    def _broadcast_keys(self) -> list[str]:
+        """state_dict keys minus tied duplicates (as Trainer.weights_for_broadcast drops them)."""
+        seen: set[int] = set()
+        dup: set[str] = set()
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                dup.add(name)
+            seen.add(id(p))
+        return [k for k in self.model.state_dict() if k not in dup]
+
+    def _load_sharded(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def _save_sharded(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+
+    # -- the command channel -----------------------------------------------------------------------
+    def _send(self, op: int, *, ints: torch.Tensor | None = None, floats: torch.Tensor | None = None,
+              text: str | None = None, args: tuple = ()) -> None:
+        """Rank 0: broadcast one command (no-op on one rank)."""
+        if self.rank != 0:
+            raise TrainerError("only rank 0 issues commands")
+        if self.world_size == 1:
+            return
+        raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else None
+        header = [op, 0 if ints is None else ints.numel(), 0 if floats is None else floats.numel(),
+                  0 if raw is None else raw.numel(), *args]
+        header += [0.0] * (_HEADER - len(header))
+        dev = self._comm_device
+        dist.broadcast(torch.tensor(header, dtype=torch.float64, device=dev), src=0)
+        for t in (ints, floats, raw):
+            if t is not None and t.numel():
+                dist.broadcast(t.to(dev), src=0)
+
+    def _serve(self) -> None:
+        """Followers: execute rank 0's commands until STOP."""
+        while True:
+            op, args, ints, floats, text = _receive(self._comm_device)
+            if op == OP_STOP:
+                return
+            if op == OP_FB:
+                self._fb(decode_samples(ints, floats), int(args[0]))
+            elif op == OP_APPLY:
+                self._apply(int(args[0]), float(args[1]), int(args[2]))
+                self._reset_window()
+            elif op == OP_GATHER:
+                self._gather()
+            elif op == OP_SAVE:
+                self._save_sharded(Path(text))
+            elif op == OP_NEW_OPTIMIZER:
+                self._extra_optimizer = super()._new_optimizer(float(args[0]))
+            else:
+                raise TrainerError(f"unknown trainer command {op}")
+
+
+def _bound_logprobs(model):
+    from node.trainer.forward import micro_batch_logprobs
+
+    def prime_logprobs(mb, temperature):
+        return micro_batch_logprobs(model, mb, temperature)
+
+    return prime_logprobs
+
+
+def _fresh_window(like: dict) -> dict:
+    w = {k: (type(v)() if isinstance(v, (list, dict)) else 0 * v) for k, v in like.items()}
+    return w
+
+
+def _text_of(t: torch.Tensor) -> str:
+    return bytes(t.cpu().tolist()).decode()
+
+
+def _receive(dev: torch.device) -> tuple[int, list[float], torch.Tensor | None, torch.Tensor | None, str | None]:
+    header = torch.zeros(_HEADER, dtype=torch.float64, device=dev)
+    dist.broadcast(header, src=0)
+    h = header.tolist()
+    op, n_int, n_float, n_bytes = (int(x) for x in h[:4])
+    ints = floats = raw = None
+    if n_int:
+        ints = torch.empty(n_int, dtype=torch.int64, device=dev)
+        dist.broadcast(ints, src=0)
+    if n_float:
+        floats = torch.empty(n_float, dtype=torch.float64, device=dev)
+        dist.broadcast(floats, src=0)
+    if n_bytes:
+        raw = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
+        dist.broadcast(raw, src=0)
+    text = None if raw is None else _text_of(raw)
+    return op, h[4:], ints, floats, text
+
+
+def serve_follower(device: str | None = None) -> None:
+    """Ranks 1..N-1 (process group already up): build the trainer rank 0 describes, serve its commands."""
+    device = device or os.environ.get("PRIME_TRAINER_DEVICE", "cpu")
+    dev = torch.device(f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else "cpu")
+    op, _, _, _, text = _receive(dev)
+    if op != OP_INIT or text is None:
+        raise TrainerError(f"expected the init message from rank 0, got command {op}")
+    init = json.loads(text)
+    cfg = TrainerConfig.model_validate(init["cfg"])
+    snap = None if init["snapshot"] is None else Path(init["snapshot"])
+    trainer = DistributedTrainer(init["model_dir"], cfg, _snapshot=snap, **init["kwargs"])
+    trainer._serve()
+
+
+def _watch_stdin() -> None:
+    """A follower started by start_followers exits when rank 0's process (its stdin's writer) is gone."""
+    def watch():
+        try:
+            while sys.stdin.buffer.read(1):
+                pass
+        finally:
+            os._exit(3)
+
+    threading.Thread(target=watch, name="rank0-watch", daemon=True).start()
+
+
+def main() -> int:
+    device = os.environ.get("PRIME_TRAINER_DEVICE", "cpu")
+    if not sys.stdin.isatty():
+        _watch_stdin()
+    init_process_group(device=device)
+    try:
+        serve_follower(device)
+    finally:
+        destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
