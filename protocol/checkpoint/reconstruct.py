@@ -283,43 +283,115 @@ def _hash_mismatch(manifest: Manifest, got: str) -> CheckpointError:
                                           f"the manifest's {manifest.sha256[:16]}…{hint}")
 
 
+def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError("io_error", "the payload file shrank while it was written")
+        done += n
+
+
+class _OrderedHash:
+    """The payload's sha256, fed in payload order by the workers themselves.
+
+    The *head* is the first shard not yet completely hashed. The worker decoding the head hashes each
+    piece right after writing it, while the piece is still in its cache; nobody reads it back. A shard
+    that becomes the head part-way through (or after its worker finished it) is first read back from the
+    file up to where its worker has got. Only the head's owner touches the digest, so hashing never
+    holds the lock; the lock only guards who the head is and which shards are finished.
+    """
+
+    def __init__(self, manifest: Manifest, fd: int, digest):
+        self.manifest = manifest
+        self.fd = fd
+        self.digest = digest
+        self.lock = threading.Lock()
+        self.head = 0  # first shard not completely hashed
+        self.hashed = 0  # bytes of the head shard hashed so far (changed only by the head's owner)
+        self.finished = [False] * manifest.num_shards  # completely written by its worker
+        self.read_back_bytes = 0
+        self._local = threading.local()
+
+    def _read_back(self, index: int, start: int, end: int) -> None:
+        """Hash bytes [start, end) of shard `index` from the file (they were written before)."""
+        back = getattr(self._local, "back", None)
+        if back is None:
+            back = self._local.back = memoryview(bytearray(READ_BACK_CHUNK))
+        offset = self.manifest.shard_offset(index)
+        for at in range(start, end, READ_BACK_CHUNK):
+            part = back[:min(READ_BACK_CHUNK, end - at)]
+            _pread_exact(self.fd, part, offset + at)
+            self.digest.update(part)
+        self.read_back_bytes += end - start
+
+    def piece(self, index: int, pos: int, data: memoryview) -> None:
+        """Shard `index`'s bytes [pos, pos + len(data)) were just written (pieces of a shard come in order)."""
+        with self.lock:
+            mine = self.head == index
+        if mine:
+            if self.hashed < pos:  # became the head after some of its pieces were written
+                self._read_back(index, self.hashed, pos)
+            self.digest.update(data)
+            self.hashed = pos + len(data)
+
+    def shard_done(self, index: int) -> None:
+        """Shard `index` is completely written; if it is the head, finish it and move the head on."""
+        with self.lock:
+            self.finished[index] = True
+            if self.head != index:
+                return  # the head's owner will hash it, from the file, when it gets here
+        while True:  # this thread owns shard `index`, the head
+            raw = self.manifest.raw_size(index)
+            if self.hashed < raw:
+                self._read_back(index, self.hashed, raw)
+            with self.lock:
+                self.head = index = index + 1
+                self.hashed = 0
+                if index >= self.manifest.num_shards or not self.finished[index]:
+                    return  # its worker will see that it is the head at its next piece or at its end
+            # finished and its worker already gone: this thread owns it too
+
+    @property
+    def complete(self) -> bool:
+        return self.head == self.manifest.num_shards
+
+
 def _write_streamed(manifest: Manifest, decoder: ShardDecoder, fd: int, digest, bar, threads: int) -> None:
-    """Decode every shard into the file at its offset from the workers, hash the file in order here.
+    """Decode every shard into the file at its offset, and hash the payload in order, all in the workers.
 
     Workers decompress (and un-delta) through a small cache-hot buffer and `pwrite` each piece: no
-    shard-sized buffers, whose first touch costs more than the decompression in a VM. This thread reads
-    each finished shard back from the page cache, in order, into another small buffer and hashes it, while
-    the workers go on with the next shards.
+    shard-sized buffers, whose first touch costs more than the decompression in a VM. The worker holding
+    the first not-yet-hashed shard also feeds each piece to the payload hash while it is still in cache
+    (`_OrderedHash`); only pieces written ahead of the hash are read back from the page cache.
     """
-    def write(offset: int, piece: memoryview) -> None:
-        done = 0
-        try:
-            while done < len(piece):
-                done += os.pwritev(fd, [piece[done:]], offset + done)
-        except OSError as e:
-            raise CheckpointError("io_error", f"writing the payload: {e.strerror}") from None
+    hasher = _OrderedHash(manifest, fd, digest)
 
     def decode(index: int) -> None:
-        decoder.decode_to(index, write)
+        start = manifest.shard_offset(index)
 
-    back = memoryview(bytearray(READ_BACK_CHUNK))
+        def write(offset: int, piece: memoryview) -> None:
+            done = 0
+            try:
+                while done < len(piece):
+                    done += os.pwritev(fd, [piece[done:]], offset + done)
+            except OSError as e:
+                raise CheckpointError("io_error", f"writing the payload: {e.strerror}") from None
+            hasher.piece(index, offset - start, piece)
+
+        decoder.decode_to(index, write)
+        hasher.shard_done(index)
+
     results = ordered_map(decode, range(manifest.num_shards), threads=threads, window=2 * threads + 2)
     try:
         for index, fut in results:
             fut.result()
-            offset, raw = manifest.shard_offset(index), manifest.raw_size(index)
-            for at in range(0, raw, READ_BACK_CHUNK):
-                part = back[:min(READ_BACK_CHUNK, raw - at)]
-                done = 0
-                while done < len(part):
-                    n = os.preadv(fd, [part[done:]], offset + at + done)
-                    if n <= 0:
-                        raise CheckpointError("io_error", "the payload file shrank while it was written")
-                    done += n
-                digest.update(part)
-            bar.update(raw)
+            bar.update(manifest.raw_size(index))
     finally:
         results.close()  # waits for the workers: nothing writes to the file after this
+    if not hasher.complete:  # every shard decoded means every shard hashed; guard the bookkeeping anyway
+        raise CheckpointError("io_error", f"internal: payload hashed up to shard {hasher.head} of "
+                                          f"{manifest.num_shards}")
 
 
 def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path: str | os.PathLike | None,
