@@ -53,6 +53,7 @@ import math
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -94,11 +95,11 @@ class Case:
 
 
 class Flow:
-    __slots__ = ("s", "r", "pick", "rem", "rate", "last", "ver", "server", "live", "started")
+    __slots__ = ("s", "r", "pick", "rem", "rate", "last", "ver", "server", "live", "started", "ev_rate")
 
     def __init__(self, s, r, pick, size, server):
         self.s, self.r, self.pick, self.rem, self.server = s, r, pick, float(size), server
-        self.rate, self.last, self.ver, self.live, self.started = 0.0, 0.0, 0, True, False
+        self.rate, self.last, self.ver, self.live, self.started, self.ev_rate = 0.0, 0.0, 0, True, False, 0.0
 
 
 class Node:
@@ -120,13 +121,21 @@ class Node:
         self.holds: list = []  # shards visible to others as held by this node
         self.server = None  # where this node's HTTP fetches go (origin or relay)
         self.sent = 0.0
-        self.parked: set = set()  # shards whose every tried holder was busy: retried when one frees a slot
-        self.waiters: list = []  # (node, shard) told "busy" by this node
+        self.parked = 0  # slots asleep after BUSY_STREAK all-busy answers in a row
+        self.waiters = deque()  # sleeping slots (Sleeper) this node told "busy"
         self.wake_t = -1.0
 
 
 # event kinds
-WAKE, FSTART, FEND, DEFER, HAVE, LEAVE, JOIN, RETRY = range(8)
+WAKE, FSTART, FEND, DEFER, HAVE, LEAVE, JOIN, RETRY, BUSY = range(9)
+BUSY_STREAK = 2  # a slot told "busy" by every holder it tried for this many shards in a row sleeps
+
+
+class Sleeper:
+    __slots__ = ("node", "shard", "alive")
+
+    def __init__(self, node, shard):
+        self.node, self.shard, self.alive = node, shard, True
 
 
 class Sim:
@@ -211,13 +220,23 @@ class Sim:
         f.last = self.now
 
     def reshare(self, node: Node, up: bool) -> None:
-        for f in list(node.ups if up else node.downs):
-            self.settle(f)
+        """New rates for the flows of one end. The completion event is re-scheduled only when a flow got
+        more than 2 % faster than when it was scheduled (a slower flow's event fires early and is
+        re-scheduled then), so a completion is at most 2 % of its remaining time late."""
+        now = self.now
+        for f in (node.ups if up else node.downs):
             rate = min(f.s.up / len(f.s.ups), f.r.down / len(f.r.downs))
             if rate != f.rate:
+                f.rem -= f.rate * (now - f.last)
+                f.last = now
                 f.rate = rate
-                f.ver += 1
-                self.push(self.now + max(f.rem, 0.0) / rate, FEND, f, f.ver)
+                if rate > f.ev_rate * 1.02:
+                    self.schedule(f)
+
+    def schedule(self, f: Flow) -> None:
+        f.ver += 1
+        f.ev_rate = f.rate
+        self.push(self.now + max(f.rem, 0.0) / f.rate, FEND, f, f.ver)
 
     def flow_begin(self, f: Flow) -> None:
         if not f.live:
@@ -229,22 +248,23 @@ class Sim:
         self.reshare(f.r, False)
 
     def release(self, s: Node) -> None:
-        """An upload slot of `s` is free: the first node it told "busy" (still waiting) looks again."""
+        """An upload slot of `s` is free: the first slot it told "busy" that still sleeps looks again."""
         s.reserved -= 1
         w = s.waiters
         while w:
-            node, i = w.pop(0)
-            if self.unpark(node, i):
+            if self.unpark(w.popleft()):
                 return
 
-    def unpark(self, node: Node, i: int) -> bool:
-        if not node.active or i not in node.parked:
+    def unpark(self, sl: Sleeper) -> bool:
+        if not sl.alive:
             return False
-        node.parked.discard(i)
-        if i not in node.planner.remaining:
+        sl.alive = False
+        node = sl.node
+        if not node.active:
             return False
-        t = max(self.now, node.planner.peers_wait.get(i, 0.0))
-        self.push(t, WAKE, node)
+        node.parked -= 1
+        node.idle += 1
+        self.push(max(self.now, node.planner.peers_wait.get(sl.shard, 0.0)), WAKE, node)
         return True
 
     def flow_stop(self, f: Flow) -> None:
@@ -267,21 +287,16 @@ class Sim:
             pick = p.take(self.now, self.holders)
             if isinstance(pick, Wait):
                 self.idle_nodes.add(node.id)
-                if pick.until is not None:  # a deadline, except busy-peer waits: those wake on a freed slot
-                    now, parked = self.now, node.parked
-                    ts = [t for t in p.origin_wait.values() if t > now]
-                    ts += [t for i, t in p.peers_wait.items() if t > now and i not in parked]
-                    if ts:
-                        t = min(ts)
-                        if not (now <= node.wake_t <= t):
-                            node.wake_t = t
-                            self.push(t, WAKE, node)
+                t = pick.until
+                if t is not None and not (self.now <= node.wake_t <= t):  # one timed wake per deadline
+                    node.wake_t = t
+                    self.push(t, WAKE, node)
                 return
             node.idle -= 1
             self.dispatch(node, pick)
         self.idle_nodes.discard(node.id)
 
-    def dispatch(self, node: Node, pick: Pick) -> None:
+    def dispatch(self, node: Node, pick: Pick, streak: int = 0) -> None:
         i = pick.index
         if self.swarm and self.holders.get(i, 0) > 0:  # PeerSource: up to 4 random holders, busy ones cost an RTT
             lst = self.holder_list[i]
@@ -294,11 +309,7 @@ class Sim:
                     self.transfer(h, node, pick, delay + rtt, server=False)
                     return
                 delay += rtt
-            for hid in tries:  # every holder busy: the planner defers it; we retry when one frees a slot
-                self.nodes[hid].waiters.append((node, i))
-            self.shard_waiters.setdefault(i, []).append(node)
-            node.parked.add(i)
-            self.push(self.now + delay, DEFER, node, pick)
+            self.push(self.now + delay, BUSY, node, (pick, streak + 1, tries))  # every holder tried was busy
             return
         server = node.server
         if server is self.relay and self.relay is not None:
@@ -310,6 +321,27 @@ class Sim:
         if self.seeder is not None:
             self.seeder.started(i, node.id)
         self.transfer(self.origin, node, pick, node.rtt_o, server=True)
+
+    def busy(self, node: Node, pick: Pick, streak: int, tries: list) -> None:
+        """Every holder tried was busy: the planner defers the shard (peers_wait) and the slot takes the
+        next one; after BUSY_STREAK such answers in a row it sleeps until a holder it tried frees an
+        upload slot or the shard gets a new holder (the real slot re-polls every 0.2 s: the same
+        outcome without the extra "busy" round trips)."""
+        node.planner.deferred(pick, self.now)
+        if streak < BUSY_STREAK:
+            self.takes += 1
+            nxt = node.planner.take(self.now, self.holders)
+            if isinstance(nxt, Pick):
+                self.dispatch(node, nxt, streak)
+                return
+            node.idle += 1
+            self.wake(node)
+            return
+        sl = Sleeper(node, pick.index)
+        node.parked += 1
+        for hid in tries:
+            self.nodes[hid].waiters.append(sl)
+        self.shard_waiters.setdefault(pick.index, deque()).append(sl)
 
     def transfer(self, s: Node, r: Node, pick: Pick, delay: float, server: bool) -> None:
         f = Flow(s, r, pick, self.shard_size, server)
@@ -357,10 +389,10 @@ class Sim:
         self.holders[i] = n
         self.seeder.announced(node.id, [i])
         ws = self.shard_waiters.get(i)
-        if ws:  # a new holder: up to `upload_slots` nodes parked on this shard look again
+        if ws:  # a new holder: up to `upload_slots` slots sleeping on this shard look again
             k = 0
             while ws and k < self.c.upload_slots:
-                k += self.unpark(ws.pop(0), i)
+                k += self.unpark(ws.popleft())
         if n == 1:  # news: a shard nobody held; one idle slot per waiting node looks again
             for nid in list(self.idle_nodes):
                 nd = self.nodes[nid]
@@ -395,9 +427,9 @@ class Sim:
                 pos[last] = k
             self.holders[i] -= 1
         node.holds = []
-        for w, i in node.waiters:  # the nodes it told "busy" look elsewhere
-            self.unpark(w, i)
-        node.waiters = []
+        for sl in node.waiters:  # the slots it told "busy" look elsewhere
+            self.unpark(sl)
+        node.waiters = deque()
         self.push(self.now, JOIN)
 
     def fail(self, f: Flow) -> None:
@@ -441,7 +473,11 @@ class Sim:
             self.events += 1
             if kind == FEND:
                 if a.live and b == a.ver:
-                    self.flow_end(a)
+                    self.settle(a)
+                    if a.rem > 1.0 and a.rem > a.rate * 1e-6:  # it got slower since: not done yet
+                        self.schedule(a)
+                    else:
+                        self.flow_end(a)
             elif kind == FSTART:
                 if a.live and a.r.active and a.s.active:
                     self.flow_begin(a)
@@ -459,6 +495,9 @@ class Sim:
                     self.wake(a)
             elif kind == HAVE:
                 self.have(a, b)
+            elif kind == BUSY:
+                if a.active:
+                    self.busy(a, *b)
             elif kind == DEFER:
                 if a.active:
                     a.planner.deferred(b, self.now)
