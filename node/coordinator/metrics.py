@@ -19,6 +19,9 @@ class CoordinatorMetrics:
         self.nodes = Gauge("prime_nodes", "nodes by state", ["state"], registry=r)
         self.assignments_issued = Counter("prime_assignments_issued", "assignments handed out", registry=r)
         self.assignments_expired = Counter("prime_assignments_expired", "assignments past their deadline", registry=r)
+        self.eval_reward = Gauge("prime_eval_reward", "mean reward of greedy decoding on the held-out prompts, "
+                                 "at the newest evaluated step (eval.every_steps)", registry=r)
+        self.eval_step = Gauge("prime_eval_step", "policy step of the newest evaluation", registry=r)
         self.requests = Counter("prime_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
 

@@ -74,6 +74,10 @@ def build_status(c) -> dict:
                          "undecided_submissions": c.verdicts.pending()},
         "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")}
                          for r in thin([r for r in steps if r.step > 0], CURVE_POINTS)],
+        # optional: present when eval.every_steps > 0 (node/coordinator/evaluation.py)
+        **({"eval_curve": [{"step": e["step"], "reward": e["reward"], "n": e["n"]}
+                           for e in thin(tl.evaluator.curve, CURVE_POINTS)]}
+           if getattr(tl, "evaluator", None) is not None else {}),
         "step_log": [{"step": r.step, "published_ms": r.published_ms, "encoding": r.encoding,
                       "compressed_bytes": r.compressed_bytes, "loss_tokens": r.metrics.get("loss_tokens", 0),
                       "idle_seconds": r.metrics.get("idle_seconds", 0.0), "busy_seconds": r.metrics.get("busy_seconds", 0.0),
