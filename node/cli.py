@@ -8,7 +8,9 @@ import argparse
 import importlib
 import sys
 
+from protocol.admission import make_join_token
 from protocol.errors import PrimeNodeError
+from protocol.identity import Identity
 
 # subcommand -> "module:function"; each function takes the parsed args and returns an exit code.
 HANDLERS = {
@@ -112,8 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_keys_new(args) -> int:
-    from protocol.identity import Identity
-
     ident = Identity.generate()
     ident.save(args.out, overwrite=args.force)
     print(ident.public_hex)
@@ -124,8 +124,6 @@ def cmd_keys_new(args) -> int:
 def cmd_token_new(args) -> int:
     import time
 
-    from protocol.admission import make_join_token
-    from protocol.identity import Identity
 
     if not 0 < args.valid_hours <= 24 * 365:
         print("error: --valid-hours must be in (0, 8760]", file=sys.stderr)
@@ -141,8 +139,6 @@ def cmd_token_new(args) -> int:
 
 
 def cmd_keys_show(args) -> int:
-    from protocol.identity import Identity
-
     print(Identity.load(args.key).public_hex)
     return 0
 

@@ -15,6 +15,7 @@ from node.p2p.config import P2PConfig
 from node.trainer.config import TrainerConfig
 from node.worker.config import WorkerConfig
 from protocol.errors import PrimeNodeError
+from protocol.identity import parse_public_key
 
 
 class ConfigError(PrimeNodeError):
@@ -117,8 +118,6 @@ class AdmissionConfig(_Section):
     @field_validator("allowlist")
     @classmethod
     def _keys(cls, keys: list[str]) -> list[str]:
-        from protocol.identity import parse_public_key
-
         try:
             return [parse_public_key(k) and k.lower() for k in keys]
         except ValueError as e:
@@ -162,6 +161,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    parsed = [parse_override(item)[0] for item in overrides]
+    if ["task", "name"] in parsed and not any(p[:2] == ["task", "kwargs"] for p in parsed):
+        # a task's kwargs belong to the task named beside them: another task starts from its defaults
+        data.get("task", {}).pop("kwargs", None)
     for item in overrides:
         parts, value = parse_override(item)
         node = data

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from node.config import load_config
+from node.config import Config, dump_toml, load_config
 from protocol.errors import PrimeNodeError
 
 # The demo's settings; present in a source checkout (make demo installs it editable).
@@ -164,8 +164,6 @@ def cmd_demo(args) -> int:
 
 def _write_default(out: Path) -> str:
     """No config file given or found: write the defaults so every process reads the same tree."""
-    from node.config import Config, dump_toml
-
     path = out / "config.toml"
     path.write_text(dump_toml(Config()))
     return str(path)

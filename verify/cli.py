@@ -4,11 +4,11 @@ from __future__ import annotations
 import sys
 
 from protocol.errors import PrimeNodeError
+from protocol.identity import parse_public_key
+from verify.checkpoint import verify_checkpoint
 
 
 def _trusted_key(hex_key: str) -> str:
-    from protocol.identity import parse_public_key
-
     try:
         parse_public_key(hex_key)
     except ValueError as e:
@@ -22,8 +22,6 @@ def cmd_verify_checkpoint(args) -> int:
     Every failure is listed on stdout (one per line) when there is more than one; the last line on stderr
     always names the first.
     """
-    from verify.checkpoint import verify_checkpoint
-
     key = _trusted_key(args.key)
     report = verify_checkpoint(args.ckpt, {key}, parent=args.parent, base=args.base,
                                progress=sys.stderr.isatty())

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from node.config import load_config
+from node.coordinator.app import start_server
+from node.coordinator.service import Coordinator
 from node.logs import setup_logging
 from protocol.identity import Identity
 
@@ -23,9 +25,6 @@ def coordinator_identity(storage_dir: Path) -> Identity:
 
 
 async def serve(cfg, *, ready_file: Path | None = None) -> None:
-    from node.coordinator.app import start_server
-    from node.coordinator.service import Coordinator
-
     storage = Path(cfg.storage.dir)
     storage.mkdir(parents=True, exist_ok=True)
     identity = coordinator_identity(storage)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from node.checkpoint_dir import CheckpointDir
+from protocol.checkpoint import CheckpointError, pack_checkpoint
 from protocol.identity import Identity
 
 
@@ -35,8 +36,6 @@ class Publisher:
 
     def publish(self, step: int, state) -> Published:
         """Pack `state` as `step`: full at step 0 / every `full_every`, else xor-delta vs step - 1."""
-        from protocol.checkpoint import CheckpointError, pack_checkpoint
-
         store, prev = self.store, step - 1
         parent = store.manifest(prev)
         base = store.payload_path(prev)

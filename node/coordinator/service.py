@@ -15,16 +15,23 @@ import time
 from collections import Counter, deque
 from pathlib import Path
 
+from node.checkpoint_dir import CheckpointDir
 from node.config import Config
-from node.http import ApiError
+from node.coordinator.intake import Intake
 from node.coordinator.ledger import Ledger, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
-from node.checkpoint_dir import CheckpointDir
 from node.coordinator.publisher import Publisher
-from node.coordinator.seeding import SuperSeeder
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
+from node.coordinator.seeding import SuperSeeder
+from node.coordinator.status import build_status
+from node.coordinator.training import TrainingLoop
 from node.coordinator.verification import PolicyStore, VerdictQueue
+from node.envs import encode_prompt, load_task
+from node.http import ApiError
+from node.trainer.model import build_tiny_model_dir
+from node.trainer.tokenizer import load_tokenizer
 from protocol import messages as M
+from protocol.admission import AdmissionError, check_join_token, check_pow
 from protocol.identity import Identity
 
 log = logging.getLogger("prime_node.coordinator")
@@ -64,11 +71,6 @@ class Coordinator:
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        from node.coordinator.training import TrainingLoop
-        from node.envs import encode_prompt, load_task
-        from node.trainer.model import build_tiny_model_dir
-        from node.trainer.tokenizer import load_tokenizer
-
         self.loop = asyncio.get_running_loop()
         model_dir = Path(self.cfg.model.path) if self.cfg.model.path else self.root / "model"
         if not self.cfg.model.path and not (model_dir / "config.json").is_file():
@@ -215,8 +217,6 @@ class Coordinator:
     def _admit(self, node_id: str, req: M.JoinRequest, *, known: bool) -> None:
         """DESIGN §4 admission: a new key of an open run pays a proof of work; an allowlist run admits
         its listed keys only (checked at every join); a token run admits a new key with a join token."""
-        from protocol.admission import AdmissionError, check_join_token, check_pow
-
         a = self.cfg.admission
         try:
             if a.mode == "allowlist" and node_id not in a.allowlist:
@@ -321,7 +321,6 @@ class Coordinator:
 
     async def submit(self, node_id: str, req: M.SubmitRequest) -> M.SubmitResponse:
         node = self._known_node(node_id)
-        from node.coordinator.intake import Intake
 
         aid = req.assignment_id
         a = self.ledger.assignment(aid)
@@ -355,8 +354,6 @@ class Coordinator:
     # -- observability -----------------------------------------------------------------------------
     def status(self, max_age_s: float = 0.0) -> dict:
         """The status document, rebuilt when the cached one is older than `max_age_s` (0: always)."""
-        from node.coordinator.status import build_status
-
         now = time.monotonic()
         if self._status is None or now - self._status[0] > max_age_s:
             self._status = (now, build_status(self))

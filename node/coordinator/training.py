@@ -83,15 +83,17 @@ class TrainingLoop:
 
     # -- thread ------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="trainer")
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop between groups or after the step being trained (and published): never under it, so the
+        ledger is not closed while a step is being written."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread:
-            self._thread.join(timeout=60)
+            self._thread.join()
 
     def notify(self) -> None:
         with self._cond:

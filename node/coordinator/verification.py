@@ -14,6 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.trainer.model import load_model
+from protocol.checkpoint import load_payload
+
 log = logging.getLogger("prime_node.verification")
 
 
@@ -29,7 +32,6 @@ class RolloutCheck:
 
 class PolicyStore:
     """step -> model with that step's broadcast weights (upcast to the verifier's dtype)."""
-
     def __init__(self, model_dir: Path, keep: int, dtype: str = "float32"):
         self.model_dir = Path(model_dir)
         self.keep = keep
@@ -38,8 +40,6 @@ class PolicyStore:
         self._lock = threading.Lock()
 
     def put(self, step: int, state) -> None:
-        from node.trainer.model import load_model
-
         with self._lock:
             reuse = None
             while len(self._models) >= self.keep:
@@ -52,8 +52,6 @@ class PolicyStore:
             self._models[step] = model
 
     def put_payload(self, step: int, path: Path) -> None:
-        from protocol.checkpoint import load_payload
-
         self.put(step, load_payload(path))
 
     def get(self, step: int):
@@ -82,7 +80,6 @@ class VerdictQueue:
     Verification replays run one at a time in their own thread; undecided submissions survive a restart
     (the ledger has them) and are decided again.
     """
-
     def __init__(self, coord):
         self.c = coord
         self.cfg = coord.cfg.verification

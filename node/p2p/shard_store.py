@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Union
 
+from node.checkpoint_dir import PARTIAL_PREFIX
 from protocol.signing import canonical_json, sha256_hex, strict_json_loads
 
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -45,7 +46,6 @@ class BytesBody:
 
 class FileBody:
     """An open shard file; read chunk by chunk so N concurrent transfers do not hold N shards in RAM."""
-
     def __init__(self, f: io.BufferedReader, size: int):
         self._f = f
         self.size = size
@@ -75,7 +75,6 @@ ShardGetter = Callable[[int, int], Union[bytes, None]]
 class CallableShardStore:
     """Wrap `(step, index) -> bytes | None` (tests and embedders serving bytes they have in memory). It
     cannot check a manifest hash, so it ignores one: a node serves its shards with `CheckpointShards`."""
-
     def __init__(self, getter: ShardGetter):
         self._getter = getter
 
@@ -91,7 +90,6 @@ def manifest_hash(manifest: dict) -> str:
 
 class DirectoryShardStore:
     """Serve `<root>/<step>/shards/NNNNN.zst`; `<root>/<step>/manifest.json` answers manifest-hash checks."""
-
     def __init__(self, root: str | os.PathLike, *, step_dir: Callable[[int], str] = str):
         self.root = Path(root).resolve()
         self._step_dir = step_dir
@@ -147,10 +145,7 @@ class CheckpointShards:
     """A node's checkpoint directory (node/checkpoint_dir.py) as a peer shard store: the shards of its
     complete steps, then the verified shards of a step still downloading. Streaming reads, the manifest
     hash checked, no path from the network (both parts are `DirectoryShardStore`s)."""
-
     def __init__(self, ckpt_dir: str | os.PathLike):
-        from node.checkpoint_dir import PARTIAL_PREFIX
-
         self._stores = (DirectoryShardStore(ckpt_dir),
                         DirectoryShardStore(ckpt_dir, step_dir=lambda step: f"{PARTIAL_PREFIX}{step}"))
 

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from node.trainer.plugins import PluginError, import_object
+
 
 @dataclass
 class LossInputs:
@@ -146,7 +148,6 @@ def resolve_loss(mode: str, cfg: Any) -> Callable[[LossInputs], LossOutputs]:
         return lambda inputs: default_loss(inputs, **kw)
     if cfg.type == "aipo":
         return lambda inputs: aipo_loss(inputs, delta=cfg.aipo_delta)
-    from node.trainer.plugins import PluginError, import_object
 
     fn = import_object(cfg.import_path)
     if not callable(fn):

@@ -20,6 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from node.trainer.buffer import DifficultyPools
+from node.trainer.types import Group, Rollout
 from protocol.errors import PrimeNodeError
 
 FORMAT = "prime-node/trainer-state/v1"
@@ -73,8 +75,6 @@ def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: 
     import torch
     from safetensors.torch import load_file
 
-    from node.trainer.buffer import DifficultyPools
-    from node.trainer.types import Group, Rollout
 
     snap = latest_snapshot(state_dir)
     meta = _read_json(snap / "trainer.json")

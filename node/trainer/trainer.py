@@ -23,6 +23,7 @@ from node.trainer.forward import micro_batch_logprobs
 from node.trainer.loss import LossInputs, LossOutputs, resolve_loss
 from node.trainer.model import load_model
 from node.trainer.packing import TrainSample, build_micro_batches
+from node.trainer.state import load_state, save_state
 from node.trainer.types import Group, validate_group
 from protocol.errors import PrimeNodeError
 
@@ -37,7 +38,6 @@ _TOKEN_WEIGHTED = ("masked_frac", "clipped_frac", "mean_ratio", "kl", "nll", "te
 
 class Trainer:
     """Not thread-safe: call every method from one thread (the coordinator's trainer thread)."""
-
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig | None = None, *, batch_prompts: int = 8,
                  state_dir: str | Path | None = None, stream: bool = False, temperature: float = 1.0,
                  max_sequence_tokens: int = 32768, device: str = "cpu", attn_implementation: str = "sdpa") -> None:
@@ -73,8 +73,6 @@ class Trainer:
     @classmethod
     def resume(cls, state_dir: str | Path, cfg: TrainerConfig | None = None, **kwargs: Any) -> "Trainer":
         """A Trainer continuing from the latest snapshot in `state_dir` (see node.trainer.state)."""
-        from node.trainer.state import load_state
-
         return load_state(cls, Path(state_dir), cfg or TrainerConfig(), **kwargs)
 
     @property
@@ -144,8 +142,6 @@ class Trainer:
         return out
 
     def save_state(self) -> Path:
-        from node.trainer.state import save_state
-
         if self.state_dir is None:
             raise TrainerError("this Trainer has no state_dir to save into")
         return save_state(self, self.state_dir)

@@ -8,6 +8,7 @@ import aiohttp
 
 from node.aio import read_bounded
 from protocol import messages as M
+from protocol.admission import solve_pow
 from protocol.errors import PrimeNodeError
 from protocol.identity import Identity
 from protocol.signing import sign_request
@@ -18,7 +19,6 @@ MAX_MANIFEST_BYTES = 8 * 1024 * 1024
 
 class CoordinatorError(PrimeNodeError):
     """The coordinator answered with an error (status + code from its JSON body)."""
-
     def __init__(self, status: int, code: str, detail: str):
         super().__init__(f"coordinator said {status} {code}: {detail}")
         self.status, self.code, self.detail = status, code, detail
@@ -47,7 +47,6 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
 class CoordinatorClient:
     """Signed requests (DESIGN §4, run-bound): the run id and the admission rules come from the
     coordinator's GET /v1/status before the first signed request."""
-
     def __init__(self, base_url: str, identity: Identity, session: aiohttp.ClientSession):
         self.base = base_url.rstrip("/")
         self.identity = identity
@@ -96,7 +95,6 @@ class CoordinatorClient:
         event loop), or with a join token for a token run."""
         import asyncio
 
-        from protocol.admission import solve_pow
 
         run = await self.run_info()
         payload: dict = {"node": info.model_dump()} if info else {}

@@ -9,14 +9,13 @@ from pathlib import Path
 
 from node.config import load_config
 from node.logs import setup_logging
-from protocol.identity import Identity
+from node.worker.node import WorkerNode
+from protocol.identity import Identity, parse_public_key
 
 log = logging.getLogger("prime_node.worker")
 
 
 async def run_worker(cfg, url: str, identity: Identity, coordinator_key: str | None, status_line: bool) -> None:
-    from node.worker.node import WorkerNode
-
     node = WorkerNode(cfg, url, identity, coordinator_key=coordinator_key, status_line=status_line)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -28,7 +27,6 @@ def cmd_join(args) -> int:
     cfg = load_config(args.config, args.overrides)
     setup_logging(cfg.server.log_format)
     if args.coordinator_key:
-        from protocol.identity import parse_public_key
 
         try:
             parse_public_key(args.coordinator_key)

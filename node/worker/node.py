@@ -19,11 +19,13 @@ from pathlib import Path
 import aiohttp
 
 from node.aio import sleep_or_stop, wait_any
+from node.backoff import Backoff
+from node.checkpoint_dir import CheckpointDir
 from node.config import Config
 from node.worker.backends import GenRequest, start_backend
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
-from node.checkpoint_dir import CheckpointDir
 from node.worker.fetcher import Fetcher
+from node.worker.peers import HaveAnnouncer, PeerSource
 from node.worker.sources import HttpSource
 from protocol import messages as M
 from protocol.errors import PrimeNodeError
@@ -53,6 +55,7 @@ class Stats:
     gen_seconds: float = 0.0
     accepted: int = 0
     rejected: int = 0
+    lost: int = 0  # rollouts never delivered (the coordinator unreachable until the deadline)
     assignments: int = 0
     rejected_reasons: dict = field(default_factory=dict)
 
@@ -130,7 +133,6 @@ class WorkerNode:
             self.p2p, self.announcer = None, None
             if self.cfg.p2p.enabled:  # peers become one more shard source, and we serve ours
                 from node.p2p.shard_store import CheckpointShards
-                from node.worker.peers import HaveAnnouncer, PeerSource
 
                 self.p2p = await self._start_p2p(spec, key, CheckpointShards(store.ckpt_dir))
                 self.announcer = HaveAnnouncer(self.p2p)
@@ -179,7 +181,7 @@ class WorkerNode:
         return p2p
 
     async def _join(self) -> M.RunSpec:
-        backoff = 1.0
+        backoff = Backoff(1.0, 30.0)
         while True:
             try:
                 info = M.NodeInfo(backend=self.cfg.worker.backend, device=self.cfg.worker.device)
@@ -190,9 +192,9 @@ class WorkerNode:
             except Unreachable as e:
                 if self.stop_event.is_set():
                     raise
-                log.warning("%s; retrying in %.0f s", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30)
+                delay = backoff.next()
+                log.warning("%s; retrying in %.1f s", e, delay)
+                await sleep_or_stop(self.stop_event, delay)
 
     def _on_new_step(self, step: int, payload: Path) -> None:
         self._pending_step = (step, payload)
@@ -256,10 +258,11 @@ class WorkerNode:
                     bytes_by_source=dict(self.fetcher.bytes_by_kind)))
             except (Unreachable, CoordinatorError) as e:
                 log.debug("heartbeat failed: %s", e)
-            await sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds)
+            # jittered, so that nodes started together do not heartbeat together
+            await sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds * (0.8 + 0.4 * random.random()))
 
     async def _work_loop(self) -> None:
-        backoff = 0.5
+        backoff = Backoff(0.5, 30.0)
         while not self.stop_event.is_set():
             await self._swap_weights_if_newer()
             if self.policy_step < 0:
@@ -280,16 +283,16 @@ class WorkerNode:
                     log.error("coordinator refused this node: %s", e.detail)
                     self.stop_event.set()
                     return
-                log.warning("%s; backing off %.1f s", e, backoff)
-                await sleep_or_stop(self.stop_event, backoff)
-                backoff = min(backoff * 2, 30)
+                delay = backoff.next()
+                log.warning("%s; backing off %.1f s", e, delay)
+                await sleep_or_stop(self.stop_event, delay)
                 continue
             except Unreachable as e:
-                log.warning("%s; backing off %.1f s", e, backoff)
-                await sleep_or_stop(self.stop_event, backoff)
-                backoff = min(backoff * 2, 30)
+                delay = backoff.next()
+                log.warning("%s; backing off %.1f s", e, delay)
+                await sleep_or_stop(self.stop_event, delay)
                 continue
-            backoff = 0.5
+            backoff.reset()
             if assignment is None:
                 self.state = "idle"
                 await sleep_or_stop(self.stop_event, 0.2 + random.random() * 0.3)
@@ -316,18 +319,8 @@ class WorkerNode:
                                                     completion_ids=r.completion_ids, logprobs=r.logprobs,
                                                     finish_reason=r.finish_reason, commitment=r.commitment))
         sub = M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
-        for attempt in range(5):
-            try:
-                resp = await self.client.submit(sub)
-                break
-            except Unreachable as e:
-                log.warning("submit failed (%s); retrying", e)
-                await sleep_or_stop(self.stop_event, 0.5 * 2 ** attempt)
-            except CoordinatorError as e:
-                log.warning("submission of %s refused: %s", a.assignment_id, e)
-                self.stats.rejected += len(rollouts)
-                return
-        else:
+        resp = await self._submit(sub, a.deadline_ms)
+        if resp is None:
             return
         self.stats.assignments += 1
         self.stats.accepted += len(resp.accepted)
@@ -337,6 +330,29 @@ class WorkerNode:
         if resp.rejected:
             log.warning("%d rollouts rejected: %s", len(resp.rejected),
                         ", ".join(sorted({r.reason for r in resp.rejected})))
+
+    async def _submit(self, sub: M.SubmitRequest, deadline_ms: int) -> M.SubmitResponse | None:
+        """Submit, retrying an unreachable coordinator with backoff until the assignment's deadline (after
+        it, the prompts have been handed to another node). Work that is not delivered is logged and
+        counted (`stats.lost`), never dropped silently."""
+        backoff = Backoff(0.5, 30.0)
+        n = len(sub.rollouts)
+        while True:
+            try:
+                return await self.client.submit(sub)
+            except CoordinatorError as e:
+                log.warning("submission of %s refused: %s", sub.assignment_id, e)
+                self.stats.rejected += n
+                return None
+            except Unreachable as e:
+                delay = backoff.next()
+                if self.stop_event.is_set() or time.time() * 1000 + delay * 1000 > deadline_ms:
+                    self.stats.lost += n
+                    log.error("%d rollouts of %s lost: the coordinator stayed unreachable (%s) until the "
+                              "assignment's deadline or shutdown", n, sub.assignment_id, e)
+                    return None
+                log.warning("submit failed (%s); retrying in %.1f s", e, delay)
+                await sleep_or_stop(self.stop_event, delay)
 
     async def _status_loop(self) -> None:
         while not self.stop_event.is_set():

@@ -50,17 +50,20 @@ async def wait_until(cond, timeout: float, what: str) -> None:
 
 # --- finding 1: shard-slot exhaustion -----------------------------------------------------------
 
-async def hold_streams(service, peer: str, *, request: bytes, every_s: float, for_s: float) -> dict:
-    """Hostile client (trio side): open a shard stream every `every_s` for `for_s` seconds, send
+async def hold_streams(service, peer: str, *, request: bytes, every_s: float, stop: threading.Event,
+                       counts: dict) -> dict:
+    """Hostile client (trio side): open a shard stream every `every_s` until `stop` is set, send
     `request` (b"" = nothing) and never read; each stream is held until the server ends it or the
-    attack ends. Returns how many were opened and how many the server ended early."""
+    attack ends. `counts` (read live by the test): streams opened, ended early by the server, and the
+    attack's length in seconds. The test stops the attack when it has seen what it waits for, so a slow
+    machine makes the attack longer, never the test's assertions wrong."""
     import trio
     from libp2p.custom_types import TProtocol
     from libp2p.peer.id import ID
 
     from node.p2p.shard_wire import PROTOCOL_ID
 
-    counts = {"opened": 0, "ended_by_server": 0}
+    counts.update(opened=0, ended_by_server=0, seconds=0.0)
     pid = ID.from_base58(peer)
 
     async def one():
@@ -85,12 +88,22 @@ async def hold_streams(service, peer: str, *, request: bytes, every_s: float, fo
                 except Exception:
                     pass
 
-    with trio.move_on_after(for_s):
-        async with trio.open_nursery() as nursery:
-            while True:
-                nursery.start_soon(one)
-                await trio.sleep(every_s)
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        while not stop.is_set():
+            nursery.start_soon(one)
+            await trio.sleep(every_s)
+        nursery.cancel_scope.cancel()
+    counts["seconds"] = trio.current_time() - t0
     return counts
+
+
+def start_attack(hostile: P2PNode, peer: str, *, request: bytes, every_s: float):
+    """(task, stop event, live counts) of a `hold_streams` attack run on the hostile node's trio thread."""
+    stop, counts = threading.Event(), {"opened": 0, "ended_by_server": 0, "seconds": 0.0}
+    task = asyncio.ensure_future(hostile._bridge.call(functools.partial(
+        hold_streams, hostile._service, peer, request=request, every_s=every_s, stop=stop, counts=counts)))
+    return task, stop, counts
 
 
 async def honest_fetches(client: P2PNode, peer: str, shards: dict, for_s: float) -> int:
@@ -118,17 +131,19 @@ async def test_idle_streams_from_one_peer_cannot_starve_honest_fetches(caplog):
     async with running(server, hostile, honest):
         [peer] = await hostile.connect(server.listen_addrs)
         await honest.connect(server.listen_addrs)
-        attack = asyncio.ensure_future(hostile._bridge.call(functools.partial(
-            hold_streams, hostile._service, peer, request=b"", every_s=0.05, for_s=5.0)))
-        await asyncio.sleep(0.5)  # the attack is established: ~10 streams opened
+        attack, stop, counts = start_attack(hostile, peer, request=b"", every_s=0.05)
+        await wait_until(lambda: counts["opened"] >= 10, 30, "the attack to be established")
         n = await honest_fetches(honest, peer, shards, for_s=3.0)  # spans the 2 s request deadline
+        await wait_until(lambda: counts["opened"] >= 50, 60, "50 hostile streams")
         assert not attack.done(), "the attack stopped before the honest fetches ended"
-        counts = await attack
-        assert n >= len(shards) and counts["opened"] >= 50
+        stop.set()
+        await attack
+        assert n >= len(shards)
         srv = server._service.server
         stats = server.stats.snapshot()
-        # One peer never has more than max_streams_per_peer open; the rest were refused at once.
-        assert stats["requests_refused"]["busy_peer"] >= counts["opened"] - 4 * 3
+        # One peer never has more than max_streams_per_peer (4) open, each until the 2 s request deadline;
+        # every other stream it opened was refused at once.
+        assert stats["requests_refused"]["busy_peer"] >= counts["opened"] - 4 * (int(counts["seconds"] / 2) + 2)
         # Its idle streams were cut at the request deadline (2 s), holding no transfer slot meanwhile.
         assert stats["streams_aborted"]["request_timeout"] >= 4
         assert "busy" not in stats["requests_refused"]
@@ -151,8 +166,7 @@ async def test_idle_streams_from_many_peers_take_no_transfer_slot():
         for n_ in (honest, *hostiles):
             await n_.connect(server.listen_addrs)
         # 4 streams each, renewed every 0.25 s (the server refuses what is over the per-peer limit).
-        attacks = [asyncio.ensure_future(h._bridge.call(functools.partial(
-            hold_streams, h._service, peer, request=b"", every_s=0.25, for_s=4.5))) for h in hostiles]
+        attacks = [start_attack(h, peer, request=b"", every_s=0.25) for h in hostiles]
         srv = server._service.server
         held = []  # idle hostile streams open on the server, sampled while the honest peer fetches
 
@@ -161,14 +175,19 @@ async def test_idle_streams_from_many_peers_take_no_transfer_slot():
                 held.append(sum(srv.streams_by_peer.get(h.peer_id, 0) for h in hostiles))
                 await asyncio.sleep(0.02)
 
-        await asyncio.sleep(1.2)  # 3 × 4 idle streams open
+        await wait_until(lambda: sum(srv.streams_by_peer.get(h.peer_id, 0) for h in hostiles) == 12, 30,
+                         "3 × 4 idle streams open")
         sampler = asyncio.ensure_future(sample())
         n = await honest_fetches(honest, peer, shards, for_s=3.0)
         sampler.cancel()
-        assert not any(a.done() for a in attacks)
+        assert not any(task.done() for task, _, _ in attacks)
         # 12 at a time (4 per peer id, more than the 8 transfer slots); a cut one is renewed at once.
         assert max(held) == 12 and sorted(held)[len(held) // 10] >= 8, held
-        await asyncio.gather(*attacks)
+        await wait_until(lambda: server.stats.snapshot()["streams_aborted"].get("request_timeout", 0) >= 12, 30,
+                         "every idle stream to be cut at the request deadline")
+        for _, stop, _ in attacks:
+            stop.set()
+        await asyncio.gather(*(task for task, _, _ in attacks))
         assert n >= len(shards)
         stats = server.stats.snapshot()
         assert stats["shards_served_by_peer"] == {honest.peer_id: n}
@@ -191,19 +210,19 @@ async def test_one_peer_cannot_hold_every_transfer_slot():
         [peer] = await hostile.connect(server.listen_addrs)
         await honest.connect(server.listen_addrs)
         request = encode_request(ShardRequest(step=3, index=0, max_bytes=8 << 20))
-        attack = asyncio.ensure_future(hostile._bridge.call(functools.partial(
-            hold_streams, hostile._service, peer, request=request, every_s=0.05, for_s=4.0)))
+        attack, stop, counts = start_attack(hostile, peer, request=request, every_s=0.05)
         srv = server._service.server
-        await wait_until(lambda: srv.active >= 4, 5, "the hostile peer's transfers to start")
-        await asyncio.sleep(0.5)  # ~10 more requests: all refused, none queued
+        await wait_until(lambda: srv.active >= 4, 30, "the hostile peer's transfers to start")
+        await wait_until(lambda: server.stats.snapshot()["requests_refused"].get("busy_peer", 0) >= 10, 30,
+                         "10 more requests: all refused, none queued")
         for _ in range(3):
             assert await honest.fetch_shard(peer, 3, 1, max_bytes=1 << 20) == b"small shard"
         # Its 4 transfers are still running (stalled), the rest of its requests were refused.
         assert srv.streams_by_peer[hostile.peer_id] == 4 and srv.active >= 4
         assert await honest.fetch_shard(peer, 3, 0, max_bytes=8 << 20) == big
         assert not attack.done()
+        stop.set()
         await attack
-        assert server.stats.snapshot()["requests_refused"]["busy_peer"] >= 10
 
 
 # --- finding 2: gossip flood -------------------------------------------------------------------
@@ -293,6 +312,10 @@ async def test_gossip_flood_is_cheap_counted_and_logged_once_per_peer(caplog, mo
         collector = asyncio.ensure_future(collect())
         sigs.counts.update(libp2p=0, document=0)
         caplog.clear()
+        # The hub's per-forwarder limit on a stopped clock: each peer gets its burst (20) and nothing more,
+        # however fast or slowly this machine gets the flood to the hub (on a busy machine a flood can
+        # arrive slower than 10/s and never meet the limit).
+        hub._service.gossip_limit.clock = lambda: 0.0
         floods = {e.peer_id: flood_messages(e, 40) for e in evil}  # 200 each
         t0 = time.monotonic()
         attack = [asyncio.ensure_future(e._bridge.call(publish_flood, e._service, floods[e.peer_id])) for e in evil]

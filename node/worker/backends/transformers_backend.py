@@ -11,6 +11,7 @@ from typing import Mapping
 
 import torch
 
+from protocol.checkpoint import load_payload
 from verify.commitment import capture_final_hidden, make_commitment
 from verify.rollouts import left_pad, resolve_device, resolve_dtype
 from verify.sampler import sample_step
@@ -24,7 +25,6 @@ class TransformersBackend:
     model: a model directory (HF config + safetensors) or an already loaded `PreTrainedModel`
     (which is moved to `device`/`dtype` in place). `max_batch_size` bounds one decode batch.
     """
-
     def __init__(self, model: str | Path | torch.nn.Module, *, dtype: str | torch.dtype = "float32",
                  device: str = "auto", max_batch_size: int = 64):
         self.device = resolve_device(device)
@@ -39,8 +39,6 @@ class TransformersBackend:
         self.policy_step = -1
 
     def load_payload(self, payload: str | Path, step: int) -> None:
-        from protocol.checkpoint import load_payload
-
         self.load_state_dict(load_payload(payload), step)
 
     @torch.no_grad()
