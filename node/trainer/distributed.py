@@ -152,7 +152,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 600.0)
     benchmarks: the coordinator instead uses `launch` (it is rank 0 itself)."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # forkserver: the server imports torch once, and each rank is a fork of it (a fresh interpreter per
+    # rank would pay the torch import every time); never a fork of this process, which may hold threads.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", __name__])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, args, r, world_size, port, results), daemon=True)
@@ -189,14 +192,15 @@ def launch(world_size: int, model_dir: str | Path | None, cfg: TrainerConfig | N
            resume_from: str | Path | None = None, device: str = "cpu", **kwargs: Any) -> "DistributedTrainer":
     """For the coordinator: make this process rank 0 of `world_size` local ranks (followers started as
     subprocesses) and return its DistributedTrainer -- fresh from `model_dir`, or resumed from the latest
-    snapshot under `resume_from` (a state dir written by a DistributedTrainer, any world size).
+    snapshot under `resume_from` (a state dir written by a DistributedTrainer, any world size; the model
+    is built from `model_dir`, or if None the base model recorded in the snapshot, then overwritten).
     Call `.close()` when done (stops the followers, leaves the process group)."""
     port = free_port()
     procs = start_followers(world_size, port, device=device)
     try:
         init_process_group(rank=0, world_size=world_size, port=port, device=device)
         if resume_from is not None:
-            trainer = DistributedTrainer.resume(resume_from, cfg, device=device, **kwargs)
+            trainer = DistributedTrainer.resume(resume_from, cfg, model_dir=model_dir, device=device, **kwargs)
         else:
             trainer = DistributedTrainer(model_dir, cfg, device=device, **kwargs)
     except BaseException:
@@ -413,7 +417,7 @@ class DistributedTrainer(Trainer):
         from node.trainer.loss import LossInputs
 
         slices = [s for row in mb.rows for s in row.slices]
-        logprobs = self.model.prime_logprobs(mb, self.temperature)
+        logprobs = _split_logprobs(self.model.prime_logprobs(mb, self.temperature), mb)
         total = None
         for sl, lp in zip(slices, logprobs):
             s = sl.sample
@@ -438,7 +442,7 @@ class DistributedTrainer(Trainer):
         """A pass that contributes exactly zero gradient, so that this rank joins the same all-gathers and
         reduce-scatters as the ranks that still have micro-batches."""
         mb = build_micro_batches([TrainSample([0], [0], [0.0], 0.0)], "packed", 64)[0]
-        (self.model.prime_logprobs(mb, self.temperature)[0].sum() * 0.0).backward()
+        (self.model.prime_logprobs(mb, self.temperature).sum() * 0.0).backward()
 
     def _apply(self, which: int, max_grad_norm: float, tokens: int) -> dict[str, Any]:
         """Trainer._apply_gradients on sharded gradients: the same division, clipping and skip rule."""
@@ -544,9 +548,14 @@ def _bound_logprobs(model):
     from node.trainer.forward import micro_batch_logprobs
 
     def prime_logprobs(mb, temperature):
-        return micro_batch_logprobs(model, mb, temperature)
+        # One tensor out (FSDP hooks its backward on the forward method's outputs), split by the caller.
+        return torch.cat(micro_batch_logprobs(model, mb, temperature))
 
     return prime_logprobs
+
+
+def _split_logprobs(lp: torch.Tensor, mb) -> list[torch.Tensor]:
+    return list(torch.split(lp, [len(s.pred_index) for r in mb.rows for s in r.slices]))
 
 
 def _fresh_window(like: dict) -> dict:
