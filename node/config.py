@@ -124,6 +124,15 @@ class AdmissionConfig(_Section):
             raise ValueError(f"admission.allowlist: {e}") from None
 
 
+class EvalConfig(_Section):
+    """Evaluation during training (node/coordinator/evaluation.py): every `every_steps` published steps
+    (and for θ_0) the coordinator decodes `prompts` held-out prompts greedily with its current policy and
+    scores them with the task's reward; 0 = off."""
+    every_steps: int = Field(0, ge=0, le=1_000_000)
+    prompts: int = Field(64, ge=1, le=4096)  # held out: a seed stream of the task that training never draws
+    batch_size: int = Field(64, ge=1, le=4096)  # prompts decoded together
+
+
 class DemoConfig(_Section):
     nodes: int = Field(2, ge=1, le=64)
     steps: int = Field(20, ge=1)
@@ -142,6 +151,7 @@ class Config(_Section):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     p2p: P2PConfig = Field(default_factory=P2PConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)
 
 

@@ -77,7 +77,16 @@ def summarize(status: dict, wall: float) -> dict:
         "trainer_idle_fraction": status["trainer"]["idle_fraction"],
         "checkpoint_bytes_by_source": status["checkpoint_bytes_by_source"],
         "nodes": len(status["nodes"]),
+        # greedy decoding of held-out prompts by the coordinator (eval.every_steps; empty when off)
+        "eval_by_step": {e["step"]: e["reward"] for e in status.get("eval_curve", [])},
+        "eval_prompts": max((e["n"] for e in status.get("eval_curve", [])), default=0),
+        "reward_last5_mean": _last_mean(rewards, 5),
     }
+
+
+def _last_mean(by_step: dict, n: int) -> float | None:
+    steps = sorted(by_step)[-n:]
+    return sum(by_step[s] for s in steps) / len(steps) if steps else None
 
 
 def learning_ratio(rewards: dict[int, float]) -> float | None:
@@ -91,7 +100,7 @@ def learning_ratio(rewards: dict[int, float]) -> float | None:
     return last / first if first > 0 else float("inf")
 
 
-def plot_rewards(rewards: dict[int, float], out: Path) -> None:
+def plot_rewards(rewards: dict[int, float], out: Path, evals: dict[int, float] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +108,12 @@ def plot_rewards(rewards: dict[int, float], out: Path) -> None:
 
     steps = sorted(rewards)
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
-    ax.plot(steps, [rewards[s] for s in steps], marker="o", ms=3)
+    ax.plot(steps, [rewards[s] for s in steps], marker="o", ms=3, label="rollouts (sampled, T=1)")
+    if evals:
+        es = sorted(evals)
+        ax.plot(es, [evals[s] for s in es], marker="s", ms=4, color="tab:orange", label="held-out eval (greedy)")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_ylim(0, 1.02)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title("prime-node demo: reward per step")
@@ -154,7 +168,7 @@ def cmd_demo(args) -> int:
     summary["learning_ratio_last_vs_first_fifth"] = ratio
     plot = out / "reward_curve.png"
     if summary["reward_by_step"]:
-        plot_rewards(summary["reward_by_step"], plot)
+        plot_rewards(summary["reward_by_step"], plot, summary["eval_by_step"])
         summary["reward_plot"] = str(plot)
     if args.summary:
         Path(args.summary).write_text(json.dumps(summary, indent=2))
@@ -215,8 +229,15 @@ def _report(s: dict, ratio: float | None, plot: Path, summary_path: str | None) 
     print(f"  checkpoint bytes     {s['checkpoint_bytes_by_source']}")
     if steps:
         print(f"  reward               step {steps[0]}: {rewards[steps[0]]:.3f} -> step {steps[-1]}: {rewards[steps[-1]]:.3f}")
+    if s["reward_last5_mean"] is not None:
+        print(f"  reward, last 5 steps {s['reward_last5_mean']:.3f} (1 = exactly right)")
     if ratio is not None:
         print(f"  learning             last fifth / first fifth = {ratio:.2f}x")
+    evals = s["eval_by_step"]
+    if evals:
+        es = sorted(evals)
+        print(f"  held-out eval        greedy on {s['eval_prompts']} prompts: step {es[0]}: {evals[es[0]]:.3f} -> "
+              f"step {es[-1]}: {evals[es[-1]]:.3f}")
     if plot.is_file():
         print(f"  reward curve         {plot}")
     if summary_path:

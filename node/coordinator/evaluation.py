@@ -23,6 +23,8 @@ import logging
 import time
 from pathlib import Path
 
+from node.envs import encode_prompt
+
 log = logging.getLogger("prime_node.evaluation")
 
 EVAL_SEED_OFFSET = 1_000_003  # eval's seed stream: run.seed + this, never run.seed itself
@@ -45,8 +47,6 @@ class Evaluator:
 
     def __init__(self, *, task, tokenizer, run_seed: int, prompts: int, every_steps: int, max_tokens: int,
                  batch_size: int, root: Path | None = None, metrics=None):
-        from node.envs import encode_prompt
-
         self.task = task
         self.every_steps = every_steps
         self.max_tokens = max_tokens

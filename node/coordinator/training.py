@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from node.coordinator.evaluation import Evaluator, warm_start_seed
 from node.coordinator.faults import crash_point
 from node.coordinator.ledger import StepRow, now_ms
 from node.coordinator.scheduler import min_policy_for_batch
@@ -35,6 +36,7 @@ class TrainingLoop:
         self.busy = False
         self.last_metrics: dict = {}
         self.error: str | None = None
+        self.evaluator = None  # node.coordinator.evaluation.Evaluator when eval.every_steps > 0
 
     # -- start-up ----------------------------------------------------------------------------------
     def _make_trainer(self, resume: bool):
@@ -68,7 +70,9 @@ class TrainingLoop:
             store.discard_after(-1)
             shutil.rmtree(self.state_root, ignore_errors=True)
             self.trainer = self._make_trainer(resume=False)
-            self._publish(0, {"note": "initial policy"}, [])
+            metrics = {"note": "initial policy", **self._warm_start()}
+            self._publish(0, metrics, [])
+            self._start_eval()
             return
         step = latest.step
         log.info("resuming from published step %d", step)
@@ -80,6 +84,39 @@ class TrainingLoop:
         for s in range(max(0, step - self.k - 1), step + 1):
             if store.payload_path(s).is_file():
                 self.c.policies.put_payload(s, store.payload_path(s))
+        self._start_eval()
+
+    # -- warm start and evaluation (node/coordinator/evaluation.py) ---------------------------------
+    def _warm_start(self) -> dict:
+        """θ_0 = the tiny SFT warm start on the task's reference answers (trainer.warm_start_steps > 0)."""
+        steps = self.cfg.trainer.warm_start_steps
+        if not steps:
+            return {}
+        from node.trainer import sft_warm_start
+
+        t0 = time.monotonic()
+        nll = sft_warm_start(self.trainer, self.c.task, self.c.tokenizer, steps=steps,
+                             lr=self.cfg.trainer.warm_start_lr, seed=warm_start_seed(self.cfg.run.seed))
+        log.info("warm start: %d SFT steps, reference NLL %.3f -> %.3f", steps, nll[0], nll[-1])
+        return {"warm_start_steps": steps, "warm_start_nll": nll[-1], "warm_start_seconds": time.monotonic() - t0}
+
+    def _start_eval(self) -> None:
+        self.evaluator = Evaluator.for_coordinator(self.c)
+        if self.evaluator is not None:
+            self.evaluator.restore(self.published_step)
+
+    def _evaluate_if_due(self) -> None:
+        """Between steps, in this thread (it owns the model): a failed evaluation is logged, never fatal."""
+        ev = self.evaluator
+        if ev is None or not ev.due(self.published_step):
+            return
+        t0 = time.monotonic()
+        try:
+            ev.run(self.trainer.model, self.published_step)
+        except Exception:  # noqa: BLE001 - evaluation must not stop training
+            log.exception("evaluation at step %d failed", self.published_step)
+            ev.every_steps = 0  # off for the rest of this run; the curve so far stays
+        self.busy_seconds += time.monotonic() - t0
 
     # -- thread ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,6 +139,7 @@ class TrainingLoop:
     def _run(self) -> None:
         try:
             while not self._stop:
+                self._evaluate_if_due()
                 max_steps = self.cfg.run.max_steps
                 if max_steps and self.published_step >= max_steps:
                     self._wait(1.0)
@@ -166,7 +204,9 @@ class TrainingLoop:
         t0 = time.monotonic()
         self.busy = True
         metrics = self.trainer.step()
-        rewards = [r["reward"] for g in fed for r in g["data"]["rollouts"]]
+        # every fresh rollout offered to this step, also the groups the difficulty filter dropped (all
+        # right or all wrong): leaving those out hid the prompts the policy had mastered from the curve
+        rewards = [r["reward"] for g in fed + dropped["filtered"] for r in g["data"]["rollouts"]]
         staleness = [n - 1 - g["policy_step"] for g in fed]
         metrics.update({
             "reward_mean": sum(rewards) / max(1, len(rewards)),
