@@ -209,11 +209,13 @@ def main() -> None:
     p.add_argument("--big", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--big-shape", choices=sorted(BIG_SHAPES), default="100m",
                    help="model for the gather/pack/save/resume rows (0.5b: ~6 GB of RAM per rank)")
+    p.add_argument("--small", action=argparse.BooleanOptionalAction, default=True, help="the step-time rows")
+    p.add_argument("--append", action="store_true", help="keep the rows already in --out")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale_out.json"))
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="scale-out-"))
-    rows: list[dict] = []
+    rows: list[dict] = json.loads(Path(args.out).read_text())["rows"] if args.append else []
 
     def write(final: bool) -> None:
         result = {
@@ -236,19 +238,20 @@ def main() -> None:
         write(False)
 
     try:
-        small = build_tiny_model_dir(work / "small", hidden_size=args.hidden, layers=args.layers, heads=args.heads)
-        from safetensors.torch import load_file
-        small_params = sum(t.numel() for t in load_file(str(small / "model.safetensors")).values())
-        model_small = {"model": f"llama h{args.hidden} L{args.layers}", "params": small_params}
-        print(f"step model: {model_small}", flush=True)
-        for r in single_rank(str(small), args, str(work / "state-1")):
-            add({**model_small, **r})
-        for world in (1, 2):
-            state = str(work / f"state-dcp-{world}")
-            for r in run_ranks(world, ranked, str(small), args, state, "step", timeout=1200)[0]:
+        if args.small:
+            small = build_tiny_model_dir(work / "small", hidden_size=args.hidden, layers=args.layers, heads=args.heads)
+            from safetensors.torch import load_file
+            small_params = sum(t.numel() for t in load_file(str(small / "model.safetensors")).values())
+            model_small = {"model": f"llama h{args.hidden} L{args.layers}", "params": small_params}
+            print(f"step model: {model_small}", flush=True)
+            for r in single_rank(str(small), args, str(work / "state-1")):
                 add({**model_small, **r})
-            for r in run_ranks(world, ranked_resume, str(small), args, state, timeout=1200)[0]:
-                add({**model_small, **r})
+            for world in (1, 2):
+                state = str(work / f"state-dcp-{world}")
+                for r in run_ranks(world, ranked, str(small), args, state, "step", timeout=1200)[0]:
+                    add({**model_small, **r})
+                for r in run_ranks(world, ranked_resume, str(small), args, state, timeout=1200)[0]:
+                    add({**model_small, **r})
         if args.big:
             big = build_big_model_dir(work / "big", args.big_shape)
             from safetensors import safe_open
