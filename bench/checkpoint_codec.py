@@ -6,8 +6,10 @@ intermediate 2048, tied embeddings: ~110M parameters, ~220 MB in bf16), weights 
 weights, then torch.optim.AdamW(lr, weight_decay=0.01).step(); both steps are stored in bf16.
 Each measured operation runs in its own subprocess so its peak RSS is its own (ru_maxrss); RSS before the
 operation is also recorded. Files live in the page cache (no cache drop): these are CPU-bound numbers.
-Baseline, side by side: `safetensors.torch.save_file` + sha256 of the file (pack) and read + sha256 +
-`safetensors.torch.load_file` (load), neither compressed nor signed nor sharded.
+Baselines, side by side: `safetensors.torch.save_file` + sha256 of the file (pack) and read + sha256 +
+`safetensors.torch.load_file` (load), neither compressed nor signed nor sharded; and the write itself:
+the same payload bytes copied into a new file with `dd bs=4M` and with `cp` (what verify + unpack cannot
+beat, since it ends by writing those bytes).
 
     .venv/bin/python bench/checkpoint_codec.py [--quick]     # writes bench/results/checkpoint_codec.json
 """
@@ -27,6 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if os.environ.get("BENCH_CODE_TREE"):  # a child measuring another checkout's code (--before)
+    sys.path.insert(0, os.environ["BENCH_CODE_TREE"])
 RESULT = REPO / "bench" / "results" / "checkpoint_codec.json"
 
 
@@ -63,6 +67,11 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def child(op: str, a: dict) -> dict:
     # Imports first, so that timings cover the operation only (torch alone takes ~2 s to import).
     import hashlib  # noqa: F401
@@ -89,8 +98,8 @@ def child(op: str, a: dict) -> dict:
             t0, c0 = time.perf_counter(), cpu_s()
         m = pack_checkpoint(source, a["out"], identity=Identity.load(a["key"]), step=a["step"], run_id="bench",
                             parent=None, base_payload=a.get("base"), base_step=a.get("base_step"),
-                            shard_size=a["shard_size"], level=a["level"], threads=2)
-        out.update(raw=m.total_size, compressed=m.compressed_size, shards=m.num_shards)
+                            shard_size=a["shard_size"], level=a["level"], threads=2, encoding=a.get("encoding"))
+        out.update(raw=m.total_size, compressed=m.compressed_size, shards=m.num_shards, encoding=m.encoding)
     elif op == "unpack":
         from protocol.checkpoint import unpack_checkpoint
 
@@ -113,6 +122,14 @@ def child(op: str, a: dict) -> dict:
         with open(a["out"], "rb") as f:
             hashlib.file_digest(f, "sha256")
         out = {"raw": os.path.getsize(a["out"])}
+    elif op in ("baseline_dd", "baseline_cp"):
+        import subprocess
+
+        cmd = (["dd", f"if={a['source']}", f"of={a['out']}", "bs=4M", "status=none"] if op == "baseline_dd"
+               else ["cp", a["source"], a["out"]])
+        child_cpu = children_cpu_s()
+        subprocess.run(cmd, check=True)
+        out = {"raw": os.path.getsize(a["out"]), "child_cpu_seconds": children_cpu_s() - child_cpu}
     elif op == "baseline_load":
         import hashlib
         from safetensors.torch import load_file
@@ -121,7 +138,7 @@ def child(op: str, a: dict) -> dict:
             hashlib.file_digest(f, "sha256")
         load_file(a["source"])
         out = {"raw": os.path.getsize(a["source"])}
-    seconds, cpu = time.perf_counter() - t0, cpu_s() - c0
+    seconds, cpu = time.perf_counter() - t0, cpu_s() - c0 + out.pop("child_cpu_seconds", 0.0)
     # MB per CPU-second is what the code costs, whatever else runs on the machine; wall MB/s is what the
     # shared 2-core box gave us at that moment.
     out.update(seconds=seconds, mb_s=out["raw"] / 1e6 / seconds, cpu_seconds=cpu,
@@ -129,15 +146,16 @@ def child(op: str, a: dict) -> dict:
     return out
 
 
-def run_child(op: str, repeat: int = 2, **a) -> dict:
+def run_child(op: str, repeat: int = 2, tree: str | None = None, **a) -> dict:
     """Best (fastest) of `repeat` fresh processes: the machine is shared, so the minimum is the signal."""
     runs = []
     for attempt in range(repeat):
         args = dict(a)
         if "out" in args:
             args["out"] = f"{args['out']}.{attempt}"
+        env = dict(os.environ, BENCH_CODE_TREE=tree) if tree else None
         proc = subprocess.run([sys.executable, __file__, "--child", op, json.dumps(args)], capture_output=True,
-                              text=True, cwd=REPO, timeout=300)
+                              env=env, text=True, cwd=REPO, timeout=300)
         if proc.returncode != 0:
             raise SystemExit(f"child {op} failed:\n{proc.stderr}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -208,6 +226,8 @@ def prefault_guest_memory(gib: float = 4.0) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 layers instead of 12 (smoke run)")
+    ap.add_argument("--before", metavar="REV", help="also run verify/unpack with the code of this git revision "
+                    "(checked out into a temporary worktree), interleaved with the current code's runs")
     ap.add_argument("--child", nargs=2, metavar=("OP", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -224,6 +244,13 @@ def main() -> None:
         work = Path(tmp)
         key = Identity.generate()
         key.save(work / "k.key")
+        before = None
+        if args.before:  # the old code, exported (no worktree): only protocol/ and verify/ are imported
+            before = str(work / "before")
+            os.mkdir(before)
+            archive = subprocess.run(["git", "archive", args.before, "protocol", "verify"], cwd=REPO,
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", before], input=archive, check=True)
         model = build_states(work, 4 if args.quick else 12, lrs)
         m0 = str(work / "m0" / "model.safetensors")
         rows: list[dict] = []
@@ -242,9 +269,28 @@ def main() -> None:
         r = run_child("pack", source=m0, out=str(work / "c0s"), step=0, level=1, from_state=True, **common)
         row("pack full (from in-memory state)", r)
         c0 = str(work / "c0.0")
-        row("verify full", run_child("verify", ckpt=c0, pub=key.public_hex))
-        row("unpack full (verify+write)", run_child("unpack", ckpt=c0, out=str(work / "u0"), pub=key.public_hex))
-        p0 = str(work / "u0.0" / "model.safetensors")  # step 0's raw payload: the base of every delta
+        row("verify full", run_child("verify", ckpt=c0, pub=key.public_hex, repeat=3))
+        if before:
+            row(f"verify full (before: {args.before})", run_child("verify", ckpt=c0, pub=key.public_hex, repeat=3,
+                                                                 tree=before))
+        # The write itself and verify+unpack, interleaved so that they see the same machine.
+        for attempt in range(3):
+            if before:
+                row(f"unpack full (before: {args.before})", run_child("unpack", repeat=1, tree=before, ckpt=c0,
+                                                                     out=str(work / f"ub{attempt}"),
+                                                                     pub=key.public_hex), attempt=attempt)
+                shutil.rmtree(work / f"ub{attempt}.0", ignore_errors=True)
+            row("write baseline: dd bs=4M", run_child("baseline_dd", repeat=1, source=m0,
+                                                      out=str(work / f"dd{attempt}.safetensors")), attempt=attempt)
+            row("write baseline: cp", run_child("baseline_cp", repeat=1, source=m0,
+                                                out=str(work / f"cp{attempt}.safetensors")), attempt=attempt)
+            row("unpack full (verify+write)", run_child("unpack", repeat=1, ckpt=c0, out=str(work / f"u0-{attempt}"),
+                                                        pub=key.public_hex), attempt=attempt)
+            for f in (f"dd{attempt}.safetensors.0", f"cp{attempt}.safetensors.0"):
+                (work / f).unlink(missing_ok=True)
+            if attempt:
+                shutil.rmtree(work / f"u0-{attempt}.0", ignore_errors=True)
+        p0 = str(work / "u0-0.0" / "model.safetensors")  # step 0's raw payload: the base of every delta
         for lr in lrs:
             d = model["steps"][lr]["dir"]
             for level in (1, 3):
@@ -255,10 +301,23 @@ def main() -> None:
             out = work / f"c1-{lr:g}-1.0"
             row(f"unpack xor-delta lr={lr:g}", run_child("unpack", ckpt=str(out), out=str(work / f"u1-{lr:g}"),
                                                          pub=key.public_hex, base=p0), lr=lr)
-            got = (work / f"u1-{lr:g}.0" / "model.safetensors").read_bytes()
+            if before:
+                row(f"unpack xor-delta lr={lr:g} (before: {args.before})",
+                    run_child("unpack", tree=before, ckpt=str(out), out=str(work / f"ub1-{lr:g}"), pub=key.public_hex,
+                              base=p0), lr=lr)
+                shutil.rmtree(work / f"ub1-{lr:g}.0", ignore_errors=True)
+            out = work / f"c1s-{lr:g}"
+            r = run_child("pack", source=str(work / d), out=str(out), step=1, level=1, base=p0, base_step=0,
+                          encoding="sparse-delta", **common)
+            row(f"pack sparse-delta lr={lr:g} zstd1", r, lr=lr, level=1)
+            row(f"unpack sparse-delta lr={lr:g}", run_child("unpack", ckpt=str(out) + ".0",
+                                                            out=str(work / f"u1s-{lr:g}"), pub=key.public_hex,
+                                                            base=p0), lr=lr)
             from protocol.checkpoint import layout_from_files
             with layout_from_files(work / d) as layout:
-                assert got == layout.to_bytes(), "delta round trip is not bit-exact"
+                want = layout.to_bytes()
+            for u in (f"u1-{lr:g}.0", f"u1s-{lr:g}.0"):
+                assert (work / u / "model.safetensors").read_bytes() == want, f"{u}: round trip is not bit-exact"
 
     by = {r["case"]: r for r in rows}
     raw = by["pack full (from model dir)"]["raw"]
@@ -267,6 +326,25 @@ def main() -> None:
         if "compressed" in r:
             r["ratio"] = r["raw"] / r["compressed"]
         r["vs_baseline"] = r["mb_s"] / (base_pack if r["case"].startswith("pack") else base_load)
+    # verify + unpack against the write itself: attempt by attempt (run back to back) and best against best.
+    attempts = {}
+    for r in rows:
+        if "attempt" in r:
+            attempts.setdefault(r["attempt"], {})[r["case"]] = r["seconds"]
+    unpack_case, dd_case, cp_case = "unpack full (verify+write)", "write baseline: dd bs=4M", "write baseline: cp"
+    best = {c: min(a[c] for a in attempts.values()) for c in (unpack_case, dd_case, cp_case)}
+    write_baseline = {
+        "unpack_over_dd_per_attempt": [a[unpack_case] / a[dd_case] for a in attempts.values()],
+        "unpack_over_cp_per_attempt": [a[unpack_case] / a[cp_case] for a in attempts.values()],
+        "best_seconds": best, "best_mb_s": {c: raw / 1e6 / t for c, t in best.items()},
+        "best_unpack_over_best_dd": best[unpack_case] / best[dd_case],
+        "best_unpack_over_best_cp": best[unpack_case] / best[cp_case],
+    }
+    before_case = f"unpack full (before: {args.before})"
+    if args.before:
+        old = min(a[before_case] for a in attempts.values())
+        write_baseline.update(before_best_mb_s=raw / 1e6 / old, before_best_over_best_dd=old / best[dd_case],
+                              before_over_dd_per_attempt=[a[before_case] / a[dd_case] for a in attempts.values()])
     result = {
         "benchmark": "checkpoint_codec",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
@@ -276,7 +354,8 @@ def main() -> None:
         "adamw_step": {"loss": model["loss"], "grad_seconds": model["grad_seconds"], "weight_decay": 0.01,
                        "batch": "2x128 random tokens, causal LM loss",
                        "bf16_values_changed": {f"{lr:g}": s["bf16_values_changed"] for lr, s in model["steps"].items()}},
-        "shard_size": shard_size, "threads": 2, "rows": rows,
+        "shard_size": shard_size, "threads": 2, "rows": rows, "write_baseline": write_baseline,
+        "before": args.before,
         "total_seconds": time.perf_counter() - started,
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
@@ -293,6 +372,16 @@ def main() -> None:
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
         print(f"{r['case']:<36}{r['mb_s']:7.0f}{r['vs_baseline']:8.2f}x{r['mb_per_cpu_s']:10.0f}{ratio:>8}"
               f"{r['peak_rss_mb']:13.0f}{r['rss_before_mb']:10.0f}")
+    wb = write_baseline
+    mbs = wb["best_mb_s"]
+    print(f"verify+unpack (full) vs the write itself, best of {len(attempts)}: unpack {mbs[unpack_case]:.0f} MB/s, "
+          f"dd {mbs[dd_case]:.0f} MB/s, cp {mbs[cp_case]:.0f} MB/s -> unpack takes "
+          f"{wb['best_unpack_over_best_dd']:.2f}x dd's time, {wb['best_unpack_over_best_cp']:.2f}x cp's "
+          "(per attempt vs dd: " + ", ".join(f"{x:.2f}x" for x in wb["unpack_over_dd_per_attempt"]) + ")")
+    if args.before:
+        print(f"before ({args.before}): unpack {wb['before_best_mb_s']:.0f} MB/s, "
+              f"{wb['before_best_over_best_dd']:.2f}x "
+              "dd's time")
     if not args.quick:
         RESULT.parent.mkdir(parents=True, exist_ok=True)
         RESULT.write_text(json.dumps(result, indent=2) + "\n")
