@@ -227,7 +227,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 layers instead of 12 (smoke run)")
     ap.add_argument("--before", metavar="REV", help="also run verify/unpack with the code of this git revision "
-                    "(checked out into a temporary worktree), interleaved with the current code's runs")
+                    "(its protocol/ and verify/ exported with git archive), interleaved with the current code's runs")
     ap.add_argument("--child", nargs=2, metavar=("OP", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
