@@ -9,7 +9,7 @@ from pathlib import Path
 from protocol.checkpoint import (CheckpointError, load_manifest, pack_checkpoint, resolve_base,
                                  unpack_checkpoint, verify_manifest)
 from protocol.errors import PrimeNodeError
-from protocol.identity import Identity, parse_public_key
+from protocol.identity import Identity, public_key_arg
 
 
 def _note(text: str) -> None:
@@ -70,11 +70,7 @@ def cmd_pack(args) -> int:
 def cmd_unpack(args) -> int:
     trusted = None
     if args.key:
-        try:
-            parse_public_key(args.key)
-        except ValueError as e:
-            raise PrimeNodeError(f"--key: {e}") from None
-        trusted = {args.key.lower()}
+        trusted = {public_key_arg("--key", args.key)}
     started = time.perf_counter()
     manifest = unpack_checkpoint(args.ckpt, args.out, trusted_keys=trusted, base=args.base,
                                  progress=sys.stderr.isatty())

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 
 from protocol.admission import make_join_token
-from protocol.errors import PrimeNodeError
-from protocol.identity import Identity
+from protocol.errors import PrimeNodeError, UsageError
+from protocol.identity import Identity, public_key_arg
 
 # subcommand -> "module:function"; each function takes the parsed args and returns an exit code.
 HANDLERS = {
@@ -34,8 +35,15 @@ def _add_config_args(p: argparse.ArgumentParser, *, required: bool = False) -> N
                    help="override one config key (repeatable)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors the way every bad argument is reported: one line on stderr, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="prime-node",
         description="Decentralized RL for LLMs: coordinator, worker nodes, signed checkpoints, verification.",
     )
@@ -122,18 +130,11 @@ def cmd_keys_new(args) -> int:
 
 
 def cmd_token_new(args) -> int:
-    import time
-
-
     if not 0 < args.valid_hours <= 24 * 365:
-        print("error: --valid-hours must be in (0, 8760]", file=sys.stderr)
-        return 2
-    try:
-        token = make_join_token(Identity.load(args.key), args.run_id,
-                                int(time.time() * 1000 + args.valid_hours * 3_600_000), node_id=args.node)
-    except ValueError as e:
-        print(f"error: --node: {e}", file=sys.stderr)
-        return 2
+        raise UsageError("--valid-hours must be in (0, 8760]")
+    node_id = public_key_arg("--node", args.node) if args.node else None
+    token = make_join_token(Identity.load(args.key), args.run_id,
+                            int(time.time() * 1000 + args.valid_hours * 3_600_000), node_id=node_id)
     print(token)
     return 0
 
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handler = getattr(importlib.import_module(module), func)
         return int(handler(args) or 0)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except PrimeNodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from node.aio import read_bounded
 from node.peer_log import PeerEventLog
 from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
 from protocol.errors import SignatureError
+from protocol.messages import ErrorBody
 from protocol.signing import SIGNED_HEADERS, RequestVerifier, strict_json_loads
 
 log = logging.getLogger("prime_node.http")
@@ -34,8 +35,6 @@ SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from li
 _ASCII_DIGITS = re.compile(r"[0-9]{1,10}")
 _RANGE = re.compile(r"bytes=[ \t]*([0-9]{0,40})[ \t]*-[ \t]*([0-9]{0,40})[ \t]*")
 
-MAX_DETAIL_CHARS = 1024  # protocol.messages.ErrorBody: an error's sentence never grows with the input
-
 
 class ApiError(Exception):
     """An error meant for the client: status + short code + one human sentence (DESIGN §5)."""
@@ -46,9 +45,7 @@ class ApiError(Exception):
 
 
 def json_error(status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> web.Response:
-    if len(detail) > MAX_DETAIL_CHARS:
-        detail = detail[:MAX_DETAIL_CHARS - 1] + "…"
-    return web.json_response({"error": code, "detail": detail}, status=status, headers=headers)
+    return web.json_response(ErrorBody.of(code, detail).model_dump(), status=status, headers=headers)
 
 
 _HTTP_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
@@ -192,13 +189,7 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
     return verified.signer, body
 
 
-SHARD_NAME_DIGITS = 5
 CHUNK = 256 * 1024
-
-
-def shard_path(root: Path, step: int, index: int) -> Path:
-    """The only way a shard path is formed: from two integers, never from a client string."""
-    return root / str(int(step)) / "shards" / f"{int(index):0{SHARD_NAME_DIGITS}d}.zst"
 
 
 def _parse_range(header: str, size: int) -> tuple[int, int]:

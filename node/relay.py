@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +23,7 @@ from node.logs import setup_logging
 from node.rate_limit import AsyncRateLimiter
 from node.worker.fetcher import Fetcher
 from node.worker.sources import HttpSource
-from protocol.identity import parse_public_key
+from protocol.identity import parse_public_key, public_key_arg
 
 log = logging.getLogger("prime_node.relay")
 
@@ -91,13 +90,8 @@ class Relay:
 
 def cmd_relay(args) -> int:
     setup_logging("plain")
-    if args.upstream_key:
-        try:
-            parse_public_key(args.upstream_key)
-        except ValueError as e:
-            print(f"error: --upstream-key: {e}", file=sys.stderr)
-            return 2
-    relay = Relay(args.upstream, Path(args.dir), upstream_key=args.upstream_key)
+    upstream_key = public_key_arg("--upstream-key", args.upstream_key) if args.upstream_key else None
+    relay = Relay(args.upstream, Path(args.dir), upstream_key=upstream_key)
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -9,6 +9,10 @@ class KeyFileError(PrimeNodeError):
     pass
 
 
+class UsageError(PrimeNodeError):
+    """A bad command-line argument. `prime-node` prints `error: <sentence>` (one line) and exits 2."""
+
+
 class SignatureError(PrimeNodeError):
     """A signed request or document did not verify. `code` is a short machine-readable reason."""
 

@@ -14,7 +14,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import KeyFileError
+from .errors import KeyFileError, UsageError
 
 PUBLIC_KEY_HEX_LEN = 64
 SIGNATURE_HEX_LEN = 128
@@ -34,6 +34,15 @@ def parse_public_key(hex_key: str) -> Ed25519PublicKey:
     except ValueError as e:
         raise ValueError("public key is not hex") from e
     return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def public_key_arg(flag: str, hex_key: str) -> str:
+    """A public key given on the command line (`flag` names the option), lowercased; UsageError if malformed."""
+    try:
+        parse_public_key(hex_key)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    return hex_key.lower()
 
 
 def verify_bytes(public_hex: str, signature_hex: str, message: bytes) -> bool:

@@ -212,10 +212,25 @@ class SubmitResponse(Wire):
 
 
 class ErrorBody(Wire):
-    """Every 4xx/5xx answer of the coordinator and the relays (DESIGN §5)."""
+    """Every 4xx/5xx answer of the coordinator and the relays (DESIGN §5): servers build it, clients parse it."""
 
     error: Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
     detail: Annotated[str, Field(max_length=MAX_DETAIL_CHARS)]
+
+    @classmethod
+    def of(cls, code: str, detail: str) -> "ErrorBody":
+        """A server's error: a sentence longer than MAX_DETAIL_CHARS is cut (it never grows with the input)."""
+        if len(detail) > MAX_DETAIL_CHARS:
+            detail = detail[:MAX_DETAIL_CHARS - 1] + "…"
+        return cls(error=code, detail=detail)
+
+    @classmethod
+    def parse(cls, body: bytes) -> "ErrorBody | None":
+        """A client's view of an error answer: None when the body is not an ErrorBody (a proxy's page)."""
+        try:
+            return cls.model_validate_json(body)
+        except ValueError:
+            return None
 
 
 # --- public GET answers (documented in GET /openapi.json) -------------------------------------------

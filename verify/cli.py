@@ -3,17 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from protocol.errors import PrimeNodeError
-from protocol.identity import parse_public_key
+from protocol.identity import public_key_arg
 from verify.checkpoint import verify_checkpoint
-
-
-def _trusted_key(hex_key: str) -> str:
-    try:
-        parse_public_key(hex_key)
-    except ValueError as e:
-        raise PrimeNodeError(f"--key: {e}") from None
-    return hex_key.lower()
 
 
 def cmd_verify_checkpoint(args) -> int:
@@ -22,7 +13,7 @@ def cmd_verify_checkpoint(args) -> int:
     Every failure is listed on stdout (one per line) when there is more than one; the last line on stderr
     always names the first.
     """
-    key = _trusted_key(args.key)
+    key = public_key_arg("--key", args.key)
     report = verify_checkpoint(args.ckpt, {key}, parent=args.parent, base=args.base,
                                progress=sys.stderr.isatty())
     for note in report.notes:

@@ -36,6 +36,7 @@ from typing import Annotated, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol.errors import PrimeNodeError
+from protocol.identity import public_key_arg
 from protocol.messages import (MAX_PROMPTS_PER_ASSIGNMENT, MAX_ROLLOUTS_PER_SUBMISSION, PromptWork,
                                RolloutSubmission, Sampling, ShortStr, Step, TokenId)
 
@@ -148,14 +149,7 @@ def _label(lineno: int, line: SubmissionLine, r: RolloutSubmission) -> str:
 def cmd_verify_rollouts(args) -> int:
     from verify.rollouts import RolloutClaim, RolloutVerifier, VerifyItem
 
-    key = args.key
-    if key:
-        from protocol.identity import parse_public_key
-
-        try:
-            parse_public_key(key)
-        except ValueError as e:
-            raise PrimeNodeError(f"--key: {e}") from None
+    key = public_key_arg("--key", args.key) if args.key else None
     if not Path(args.file).is_file():
         raise RolloutFileError(f"no such file: {args.file}")
     valid = invalid = 0

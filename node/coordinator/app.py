@@ -16,7 +16,6 @@ from protocol import messages as M
 from protocol.signing import RequestVerifier
 
 
-
 # /v1/status and /metrics are built at most once per this many seconds, however many dashboards poll.
 STATUS_MAX_AGE_S = 1.0
 LARGE_BODY_BYTES = 256 * 1024

@@ -58,7 +58,6 @@ class Scheduler:
     batch_prompts: int
     group_size: int
     prompts_per_assignment: int
-    run_seed: int
     make_prompt: "callable"  # problem_index -> (prompt_id, prompt_ids)
     published_step: int = 0
     next_problem_index: int = 0

@@ -90,7 +90,7 @@ class Coordinator:
 
         self.scheduler = Scheduler(
             async_level=self.k, batch_prompts=self.cfg.run.batch_prompts, group_size=self.cfg.run.group_size,
-            prompts_per_assignment=self.cfg.run.prompts_per_assignment, run_seed=self.cfg.run.seed,
+            prompts_per_assignment=self.cfg.run.prompts_per_assignment,
             make_prompt=make_prompt,
         )
         self.policies = PolicyStore(model_dir, keep=self.k + 2)

@@ -10,6 +10,7 @@ from typing import Any
 from node.envs.arithmetic import Arithmetic
 from node.envs.base import Task, TaskError
 from node.envs.reverse_text import ReverseText
+from node.plugins import PluginError, import_object
 
 BUILTIN_TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ReverseText, Arithmetic)}
 
@@ -29,8 +30,6 @@ def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:
     if ":" not in name:
         raise TaskError(f"unknown task {name!r} (built-ins: {', '.join(sorted(BUILTIN_TASKS))}; "
                         "or 'reasoning-gym:<dataset>', 'verifiers:<environment>', 'package.module:Class')")
-    from node.trainer.plugins import PluginError, import_object
-
     try:
         cls = import_object(name)
     except PluginError as e:

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Protocol, Union
 
 from node.checkpoint_dir import PARTIAL_PREFIX
-from protocol.signing import canonical_json, sha256_hex, strict_json_loads
+from protocol.checkpoint import MANIFEST_NAME, MAX_MANIFEST_BYTES, SHARDS_DIR, manifest_hash, shard_file_name
+from protocol.signing import strict_json_loads
 
-MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+__all__ = ["ShardBody", "BytesBody", "FileBody", "ShardStore", "CallableShardStore", "DirectoryShardStore",
+           "CheckpointShards", "as_store", "manifest_hash"]
 
 
 class ShardBody(Protocol):
@@ -83,11 +85,6 @@ class CallableShardStore:
         return None if data is None else BytesBody(bytes(data))
 
 
-def manifest_hash(manifest: dict) -> str:
-    """sha256 hex of the canonical JSON of a manifest without its signature (as DESIGN §6's `parent`)."""
-    return sha256_hex(canonical_json({k: v for k, v in manifest.items() if k != "signature"}))
-
-
 class DirectoryShardStore:
     """Serve `<root>/<step>/shards/NNNNN.zst`; `<root>/<step>/manifest.json` answers manifest-hash checks."""
     def __init__(self, root: str | os.PathLike, *, step_dir: Callable[[int], str] = str):
@@ -102,10 +99,10 @@ class DirectoryShardStore:
     def shard_path(self, step: int, index: int) -> Path:
         if not (isinstance(step, int) and isinstance(index, int) and step >= 0 and 0 <= index <= 99_999):
             raise ValueError("step and index must be non-negative ints (index ≤ 99999)")
-        return self.root / self._step_dir(step) / "shards" / f"{index:05d}.zst"
+        return self.root / self._step_dir(step) / SHARDS_DIR / shard_file_name(index)
 
     def _manifest_hash(self, step: int) -> str | None:
-        path = self._inside(self.root / self._step_dir(step) / "manifest.json")
+        path = self._inside(self.root / self._step_dir(step) / MANIFEST_NAME)
         if path is None:
             return None
         try:

@@ -13,7 +13,7 @@ Coordinator-facing API (torch is imported lazily: `import node.trainer` is cheap
     metrics = trainer.step()        # dict: loss, reward_mean, masked_frac, clipped_frac, grad_norm, ...
     trainer.weights_for_broadcast() # dict[str, Tensor]: broadcast dtype (bf16 default), contiguous CPU
     trainer.save_state(); trainer.step_count; trainer.keep_rate   # oversample prompts by 1 / keep_rate
-    trainer.pools.should_skip(prompt_id)                            # difficulty pools (easy/hard)
+    trainer.pools.counts()                                          # difficulty pools (easy/hard)
 
 Streaming (`stream=True`, k = 0 periodic asynchrony): add_group back-propagates at once, step() only
 applies the optimizer; the result equals training on the full batch.

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from node.trainer.plugins import PluginError, import_object
+from node.plugins import PluginError, import_object
 from node.trainer.types import Rollout
 
 
@@ -52,7 +52,6 @@ def apply_length_penalty(advantages: list[float], rollouts: list[Rollout], kind:
 def resolve_advantage(cfg: Any) -> Callable[[list[Rollout]], list[float]]:
     """From `trainer.advantage`: a function rollouts -> advantages (base estimator, then penalties)."""
     if cfg.type == "custom":
-
         fn = import_object(cfg.import_path)
         if not callable(fn):
             raise PluginError(f"advantage {cfg.import_path!r} is not callable")

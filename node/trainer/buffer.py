@@ -1,6 +1,7 @@
 """Difficulty pools (easy / normal / hard per problem, persisted) and online difficulty filtering.
 
-The coordinator's scheduler asks `pools.should_skip(prompt_id)` before handing a problem out, and
+The pools record, per problem, whether its last group was solved by every sample (easy), by none (hard) or
+in between; they are saved with the trainer and shown in the step metrics. The coordinator's scheduler
 oversamples by 1 / `keep_rate` so that a batch still fills when all-0 / all-1 groups are dropped.
 """
 from __future__ import annotations
@@ -44,10 +45,6 @@ class DifficultyPools:
 
     def pool_of(self, prompt_id: str) -> str:
         return self.pool.get(prompt_id, "normal")
-
-    def should_skip(self, prompt_id: str) -> bool:
-        """Problems already solved (easy) or hopeless (hard) are not worth a rollout now."""
-        return prompt_id in self.pool
 
     def counts(self) -> dict[str, int]:
         c = {"easy": 0, "hard": 0}

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from node.trainer.plugins import PluginError, import_object
+from node.plugins import PluginError, import_object
 
 
 @dataclass

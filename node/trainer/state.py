@@ -75,7 +75,6 @@ def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: 
     import torch
     from safetensors.torch import load_file
 
-
     snap = latest_snapshot(state_dir)
     meta = _read_json(snap / "trainer.json")
     if meta.get("format") != FORMAT:

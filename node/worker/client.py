@@ -76,11 +76,10 @@ class CoordinatorClient:
 
     @staticmethod
     def _error(r: HttpResult) -> CoordinatorError:
-        try:
-            body = json.loads(r.body)
-            return CoordinatorError(r.status, str(body.get("error")), str(body.get("detail")))
-        except (ValueError, AttributeError):
+        err = M.ErrorBody.parse(r.body)
+        if err is None:
             return CoordinatorError(r.status, "http_error", r.body[:200].decode(errors="replace"))
+        return CoordinatorError(r.status, err.error, err.detail)
 
     def _parse(self, r: HttpResult, model):
         if r.status != 200:
@@ -94,7 +93,6 @@ class CoordinatorClient:
         """Join the run: with the proof of work an open run asks of a new key (solved here, off the
         event loop), or with a join token for a token run."""
         import asyncio
-
 
         run = await self.run_info()
         payload: dict = {"node": info.model_dump()} if info else {}

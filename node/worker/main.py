@@ -10,7 +10,7 @@ from pathlib import Path
 from node.config import load_config
 from node.logs import setup_logging
 from node.worker.node import WorkerNode
-from protocol.identity import Identity, parse_public_key
+from protocol.identity import Identity, public_key_arg
 
 log = logging.getLogger("prime_node.worker")
 
@@ -26,16 +26,10 @@ async def run_worker(cfg, url: str, identity: Identity, coordinator_key: str | N
 def cmd_join(args) -> int:
     cfg = load_config(args.config, args.overrides)
     setup_logging(cfg.server.log_format)
-    if args.coordinator_key:
-
-        try:
-            parse_public_key(args.coordinator_key)
-        except ValueError as e:
-            print(f"error: --coordinator-key: {e}", file=sys.stderr)
-            return 2
+    coordinator_key = public_key_arg("--coordinator-key", args.coordinator_key) if args.coordinator_key else None
     key_path = Path(args.key) if args.key else Path(cfg.worker.storage_dir) / "node.key"
     identity, created = Identity.load_or_create(key_path)
     if created:
         print(f"created node key {key_path} (node id {identity.node_id[:16]}…)", file=sys.stderr)
-    asyncio.run(run_worker(cfg, args.coordinator, identity, args.coordinator_key, sys.stderr.isatty()))
+    asyncio.run(run_worker(cfg, args.coordinator, identity, coordinator_key, sys.stderr.isatty()))
     return 0

@@ -9,6 +9,7 @@ import aiohttp
 
 from node.aio import read_bounded
 from node.worker.client import MAX_MANIFEST_BYTES, Unreachable, read_limited
+from protocol.messages import ErrorBody
 
 
 class SourceError(Exception):
@@ -103,7 +104,8 @@ class HttpSource:
         got = bytearray()
         try:
             async with self.session.get(url, headers=headers) as resp:
-                if resp.status == 429 and b'"seeded"' in (await read_bounded(resp.content, 4096) or b""):
+                if resp.status == 429 and getattr(ErrorBody.parse(await read_bounded(resp.content, 4096) or b""),
+                                                  "error", None) == "seeded":
                     raise ShardDeferred(f"{self.name}: shard {index} of step {step} is spreading via peers")
                 if resp.status not in (200, 206) or (offset and resp.status != 206):
                     raise SourceError(f"{self.name}: shard {index} of step {step} answered {resp.status}")

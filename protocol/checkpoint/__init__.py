@@ -30,7 +30,8 @@ whose message names the shard or field. torch is imported only by the tensor-fac
 from .codec import compress_shard, compress_shard_to, decompress_shard, verify_shard, xor_into
 from .errors import CheckpointError
 from .manifest import (DEFAULT_SHARD_SIZE, DELTA_ENCODINGS, ENCODINGS, FORMAT, MAX_MANIFEST_BYTES, Manifest,
-                       ShardEntry, check_forward, check_parent, sign_manifest, verify_manifest, verify_signature)
+                       ShardEntry, check_forward, check_parent, manifest_hash, sign_manifest, verify_manifest,
+                       verify_signature)
 from .pack import check_delta_compatible, pack_checkpoint
 from .payload import (PayloadLayout, layout_from_files, layout_from_state, load_payload, open_layout,
                       parse_header, read_header_file, serialize_state)
@@ -41,6 +42,7 @@ from .shard_files import (MANIFEST_NAME, SHARDS_DIR, DirShardReader, load_manife
 from .sparse import apply_block, encode_block
 
 __all__ = [
+    "manifest_hash",
     "BasePayload", "CheckpointError", "DEFAULT_SHARD_SIZE", "DELTA_ENCODINGS", "DirShardReader", "ENCODINGS",
     "FORMAT", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "Manifest", "PAYLOAD_FILE_NAME", "PayloadLayout",
     "SHARDS_DIR", "ShardDecoder", "ShardEntry", "apply_block", "check_delta_compatible", "check_forward",

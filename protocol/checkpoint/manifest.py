@@ -60,6 +60,12 @@ class Compression(_Strict):
     level: int = Field(ge=-131072, le=22)
 
 
+def manifest_hash(doc: dict[str, Any]) -> str:
+    """sha256 hex of a manifest document's canonical JSON without its `signature` (DESIGN §6's `parent`;
+    what peers name a step by). Defined once: `Manifest.canonical_hash` and the peer shard stores use it."""
+    return hashlib.sha256(canonical_json({k: v for k, v in doc.items() if k != "signature"})).hexdigest()
+
+
 class Manifest(_Strict):
     """A parsed, schema-valid manifest. Signature and chain are checked by `verify_manifest`."""
 
@@ -147,8 +153,7 @@ class Manifest(_Strict):
 
     def canonical_hash(self) -> str:
         """sha256 hex of the canonical JSON without `signature`: what the next step's `parent` holds."""
-        body = {k: v for k, v in self.to_dict().items() if k != "signature"}
-        return hashlib.sha256(canonical_json(body)).hexdigest()
+        return manifest_hash(self.to_dict())
 
     @property
     def num_shards(self) -> int:

@@ -1,9 +1,13 @@
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from node.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -42,3 +46,21 @@ def test_cli_keys(tmp_path):
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("keys")
     assert r.returncode == 2
+
+
+@pytest.mark.parametrize("args", [
+    ("keys", "show", "--bogus"),                                           # argparse's own refusal
+    ("join", "--coordinator", "http://127.0.0.1:9", "--coordinator-key", "zz"),
+    ("relay", "--upstream", "http://127.0.0.1:9", "--upstream-key", "00" * 31),
+    ("verify", "checkpoint", ".", "--key", "not-hex" * 9 + "x"),
+    ("verify", "rollouts", "x.jsonl", "--checkpoint", ".", "--key", "12"),
+    ("checkpoint", "unpack", ".", "--out", "u", "--key", "12"),
+    ("token", "new", "--key", "k.pem", "--run-id", "r", "--node", "abc"),
+    ("token", "new", "--key", "k.pem", "--run-id", "r", "--valid-hours", "0"),
+])
+def test_every_bad_argument_is_one_line_and_exit_2(args, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr

@@ -5,7 +5,7 @@ from node.coordinator.scheduler import Scheduler, StaleNode, min_policy_for_batc
 
 
 def make(k: int, batch: int = 4, per: int = 2) -> Scheduler:
-    return Scheduler(async_level=k, batch_prompts=batch, group_size=2, prompts_per_assignment=per, run_seed=0,
+    return Scheduler(async_level=k, batch_prompts=batch, group_size=2, prompts_per_assignment=per,
                      make_prompt=lambda i: (f"p{i}", [1, 2, i]))
 
 

@@ -12,9 +12,9 @@ from node.trainer.config import BufferConfig
 def test_pool_transitions_follow_group_mean_reward():
     pools = DifficultyPools(easy_threshold=0.9, hard_threshold=0.1)
     assert pools.update("p", 0.5) == "normal" and pools.pool_of("p") == "normal"
-    assert pools.update("p", 0.95) == "easy" and pools.should_skip("p")
+    assert pools.update("p", 0.95) == "easy" and pools.pool_of("p") == "easy"
     assert pools.update("p", 0.05) == "hard" and pools.pool_of("p") == "hard"
-    assert pools.update("p", 0.4) == "normal" and not pools.should_skip("p")
+    assert pools.update("p", 0.4) == "normal" and pools.pool_of("p") == "normal"
     pools.update("q", 1.0)
     pools.update("r", 0.0)
     assert pools.counts() == {"easy": 1, "hard": 1}
