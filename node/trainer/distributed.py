@@ -65,7 +65,7 @@ FSDP_FORMAT = "prime-node/trainer-state/fsdp-v1"
 LOOPBACK = "127.0.0.1"
 # Followers wait in a broadcast while rank 0 collects a batch, which may take long: the process-group
 # timeout must outlast the slowest batch. A dead rank 0 is noticed sooner: its sockets close (and a
-# follower started by start_followers also watches its stdin pipe).
+# follower started by start_followers also watches its parent process).
 DEFAULT_TIMEOUT = timedelta(hours=24)
 
 OP_STOP, OP_FB, OP_APPLY, OP_GATHER, OP_SAVE, OP_NEW_OPTIMIZER, OP_INIT = 0, 1, 2, 3, 4, 5, 6
@@ -122,15 +122,15 @@ def destroy_process_group() -> None:
 def start_followers(world_size: int, port: int, *, device: str = "cpu", python: str = sys.executable,
                     cwd: str | Path | None = None) -> list[subprocess.Popen]:
     """Start ranks 1..world_size-1 as `python -m node.trainer.distributed` (the caller is rank 0 and must
-    then call init_process_group(rank=0, world_size=..., port=port)). Each follower exits when its stdin
-    closes, i.e. when this process dies."""
+    then call init_process_group(rank=0, world_size=..., port=port)). Each follower exits when this
+    process dies (it watches its parent)."""
     procs = []
     root = Path(__file__).resolve().parents[2]
     for rank in range(1, world_size):
         env = {**os.environ, **rank_env(rank, world_size, port), "PRIME_TRAINER_DEVICE": device}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
         procs.append(subprocess.Popen([python, "-m", "node.trainer.distributed"], env=env,
-                                      stdin=subprocess.PIPE, cwd=str(cwd or root)))
+                                      stdin=subprocess.DEVNULL, cwd=str(cwd or root)))
     return procs
 
 
@@ -600,22 +600,21 @@ def serve_follower(device: str | None = None) -> None:
     trainer._serve()
 
 
-def _watch_stdin() -> None:
-    """A follower started by start_followers exits when rank 0's process (its stdin's writer) is gone."""
+def _watch_parent(interval: float = 1.0) -> None:
+    """A follower started by start_followers exits when rank 0's process (its parent) is gone."""
+    parent = os.getppid()
+
     def watch():
-        try:
-            while sys.stdin.buffer.read(1):
-                pass
-        finally:
-            os._exit(3)
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(3)
 
     threading.Thread(target=watch, name="rank0-watch", daemon=True).start()
 
 
 def main() -> int:
     device = os.environ.get("PRIME_TRAINER_DEVICE", "cpu")
-    if not sys.stdin.isatty():
-        _watch_stdin()
+    _watch_parent()
     init_process_group(device=device)
     try:
         serve_follower(device)

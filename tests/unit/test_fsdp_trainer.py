@@ -117,3 +117,28 @@ def test_batch_codec_and_split():
     share = assign_micro_batches([10, 50, 20, 30], 2)
     assert share == [[0, 1], [2, 3]]  # 50 -> r0, 30 -> r1, 20 -> r1, 10 -> r0 (tie: lower rank)
     assert assign_micro_batches([5], 3) == [[0], [], []]
+
+
+def _launch_job(model_dir: str, out_dir: str):
+    """The coordinator's way: this process becomes rank 0, the follower is `python -m node.trainer.distributed`."""
+    from node.trainer.distributed import launch
+
+    t = launch(2, model_dir, CFG, batch_prompts=3, state_dir=Path(out_dir) / "launched-state")
+    procs = list(t._followers)
+    try:
+        assert t.world_size == 2 and len(procs) == 1
+        _train(t, _batches())
+        weights = t.weights_for_broadcast()
+    finally:
+        t.close()
+    assert [p.returncode for p in procs] == [0]  # the follower left on STOP
+    save_file(weights, str(Path(out_dir) / "launched.safetensors"))
+
+
+@pytest.mark.slow
+def test_launch_starts_its_own_follower_rank(model_dir, straight):
+    out, _ = straight
+    run_ranks(1, _launch_job, str(model_dir), str(out), timeout=300)
+    a, b = load_file(str(out / "straight.safetensors")), load_file(str(out / "launched.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
