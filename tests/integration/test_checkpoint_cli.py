@@ -79,8 +79,8 @@ def test_unpack_cli_restores_bit_exact(packed):
     assert "no --key" in out.stderr
 
 
-def one_clear_line(out):
-    assert out.returncode == 1, (out.stdout, out.stderr)
+def one_clear_line(out, rc: int = 1):
+    assert out.returncode == rc, (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
     assert "Traceback" not in out.stderr + out.stdout
@@ -102,7 +102,7 @@ def test_tampered_checkpoint_exits_1_with_one_line(packed, tmp_path):
     other = cli("keys", "new", "--out", tmp_path / "other.key", check_rc=0).stdout.strip()
     line = one_clear_line(cli("verify", "checkpoint", root / "c0", "--key", other))
     assert "unknown_signer" in line
-    line = one_clear_line(cli("verify", "checkpoint", root / "c0", "--key", "zz"))
+    line = one_clear_line(cli("verify", "checkpoint", root / "c0", "--key", "zz"), rc=2)  # a bad argument: exit 2
     assert "--key" in line
     line = one_clear_line(cli("verify", "checkpoint", tmp_path / "nope", "--key", pub))
     assert "manifest.json is missing" in line
