@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+from node.config import Config
 from node.coordinator.faults import crash_point
+from node.coordinator.ledger import Ledger
+from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator.run_model import RunModel
+from node.coordinator.scheduler import Scheduler
+from node.coordinator.verification import VerdictQueue
 from protocol import messages as M
 from verify.commitment import CommitmentError, chunk_bounds, parse_commitment
 
@@ -59,27 +65,33 @@ class Triage:
 
 
 class Intake:
-    def __init__(self, coord):
-        self.c = coord
+    def __init__(self, *, cfg: Config, ledger: Ledger, scheduler: Scheduler, verdicts: VerdictQueue,
+                 metrics: CoordinatorMetrics, model: RunModel, recent_staleness: deque[int]):
+        self.cfg = cfg
+        self.ledger = ledger
+        self.scheduler = scheduler
+        self.verdicts = verdicts
+        self.metrics = metrics
+        self.model = model
+        self.recent_staleness = recent_staleness
 
     async def process(self, node: dict, a: dict, req: M.SubmitRequest) -> M.SubmitResponse:
-        c = self.c
         # Off the event loop: a 1.3 MB submission costs ~0.2 s of commitment decoding, scoring, JSON and
         # an fsync'd commit (bench/load.py), which would stall every other node's request meanwhile.
         groups, rejections, accepted, banned = await asyncio.to_thread(self._record, node, a, req)
         crash_point("intake")
         if banned:
-            log.warning("node %s banned (reputation below %.2f)", node["node_id"][:12], c.cfg.verification.ban_below)
-        c.scheduler.finish(a["assignment_id"], accepted)
+            log.warning("node %s banned (reputation below %.2f)", node["node_id"][:12], self.cfg.verification.ban_below)
+        self.scheduler.finish(a["assignment_id"], accepted)
         if groups:
-            c.verdicts.submit(a["assignment_id"])
+            self.verdicts.submit(a["assignment_id"])
         staleness = max(0, a["batch_step"] - 1 - req.policy_step)
         for _ in groups:
-            c.recent_staleness.append(staleness)
-            c.metrics.staleness.observe(staleness)
-        c.metrics.accepted.inc(sum(len(g["data"]["rollouts"]) for g in groups))
+            self.recent_staleness.append(staleness)
+            self.metrics.staleness.observe(staleness)
+        self.metrics.accepted.inc(sum(len(g["data"]["rollouts"]) for g in groups))
         for r in rejections:
-            c.metrics.rejected.labels(r["reason"]).inc()
+            self.metrics.rejected.labels(r["reason"]).inc()
         return M.SubmitResponse(
             accepted=[M.RolloutRef(prompt_id=g["prompt_id"], sample_index=r["sample_index"])
                       for g in groups for r in g["data"]["rollouts"]],
@@ -94,16 +106,16 @@ class Intake:
         accepted = {g["prompt_id"] for g in groups}
         requeue = [p for p in a["prompts"] if p["prompt_id"] not in accepted]
         rejections = [{"prompt_id": p, "sample_index": i, "reason": why} for (p, i), why in t.reasons.items()]
-        vc = self.c.cfg.verification
+        vc = self.cfg.verification
         delta = -vc.reputation_penalty if t.cheated else vc.reputation_reward
-        banned = self.c.ledger.record_submission(a["assignment_id"], node["node_id"], groups, rejections,
+        banned = self.ledger.record_submission(a["assignment_id"], node["node_id"], groups, rejections,
                                                  requeue, reputation_delta=delta, reputation_cap=vc.reputation_start,
                                                  ban_below=vc.ban_below)
         return groups, rejections, accepted, banned
 
     def triage(self, slots: dict[str, dict], req: M.SubmitRequest) -> Triage:
         """Per-rollout structural checks; a group is kept only whole (every sample present and clean)."""
-        cfg = self.c.cfg
+        cfg = self.cfg
         G = cfg.run.group_size
         t = Triage()
         by_prompt: dict[str, dict[int, M.RolloutSubmission]] = defaultdict(dict)
@@ -116,8 +128,8 @@ class Intake:
             elif r.sample_index in by_prompt[r.prompt_id]:
                 t.reasons[key] = "duplicate_rollout"
             else:
-                problem = structural_problem(r, vocab_size=self.c.vocab_size, max_tokens=cfg.sampling.max_tokens,
-                                             eos=self.c.eos_token_id)
+                problem = structural_problem(r, vocab_size=self.model.vocab_size, max_tokens=cfg.sampling.max_tokens,
+                                             eos=self.model.eos_token_id)
                 if problem:
                     t.reasons[key] = problem
                 by_prompt[r.prompt_id][r.sample_index] = r
@@ -132,12 +144,12 @@ class Intake:
 
     def score(self, slots: dict[str, dict], a: dict, req: M.SubmitRequest, t: Triage) -> list[dict]:
         """Rewards come from the task, computed here (a node never reports them)."""
-        c = self.c
+        task, tokenizer = self.model.task, self.model.tokenizer
         groups = []
         for pid, rs in t.complete.items():
             slot = slots[pid]
-            problem = c.task.sample(c.cfg.run.seed, slot["problem_index"])
-            rewards = [float(c.task.score(problem, c.tokenizer.decode(r.completion_ids, skip_special_tokens=True)))
+            problem = task.sample(self.cfg.run.seed, slot["problem_index"])
+            rewards = [float(task.score(problem, tokenizer.decode(r.completion_ids, skip_special_tokens=True)))
                        for r in rs]
             groups.append({
                 "prompt_id": pid, "problem_index": slot["problem_index"], "batch_step": a["batch_step"],

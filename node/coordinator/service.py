@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from collections import Counter, deque
@@ -21,15 +20,14 @@ from node.coordinator.intake import Intake
 from node.coordinator.ledger import Ledger, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.publisher import Publisher
+from node.coordinator.run_model import load_run_model
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.seeding import SuperSeeder
 from node.coordinator.status import build_status
 from node.coordinator.training import TrainingLoop
 from node.coordinator.verification import PolicyStore, VerdictQueue
-from node.envs import encode_prompt, load_task
+from node.envs import encode_prompt
 from node.http import ApiError
-from node.trainer.model import build_tiny_model_dir
-from node.trainer.tokenizer import load_tokenizer
 from protocol import messages as M
 from protocol.admission import AdmissionError, check_join_token, check_pow
 from protocol.identity import Identity
@@ -56,8 +54,7 @@ class Coordinator:
                                    shard_size=cfg.distribution.shard_size,
                                    level=cfg.distribution.compression_level,
                                    full_every=cfg.distribution.full_every)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.training = None  # TrainingLoop, created in start()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop, once started
         self.bytes_by_source: Counter[str] = Counter()
         self.node_bytes: dict[str, dict[str, int]] = {}
         self.recent_staleness: deque[int] = deque(maxlen=10_000)
@@ -68,34 +65,29 @@ class Coordinator:
         self._status: tuple[float, dict] | None = None
         self._liveness: dict[str, tuple] = {}  # node id -> (node id, last seen ms, step, tokens/s, state)
         self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds)
+        # The run's model, then every collaborator, built here and handed what it uses (by keyword).
+        self.model = load_run_model(cfg, self.root)
+        self.model_dir, self.tokenizer, self.task = self.model.model_dir, self.model.tokenizer, self.model.task
+        self.vocab_size, self.eos_token_id = self.model.vocab_size, self.model.eos_token_id
+        self.scheduler = Scheduler(
+            async_level=self.k, batch_prompts=cfg.run.batch_prompts, group_size=cfg.run.group_size,
+            prompts_per_assignment=cfg.run.prompts_per_assignment, make_prompt=self._make_prompt,
+        )
+        self.policies = PolicyStore(self.model_dir, keep=self.k + 2)
+        self.training = TrainingLoop(self)
+        self.verdicts = VerdictQueue(cfg=cfg.verification, sampling=cfg.sampling, ledger=self.ledger,
+                                     scheduler=self.scheduler, policies=self.policies, metrics=self.metrics,
+                                     eos_token_id=self.eos_token_id, on_decided=self.training.notify)
+        self.intake = Intake(cfg=cfg, ledger=self.ledger, scheduler=self.scheduler, verdicts=self.verdicts,
+                             metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness)
+
+    def _make_prompt(self, index: int) -> tuple[str, list[int]]:
+        problem = self.task.sample(self.cfg.run.seed, index)
+        return f"{index}:{problem.prompt_id}", list(encode_prompt(self.tokenizer, problem))
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        model_dir = Path(self.cfg.model.path) if self.cfg.model.path else self.root / "model"
-        if not self.cfg.model.path and not (model_dir / "config.json").is_file():
-            m = self.cfg.model
-            await asyncio.to_thread(build_tiny_model_dir, model_dir, hidden_size=m.tiny_hidden_size,
-                                    layers=m.tiny_layers, heads=m.tiny_heads, seed=self.cfg.run.seed)
-        self.model_dir = model_dir
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model_config = json.loads((model_dir / "config.json").read_text())
-        self.vocab_size = int(self.model_config["vocab_size"])
-        self.eos_token_id = int(self.tokenizer.eos_token_id)
-        self.task = load_task(self.cfg.task.name, self.cfg.task.kwargs)
-
-        def make_prompt(index: int) -> tuple[str, list[int]]:
-            problem = self.task.sample(self.cfg.run.seed, index)
-            return f"{index}:{problem.prompt_id}", list(encode_prompt(self.tokenizer, problem))
-
-        self.scheduler = Scheduler(
-            async_level=self.k, batch_prompts=self.cfg.run.batch_prompts, group_size=self.cfg.run.group_size,
-            prompts_per_assignment=self.cfg.run.prompts_per_assignment,
-            make_prompt=make_prompt,
-        )
-        self.policies = PolicyStore(model_dir, keep=self.k + 2)
-        self.verdicts = VerdictQueue(self)
-        self.training = TrainingLoop(self)
         await asyncio.to_thread(self.training.restore_or_init)
         self._restore_scheduler()
         self.training.start()
@@ -118,13 +110,11 @@ class Coordinator:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.training is not None:
-            await asyncio.to_thread(self.training.stop)
+        await asyncio.to_thread(self.training.stop)
         self._flush_liveness()
         if self.p2p is not None:
             await self.p2p.stop()
-        if hasattr(self, "verdicts"):
-            self.verdicts.close()
+        self.verdicts.close()
         self.ledger.close()
 
     async def _expire_loop(self) -> None:
@@ -209,7 +199,7 @@ class Coordinator:
         return M.RunSpec(
             run_id=self.cfg.run.run_id, node_id=node_id, coordinator_key=self.identity.public_hex,
             task=self.cfg.task.name, async_level=self.k, current_step=self.published_step,
-            group_size=self.cfg.run.group_size, model_config_json=self.model_config, tokenizer_files=files,
+            group_size=self.cfg.run.group_size, model_config_json=self.model.model_config, tokenizer_files=files,
             eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.trainer.broadcast_dtype,
             p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
         )
@@ -346,7 +336,7 @@ class Coordinator:
                            f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
         self._submitting.add(aid)
         try:
-            result = await Intake(self).process(node, a, req)
+            result = await self.intake.process(node, a, req)
         finally:
             self._submitting.discard(aid)
         return result

@@ -13,7 +13,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from node.config import SamplingConfig, VerificationConfig
+from node.coordinator.ledger import Ledger
+from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator.scheduler import Scheduler
 from node.trainer.model import load_model
 from protocol.checkpoint import load_payload
 
@@ -80,9 +85,17 @@ class VerdictQueue:
     Verification replays run one at a time in their own thread; undecided submissions survive a restart
     (the ledger has them) and are decided again.
     """
-    def __init__(self, coord):
-        self.c = coord
-        self.cfg = coord.cfg.verification
+    def __init__(self, *, cfg: VerificationConfig, sampling: SamplingConfig, ledger: Ledger, scheduler: Scheduler,
+                 policies: PolicyStore, metrics: CoordinatorMetrics, eos_token_id: int,
+                 on_decided: Callable[[], None]):
+        self.cfg = cfg
+        self.sampling = sampling
+        self.ledger = ledger
+        self.scheduler = scheduler
+        self.policies = policies
+        self.metrics = metrics
+        self.eos_token_id = eos_token_id
+        self.on_decided = on_decided  # a verdict may complete a batch: wake the trainer
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
 
@@ -100,7 +113,7 @@ class VerdictQueue:
         return rate >= 1.0 or secrets.randbelow(1 << 32) < int(rate * (1 << 32))
 
     async def run(self) -> None:
-        for aid in self.c.ledger.undecided_submissions():  # recorded before a crash, never decided
+        for aid in self.ledger.undecided_submissions():  # recorded before a crash, never decided
             self.submit(aid)
         while True:
             aid = await self._queue.get()
@@ -110,38 +123,38 @@ class VerdictQueue:
                 log.exception("verdict on %s failed; it stays undecided until the next restart", aid)
 
     async def decide(self, assignment_id: str) -> None:
-        c = self.c
-        groups = c.ledger.submission_groups(assignment_id)
+        ledger = self.ledger
+        groups = ledger.submission_groups(assignment_id)
         undecided = [g for g in groups if g["verdict"] is None]
         if not undecided:
             return
-        node = c.ledger.node(undecided[0]["node_id"])
+        node = ledger.node(undecided[0]["node_id"])
         if node is None or node["banned"]:
             self._void(undecided[0]["node_id"], None, [])
             return
         step = undecided[0]["policy_step"]
         if not self.chosen(node):
-            c.ledger.set_verdict(assignment_id, "unchecked")
-        elif c.policies.get(step) is None:  # fell out of the window while queued: not the node's fault
+            ledger.set_verdict(assignment_id, "unchecked")
+        elif self.policies.get(step) is None:  # fell out of the window while queued: not the node's fault
             log.warning("no weights of step %d left to verify %s against; passed over", step, assignment_id)
-            c.ledger.set_verdict(assignment_id, "unchecked")
+            ledger.set_verdict(assignment_id, "unchecked")
         else:
-            a = c.ledger.assignment(assignment_id)
+            a = ledger.assignment(assignment_id)
             seeds = {p["prompt_id"]: p["seeds"] for p in a["prompts"]}
             checks = [RolloutCheck(g["data"]["prompt_ids"], r["completion_ids"], r["logprobs"], r["finish_reason"],
                                    r.get("commitment", ""), seeds[g["prompt_id"]][r["sample_index"]])
                       for g in undecided for r in g["data"]["rollouts"]]
-            s = c.cfg.sampling
+            s = self.sampling
             loop = asyncio.get_running_loop()
             verdicts = await loop.run_in_executor(self._pool, self._verify_sync, step, checks,
                                                   dict(temperature=s.temperature, top_p=s.top_p,
                                                        max_tokens=s.max_tokens))
-            c.metrics.verified.inc(len(checks))
+            self.metrics.verified.inc(len(checks))
             refs = [(g["prompt_id"], r["sample_index"]) for g in undecided for r in g["data"]["rollouts"]]
             failed = [{"prompt_id": p, "sample_index": i, "reason": v.reason}
                       for (p, i), v in zip(refs, verdicts) if v.reason]
             for r in failed:
-                c.metrics.rejected.labels(r["reason"]).inc()
+                self.metrics.rejected.labels(r["reason"]).inc()
             if any(not v.outlier for v in verdicts if v.reason):
                 voided = self._void(node["node_id"], assignment_id, failed)
                 log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node["node_id"][:12],
@@ -150,22 +163,22 @@ class VerdictQueue:
             if failed:  # only single-token sampling outliers: possibly numerical, never trained, no ban
                 rep = node["reputation"] - self.cfg.reputation_penalty
                 banned = rep < self.cfg.ban_below
-                _, by_batch = c.ledger.void_submission(assignment_id, node["node_id"], failed, rep, banned)
-                c.scheduler.forget_waiting(by_batch)
+                _, by_batch = ledger.void_submission(assignment_id, node["node_id"], failed, rep, banned)
+                self.scheduler.forget_waiting(by_batch)
                 log.info("submission %s of node %s voided: one token off the sampler's choice in %d rollouts",
                          assignment_id, node["node_id"][:12], len(failed))
                 return
             tokens = sum(v.tokens for v in verdicts)
             near_ties = sum(v.near_ties for v in verdicts)
-            c.ledger.set_verdict(assignment_id, "verified", node_id=node["node_id"], tokens=tokens,
+            ledger.set_verdict(assignment_id, "verified", node_id=node["node_id"], tokens=tokens,
                                  near_ties=near_ties)
             self._check_steering(node["node_id"])
-        c.training.notify()
+        self.on_decided()
 
     def _check_steering(self, node_id: str) -> None:
         """Ban a node whose tokens are far more often not the sampler's first choice than an honest
         node's (near-ties are numerical noise; choosing among them on purpose is steering)."""
-        node = self.c.ledger.node(node_id)
+        node = self.ledger.node(node_id)
         if node["verified_tokens"] >= self.cfg.near_tie_min_tokens and \
                 node["near_ties"] > self.cfg.near_tie_max_rate * node["verified_tokens"]:
             n = self._void(node_id, None, [{"reason": "verify_near_tie_rate"}])
@@ -174,17 +187,17 @@ class VerdictQueue:
 
     def _void(self, node_id: str, assignment_id: str | None, rejections: list[dict]) -> int:
         """Ban and void in the ledger; the scheduler hands the voided groups' places out again."""
-        voided, by_batch = self.c.ledger.ban_and_void(node_id, assignment_id, rejections)
-        self.c.scheduler.forget_waiting(by_batch)
+        voided, by_batch = self.ledger.ban_and_void(node_id, assignment_id, rejections)
+        self.scheduler.forget_waiting(by_batch)
         return voided
 
     def _verify_sync(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list["RolloutVerdict"]:
         from verify.rollouts import RolloutClaim, RolloutVerifier, VerifyItem
 
-        model = self.c.policies.get(step)
+        model = self.policies.get(step)
         items = [VerifyItem(c.prompt_ids, RolloutClaim(c.completion_ids, c.logprobs, c.finish_reason, c.commitment),
                             c.seed, sampling["temperature"], sampling["top_p"], sampling["max_tokens"],
-                            self.c.eos_token_id) for c in checks]
+                            self.eos_token_id) for c in checks]
         out = []
         for v in RolloutVerifier(model).verify_many(items):
             # One token off the sampler's choice, with the commitment and logprobs right, can be numerical

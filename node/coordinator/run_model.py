@@ -1,0 +1,37 @@
+"""The run's model as the coordinator needs it outside the trainer: where its files are, its tokenizer,
+the task that makes prompts and scores answers, and the two numbers every submission is checked against.
+Loaded once, before anything else of the coordinator is built."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from node.config import Config
+from node.envs import Task, load_task
+from node.trainer.model import build_tiny_model_dir
+from node.trainer.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class RunModel:
+    model_dir: Path
+    tokenizer: object  # a transformers tokenizer
+    task: Task
+    model_config: dict  # config.json, sent to nodes in the join response
+    vocab_size: int
+    eos_token_id: int
+
+
+def load_run_model(cfg: Config, storage: Path) -> RunModel:
+    """`model.path`, or the tiny demo model built once under the storage directory from `run.seed`."""
+    model_dir = Path(cfg.model.path) if cfg.model.path else storage / "model"
+    if not cfg.model.path and not (model_dir / "config.json").is_file():
+        m = cfg.model
+        build_tiny_model_dir(model_dir, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
+                             seed=cfg.run.seed)
+    tokenizer = load_tokenizer(model_dir)
+    model_config = json.loads((model_dir / "config.json").read_text())
+    return RunModel(model_dir=model_dir, tokenizer=tokenizer, task=load_task(cfg.task.name, cfg.task.kwargs),
+                    model_config=model_config,
+                    vocab_size=int(model_config["vocab_size"]), eos_token_id=int(tokenizer.eos_token_id))
