@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from node.config import Config
 from node.coordinator.faults import crash_point
-from node.coordinator.ledger import Ledger
+from node.coordinator.ledger import AssignmentRow, Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import Scheduler
@@ -75,17 +75,17 @@ class Intake:
         self.model = model
         self.recent_staleness = recent_staleness
 
-    async def process(self, node: dict, a: dict, req: M.SubmitRequest) -> M.SubmitResponse:
+    async def process(self, node: NodeRow, a: AssignmentRow, req: M.SubmitRequest) -> M.SubmitResponse:
         # Off the event loop: a 1.3 MB submission costs ~0.2 s of commitment decoding, scoring, JSON and
         # an fsync'd commit (bench/load.py), which would stall every other node's request meanwhile.
         groups, rejections, accepted, banned = await asyncio.to_thread(self._record, node, a, req)
         crash_point("intake")
         if banned:
-            log.warning("node %s banned (reputation below %.2f)", node["node_id"][:12], self.cfg.verification.ban_below)
-        self.scheduler.finish(a["assignment_id"], accepted)
+            log.warning("node %s banned (reputation below %.2f)", node.node_id[:12], self.cfg.verification.ban_below)
+        self.scheduler.finish(a.assignment_id, accepted)
         if groups:
-            self.verdicts.submit(a["assignment_id"])
-        staleness = max(0, a["batch_step"] - 1 - req.policy_step)
+            self.verdicts.submit(a.assignment_id)
+        staleness = max(0, a.batch_step - 1 - req.policy_step)
         for _ in groups:
             self.recent_staleness.append(staleness)
             self.metrics.staleness.observe(staleness)
@@ -98,17 +98,17 @@ class Intake:
             rejected=[M.Rejection(**r) for r in rejections],
         )
 
-    def _record(self, node: dict, a: dict, req: M.SubmitRequest) -> tuple[list[dict], list[dict], set[str], bool]:
+    def _record(self, node: NodeRow, a: AssignmentRow, req: M.SubmitRequest) -> tuple[list[dict], list[dict], set[str], bool]:
         """triage → score → reputation → one ledger transaction (thread-safe: the ledger has its lock)."""
-        slots = {p["prompt_id"]: p for p in a["prompts"]}
+        slots = {p["prompt_id"]: p for p in a.prompts}
         t = self.triage(slots, req)
         groups = self.score(slots, a, req, t)
         accepted = {g["prompt_id"] for g in groups}
-        requeue = [p for p in a["prompts"] if p["prompt_id"] not in accepted]
+        requeue = [p for p in a.prompts if p["prompt_id"] not in accepted]
         rejections = [{"prompt_id": p, "sample_index": i, "reason": why} for (p, i), why in t.reasons.items()]
         vc = self.cfg.verification
         delta = -vc.reputation_penalty if t.cheated else vc.reputation_reward
-        banned = self.ledger.record_submission(a["assignment_id"], node["node_id"], groups, rejections,
+        banned = self.ledger.record_submission(a.assignment_id, node.node_id, groups, rejections,
                                                  requeue, reputation_delta=delta, reputation_cap=vc.reputation_start,
                                                  ban_below=vc.ban_below)
         return groups, rejections, accepted, banned
@@ -142,7 +142,7 @@ class Intake:
                 t.complete[pid] = [samples[i] for i in range(G)]
         return t
 
-    def score(self, slots: dict[str, dict], a: dict, req: M.SubmitRequest, t: Triage) -> list[dict]:
+    def score(self, slots: dict[str, dict], a: AssignmentRow, req: M.SubmitRequest, t: Triage) -> list[dict]:
         """Rewards come from the task, computed here (a node never reports them)."""
         task, tokenizer = self.model.task, self.model.tokenizer
         groups = []
@@ -152,7 +152,7 @@ class Intake:
             rewards = [float(task.score(problem, tokenizer.decode(r.completion_ids, skip_special_tokens=True)))
                        for r in rs]
             groups.append({
-                "prompt_id": pid, "problem_index": slot["problem_index"], "batch_step": a["batch_step"],
+                "prompt_id": pid, "problem_index": slot["problem_index"], "batch_step": a.batch_step,
                 "policy_step": req.policy_step, "reward_mean": sum(rewards) / len(rewards),
                 "data": {"prompt_ids": slot["prompt_ids"], "rollouts": [
                     {"completion_ids": r.completion_ids, "logprobs": r.logprobs, "reward": w,

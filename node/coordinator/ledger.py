@@ -98,6 +98,76 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+@dataclass(frozen=True)
+class NodeRow:
+    node_id: str
+    joined_ms: int
+    last_seen_ms: int
+    reputation: float
+    banned: bool
+    accepted: int  # rollouts accepted (less those voided later)
+    rejected: int
+    policy_step: int | None  # the step the node last said it holds
+    tokens_per_s: float
+    state: str
+    info: dict  # what the node said about itself at join (JSON)
+    submissions: int  # recorded submissions (new nodes are verified more)
+    verified_tokens: int  # completion tokens replayed by the verifier
+    near_ties: int  # of those, tokens that were not the sampler's first choice
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> "NodeRow":
+        return cls(**{**dict(row), "banned": bool(row["banned"]), "info": json.loads(row["info"])})
+
+
+@dataclass(frozen=True)
+class AssignmentRow:
+    assignment_id: str
+    node_id: str
+    batch_step: int
+    min_policy_step: int
+    created_ms: int
+    deadline_ms: int
+    state: str  # open | submitted | expired
+    prompts: list[dict]  # [{prompt_id, problem_index, prompt_ids, seeds}] (PromptSlot.to_json)
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> "AssignmentRow":
+        return cls(**{**dict(row), "prompts": json.loads(row["prompts"])})
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    group_id: int
+    assignment_id: str
+    node_id: str
+    prompt_id: str
+    problem_index: int
+    batch_step: int
+    policy_step: int
+    received_ms: int
+    data: dict  # {"prompt_ids": [...], "rollouts": [{completion_ids, logprobs, reward, finish_reason, ...}]}
+    reward_mean: float
+    consumed_step: int | None  # the trainer step that used it (None = waiting)
+    dropped: str | None  # why it was not used (stale, filtered)
+    verdict: str | None  # None = not decided yet; verified | unchecked (passed over) | void
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> "GroupRow":
+        return cls(**{**dict(row), "data": json.loads(row["data"])})
+
+
+@dataclass(frozen=True)
+class RejectionRow:
+    id: int
+    at_ms: int
+    node_id: str
+    assignment_id: str | None
+    prompt_id: str | None
+    sample_index: int | None
+    reason: str
+
+
 @dataclass
 class StepRow:
     step: int
@@ -200,7 +270,7 @@ class Ledger:
             self._exec(sql, (key, json.dumps(value)))
 
     # -- nodes -----------------------------------------------------------------------------------
-    def upsert_node(self, node_id: str, reputation: float, info: dict) -> dict:
+    def upsert_node(self, node_id: str, reputation: float, info: dict) -> NodeRow:
         t = now_ms()
         self._exec(
             "INSERT INTO nodes(node_id, joined_ms, last_seen_ms, reputation, info) VALUES(?,?,?,?,?) "
@@ -209,18 +279,18 @@ class Ledger:
         )
         return self.node(node_id)
 
-    def node(self, node_id: str) -> dict | None:
+    def node(self, node_id: str) -> NodeRow | None:
         row = self._exec("SELECT * FROM nodes WHERE node_id=?", (node_id,)).fetchone()
-        return dict(row) if row else None
+        return NodeRow.from_row(row) if row else None
 
-    def nodes(self) -> list[dict]:
-        return [dict(r) for r in self._exec("SELECT * FROM nodes ORDER BY joined_ms").fetchall()]
+    def nodes(self) -> list[NodeRow]:
+        return [NodeRow.from_row(r) for r in self._exec("SELECT * FROM nodes ORDER BY joined_ms").fetchall()]
 
-    def recent_nodes(self, since_ms: int, limit: int) -> list[dict]:
+    def recent_nodes(self, since_ms: int, limit: int) -> list[NodeRow]:
         """Nodes that have done work or were seen since `since_ms`, most recently seen first."""
         rows = self._exec("SELECT * FROM nodes WHERE submissions > 0 OR last_seen_ms >= ? "
                           "ORDER BY last_seen_ms DESC LIMIT ?", (since_ms, limit)).fetchall()
-        return [dict(r) for r in rows]
+        return [NodeRow.from_row(r) for r in rows]
 
     def node_summary(self, online_since_ms: int, newest_step: int) -> dict:
         """Counts over every node in one pass: by state, on the newest step, and their throughput."""
@@ -271,22 +341,18 @@ class Ledger:
             )
             db.executemany("DELETE FROM requeued_prompts WHERE prompt_id=?", [(p["prompt_id"],) for p in a["prompts"]])
 
-    def assignment(self, assignment_id: str) -> dict | None:
+    def assignment(self, assignment_id: str) -> AssignmentRow | None:
         row = self._exec("SELECT * FROM assignments WHERE assignment_id=?", (assignment_id,)).fetchone()
-        if not row:
-            return None
-        d = dict(row)
-        d["prompts"] = json.loads(d["prompts"])
-        return d
+        return AssignmentRow.from_row(row) if row else None
 
-    def open_assignments(self, deadline_before_ms: int | None = None) -> list[dict]:
+    def open_assignments(self, deadline_before_ms: int | None = None) -> list[AssignmentRow]:
         """Open assignments (only those whose deadline is before `deadline_before_ms`, if given)."""
         if deadline_before_ms is None:
             rows = self._exec("SELECT * FROM assignments WHERE state='open'").fetchall()
         else:
             rows = self._exec("SELECT * FROM assignments WHERE state='open' AND deadline_ms < ?",
                               (deadline_before_ms,)).fetchall()
-        return [{**dict(r), "prompts": json.loads(r["prompts"])} for r in rows]
+        return [AssignmentRow.from_row(r) for r in rows]
 
     def set_assignment_state(self, assignment_id: str, state: str) -> None:
         self._exec("UPDATE assignments SET state=? WHERE assignment_id=?", (state, assignment_id))
@@ -334,23 +400,23 @@ class Ledger:
 
     _WAITING = "consumed_step IS NULL AND dropped IS NULL AND verdict IN ('verified', 'unchecked')"
 
-    def waiting_groups(self) -> list[dict]:
+    def waiting_groups(self) -> list[GroupRow]:
         """Groups the trainer may use: decided (verified, or passed over), not yet trained or dropped."""
         rows = self._exec(f"SELECT * FROM groups WHERE {self._WAITING} ORDER BY group_id").fetchall()
-        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+        return [GroupRow.from_row(r) for r in rows]
 
     def waiting_group_ids(self) -> list[int]:
         return [r[0] for r in self._exec(f"SELECT group_id FROM groups WHERE {self._WAITING} ORDER BY group_id")]
 
-    def groups(self, group_ids: list[int]) -> list[dict]:
+    def groups(self, group_ids: list[int]) -> list[GroupRow]:
         """These groups, in id order."""
         out = []
         for start in range(0, len(group_ids), 500):  # SQLite's bound-parameter limit
             chunk = group_ids[start:start + 500]
             rows = self._exec(f"SELECT * FROM groups WHERE group_id IN ({','.join('?' * len(chunk))}) "
                               "ORDER BY group_id", chunk).fetchall()
-            out += [{**dict(r), "data": json.loads(r["data"])} for r in rows]
-        return sorted(out, key=lambda g: g["group_id"])
+            out += [GroupRow.from_row(r) for r in rows]
+        return sorted(out, key=lambda g: g.group_id)
 
     # -- verdicts --------------------------------------------------------------------------------
     def undecided_submissions(self) -> list[str]:
@@ -359,9 +425,9 @@ class Ledger:
                           "ORDER BY MIN(group_id)").fetchall()
         return [r[0] for r in rows]
 
-    def submission_groups(self, assignment_id: str) -> list[dict]:
+    def submission_groups(self, assignment_id: str) -> list[GroupRow]:
         rows = self._exec("SELECT * FROM groups WHERE assignment_id=? ORDER BY group_id", (assignment_id,)).fetchall()
-        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+        return [GroupRow.from_row(r) for r in rows]
 
     def set_verdict(self, assignment_id: str, verdict: str, *, node_id: str | None = None, tokens: int = 0,
                     near_ties: int = 0) -> None:
@@ -435,9 +501,9 @@ class Ledger:
     def open_assignments_of(self, node_id: str) -> int:
         return self._exec("SELECT COUNT(*) FROM assignments WHERE node_id=? AND state='open'", (node_id,)).fetchone()[0]
 
-    def recent_rejections(self, limit: int = 20) -> list[dict]:
+    def recent_rejections(self, limit: int = 20) -> list[RejectionRow]:
         rows = self._exec("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
-        return [dict(r) for r in rows]
+        return [RejectionRow(**dict(r)) for r in rows]
 
     def rejection_counts(self) -> dict[str, int]:
         rows = self._exec("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall()

@@ -17,7 +17,7 @@ from pathlib import Path
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
 from node.coordinator.intake import Intake
-from node.coordinator.ledger import Ledger, now_ms
+from node.coordinator.ledger import Ledger, NodeRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.publisher import Publisher
 from node.coordinator.run_model import load_run_model
@@ -102,7 +102,7 @@ class Coordinator:
         s.next_problem_index = int(self.ledger.get("next_problem_index", 0))
         s.waiting_by_batch.update(self.ledger.accepted_by_batch())
         for a in self.ledger.open_assignments():
-            s.inflight[a["assignment_id"]] = [PromptSlot.from_json(p) for p in a["prompts"]]
+            s.inflight[a.assignment_id] = [PromptSlot.from_json(p) for p in a.prompts]
         s.requeue.extend(PromptSlot.from_json(p) for p in self.ledger.requeued())
 
     async def stop(self) -> None:
@@ -132,14 +132,14 @@ class Coordinator:
                 if forgotten:
                     log.info("forgot %d keys that joined and never submitted anything", forgotten)
             for a in self.ledger.open_assignments(deadline_before_ms=t):
-                if a["assignment_id"] not in self._submitting:
-                    again = self.scheduler.expire(a["assignment_id"])
-                    banned = self.ledger.expire_assignment(a["assignment_id"], a["node_id"],
+                if a.assignment_id not in self._submitting:
+                    again = self.scheduler.expire(a.assignment_id)
+                    banned = self.ledger.expire_assignment(a.assignment_id, a.node_id,
                                                            [x.to_json() for x in again], vc.expiry_penalty,
                                                            vc.ban_below)
                     self.metrics.assignments_expired.inc()
                     log.info("assignment %s of node %s expired; its prompts go back in the queue%s",
-                             a["assignment_id"], a["node_id"][:12], " (node banned)" if banned else "")
+                             a.assignment_id, a.node_id[:12], " (node banned)" if banned else "")
 
     # -- state shared with the training thread -----------------------------------------------------
     @property
@@ -176,17 +176,17 @@ class Coordinator:
         task.add_done_callback(done)
 
     # -- API operations ----------------------------------------------------------------------------
-    def _known_node(self, node_id: str) -> dict:
+    def _known_node(self, node_id: str) -> NodeRow:
         node = self.ledger.node(node_id)
         if node is None:
             raise ApiError(403, "unknown_node", "this key has not joined; POST /v1/join first")
-        if node["banned"]:
+        if node.banned:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
         return node
 
     def join(self, node_id: str, req: M.JoinRequest) -> M.RunSpec:
         existing = self.ledger.node(node_id)
-        if existing and existing["banned"]:
+        if existing and existing.banned:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
         self._admit(node_id, req, known=existing is not None)
         info = req.node.model_dump() if req.node else {}
@@ -257,9 +257,9 @@ class Coordinator:
         if seen:
             self.ledger.record_liveness(seen)
 
-    def _claimed_step(self, node: dict) -> int | None:
-        live = self._liveness.get(node["node_id"])
-        return live[2] if live is not None and live[2] is not None else node["policy_step"]
+    def _claimed_step(self, node: NodeRow) -> int | None:
+        live = self._liveness.get(node.node_id)
+        return live[2] if live is not None and live[2] is not None else node.policy_step
 
     def heartbeat(self, node_id: str, req: M.HeartbeatRequest) -> M.HeartbeatResponse:
         self._known_node(node_id)
@@ -316,14 +316,14 @@ class Coordinator:
         a = self.ledger.assignment(aid)
         if a is None:
             raise ApiError(404, "unknown_assignment", f"no assignment {aid}")
-        if a["node_id"] != node_id:
+        if a.node_id != node_id:
             raise ApiError(403, "not_your_assignment", "this assignment was given to another node")
-        if a["state"] == "submitted" or aid in self._submitting:
+        if a.state == "submitted" or aid in self._submitting:
             raise ApiError(409, "duplicate", "this assignment was already submitted")
-        if a["state"] == "expired":
+        if a.state == "expired":
             raise ApiError(409, "expired", "the assignment's deadline passed; its prompts were given to another node")
         m = req.policy_step
-        oldest_usable = max(a["min_policy_step"], self.published_step - self.k)
+        oldest_usable = max(a.min_policy_step, self.published_step - self.k)
         if m > self.published_step or m < oldest_usable:
             self.ledger.record_rejection(node_id, "stale_policy", aid)
             self.metrics.rejected.labels("stale_policy").inc(len(req.rollouts))

@@ -19,11 +19,11 @@ def thin(rows: list, limit: int) -> list:
 
 
 def node_state(n: dict, t: int) -> str:
-    if n["banned"]:
+    if n.banned:
         return "banned"
-    if t - n["last_seen_ms"] > ONLINE_MS:
+    if t - n.last_seen_ms > ONLINE_MS:
         return "offline"
-    return n["state"] or "online"
+    return n.state or "online"
 
 
 def build_status(c) -> dict:
@@ -59,10 +59,10 @@ def build_status(c) -> dict:
                     "idle_fraction": round(idle / (busy + idle), 4) if busy + idle > 0 else 0.0,
                     "error": tl.error, "last_metrics": tl.last_metrics},
         "nodes": [{
-            "node_id": n["node_id"], "short_id": n["node_id"][:8], "state": node_state(n, t),
-            "policy_step": n["policy_step"], "tokens_per_s": round(n["tokens_per_s"], 1),
-            "accepted": n["accepted"], "rejected": n["rejected"], "reputation": round(n["reputation"], 3),
-            "last_seen_ms": n["last_seen_ms"],
+            "node_id": n.node_id, "short_id": n.node_id[:8], "state": node_state(n, t),
+            "policy_step": n.policy_step, "tokens_per_s": round(n.tokens_per_s, 1),
+            "accepted": n.accepted, "rejected": n.rejected, "reputation": round(n.reputation, 3),
+            "last_seen_ms": n.last_seen_ms,
         } for n in nodes],
         "nodes_total": summary["total"],
         "nodes_by_state": summary["by_state"],
@@ -88,8 +88,8 @@ def build_status(c) -> dict:
         "checkpoint_bytes_by_source": {k: min(bytes_by_source.get(k, 0), 2**63 - 1)
                                        for k in ("coordinator", "relay", "peer")},
         "bytes_served": int(sum(c.bytes_by_source.values())),
-        "recent_rejections": [{"at_ms": r["at_ms"], "node": r["node_id"][:8], "reason": r["reason"],
-                               "prompt_id": r["prompt_id"], "sample_index": r["sample_index"]}
+        "recent_rejections": [{"at_ms": r.at_ms, "node": r.node_id[:8], "reason": r.reason,
+                               "prompt_id": r.prompt_id, "sample_index": r.sample_index}
                               for r in c.ledger.recent_rejections(20)],
         "uptime_s": round((t - c.started_ms) / 1000, 1),
     }

@@ -174,17 +174,17 @@ class TrainingLoop:
                 continue
             just_dropped: list[dict] = []
             for g in fresh:
-                seen.add(g["group_id"])
-                if g["policy_step"] < min_m:
+                seen.add(g.group_id)
+                if g.policy_step < min_m:
                     dropped["stale"].append(g)
                     just_dropped.append(g)
                     continue
                 t0 = time.monotonic()
                 self.busy = True
-                group = Group(prompt_id=g["prompt_id"], prompt_ids=g["data"]["prompt_ids"], rollouts=[
+                group = Group(prompt_id=g.prompt_id, prompt_ids=g.data["prompt_ids"], rollouts=[
                     Rollout(completion_ids=r["completion_ids"], inference_logprobs=r["logprobs"],
-                            reward=r["reward"], policy_step=g["policy_step"], finish_reason=r["finish_reason"])
-                    for r in g["data"]["rollouts"]])
+                            reward=r["reward"], policy_step=g.policy_step, finish_reason=r["finish_reason"])
+                    for r in g.data["rollouts"]])
                 kept = self.trainer.add_group(group)
                 self.busy = False
                 self.busy_seconds += time.monotonic() - t0
@@ -197,7 +197,7 @@ class TrainingLoop:
                     break
             if just_dropped and self.c.loop is not None:  # the scheduler asks for replacements now
                 self.c.loop.call_soon_threadsafe(self.c.on_groups_dropped,
-                                                 dict(Counter(g["batch_step"] for g in just_dropped)),
+                                                 dict(Counter(g.batch_step for g in just_dropped)),
                                                  float(self.trainer.keep_rate))
         if self._stop:
             return
@@ -206,8 +206,8 @@ class TrainingLoop:
         metrics = self.trainer.step()
         # every fresh rollout offered to this step, also the groups the difficulty filter dropped (all
         # right or all wrong): leaving those out hid the prompts the policy had mastered from the curve
-        rewards = [r["reward"] for g in fed + dropped["filtered"] for r in g["data"]["rollouts"]]
-        staleness = [n - 1 - g["policy_step"] for g in fed]
+        rewards = [r["reward"] for g in fed + dropped["filtered"] for r in g.data["rollouts"]]
+        staleness = [n - 1 - g.policy_step for g in fed]
         metrics.update({
             "reward_mean": sum(rewards) / max(1, len(rewards)),
             "groups": len(fed), "dropped_stale": len(dropped["stale"]), "dropped_filtered": len(dropped["filtered"]),
@@ -217,7 +217,7 @@ class TrainingLoop:
         })
         metrics["idle_seconds"] = self.idle_seconds - idle0  # waiting for rollouts during this step
         metrics["busy_seconds"] = self.busy_seconds - busy0 + time.monotonic() - t0  # up to publishing
-        self._publish(n, metrics, fed, {why: [g["group_id"] for g in gs] for why, gs in dropped.items() if gs})
+        self._publish(n, metrics, fed, {why: [g.group_id for g in gs] for why, gs in dropped.items() if gs})
         self.busy = False
         self.busy_seconds += time.monotonic() - t0
 
@@ -233,12 +233,12 @@ class TrainingLoop:
             crash_point("publish")
         self.c.ledger.publish_step(StepRow(n, now_ms(), pub.manifest_hash, pub.encoding, pub.base_step,
                                            pub.compressed_bytes, _jsonable(metrics)),
-                                   [g["group_id"] for g in fed], dropped)
+                                   [g.group_id for g in fed], dropped)
         self.c.policies.put(n, state)
         self.published_step = n
         self.last_metrics = metrics
         removed = self.c.publisher.prune(n)
-        consumed = Counter(g["batch_step"] for g in fed)
+        consumed = Counter(g.batch_step for g in fed)
         if self.c.loop is not None:
             self.c.loop.call_soon_threadsafe(self.c.on_step_published, n, dict(consumed))
         log.info("step %d published (%s, %d bytes, reward %.3f)%s", n, pub.encoding, pub.compressed_bytes,

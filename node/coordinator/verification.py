@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from node.config import SamplingConfig, VerificationConfig
-from node.coordinator.ledger import Ledger
+from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.scheduler import Scheduler
 from node.trainer.model import load_model
@@ -105,10 +105,10 @@ class VerdictQueue:
     def pending(self) -> int:
         return self._queue.qsize()
 
-    def chosen(self, node: dict) -> bool:
+    def chosen(self, node: NodeRow) -> bool:
         """A fresh secret draw (`fraction` = 0 switches replays off entirely, new nodes included)."""
         rate = self.cfg.fraction
-        if 0 < rate and node["submissions"] <= self.cfg.new_node_submissions:
+        if 0 < rate and node.submissions <= self.cfg.new_node_submissions:
             rate = max(rate, self.cfg.new_node_fraction)
         return rate >= 1.0 or secrets.randbelow(1 << 32) < int(rate * (1 << 32))
 
@@ -125,14 +125,14 @@ class VerdictQueue:
     async def decide(self, assignment_id: str) -> None:
         ledger = self.ledger
         groups = ledger.submission_groups(assignment_id)
-        undecided = [g for g in groups if g["verdict"] is None]
+        undecided = [g for g in groups if g.verdict is None]
         if not undecided:
             return
-        node = ledger.node(undecided[0]["node_id"])
-        if node is None or node["banned"]:
-            self._void(undecided[0]["node_id"], None, [])
+        node = ledger.node(undecided[0].node_id)
+        if node is None or node.banned:
+            self._void(undecided[0].node_id, None, [])
             return
-        step = undecided[0]["policy_step"]
+        step = undecided[0].policy_step
         if not self.chosen(node):
             ledger.set_verdict(assignment_id, "unchecked")
         elif self.policies.get(step) is None:  # fell out of the window while queued: not the node's fault
@@ -140,50 +140,50 @@ class VerdictQueue:
             ledger.set_verdict(assignment_id, "unchecked")
         else:
             a = ledger.assignment(assignment_id)
-            seeds = {p["prompt_id"]: p["seeds"] for p in a["prompts"]}
-            checks = [RolloutCheck(g["data"]["prompt_ids"], r["completion_ids"], r["logprobs"], r["finish_reason"],
-                                   r.get("commitment", ""), seeds[g["prompt_id"]][r["sample_index"]])
-                      for g in undecided for r in g["data"]["rollouts"]]
+            seeds = {p["prompt_id"]: p["seeds"] for p in a.prompts}
+            checks = [RolloutCheck(g.data["prompt_ids"], r["completion_ids"], r["logprobs"], r["finish_reason"],
+                                   r.get("commitment", ""), seeds[g.prompt_id][r["sample_index"]])
+                      for g in undecided for r in g.data["rollouts"]]
             s = self.sampling
             loop = asyncio.get_running_loop()
             verdicts = await loop.run_in_executor(self._pool, self._verify_sync, step, checks,
                                                   dict(temperature=s.temperature, top_p=s.top_p,
                                                        max_tokens=s.max_tokens))
             self.metrics.verified.inc(len(checks))
-            refs = [(g["prompt_id"], r["sample_index"]) for g in undecided for r in g["data"]["rollouts"]]
+            refs = [(g.prompt_id, r["sample_index"]) for g in undecided for r in g.data["rollouts"]]
             failed = [{"prompt_id": p, "sample_index": i, "reason": v.reason}
                       for (p, i), v in zip(refs, verdicts) if v.reason]
             for r in failed:
                 self.metrics.rejected.labels(r["reason"]).inc()
             if any(not v.outlier for v in verdicts if v.reason):
-                voided = self._void(node["node_id"], assignment_id, failed)
-                log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node["node_id"][:12],
+                voided = self._void(node.node_id, assignment_id, failed)
+                log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node.node_id[:12],
                             ", ".join(sorted({r["reason"] for r in failed})), voided)
                 return
             if failed:  # only single-token sampling outliers: possibly numerical, never trained, no ban
-                rep = node["reputation"] - self.cfg.reputation_penalty
+                rep = node.reputation - self.cfg.reputation_penalty
                 banned = rep < self.cfg.ban_below
-                _, by_batch = ledger.void_submission(assignment_id, node["node_id"], failed, rep, banned)
+                _, by_batch = ledger.void_submission(assignment_id, node.node_id, failed, rep, banned)
                 self.scheduler.forget_waiting(by_batch)
                 log.info("submission %s of node %s voided: one token off the sampler's choice in %d rollouts",
-                         assignment_id, node["node_id"][:12], len(failed))
+                         assignment_id, node.node_id[:12], len(failed))
                 return
             tokens = sum(v.tokens for v in verdicts)
             near_ties = sum(v.near_ties for v in verdicts)
-            ledger.set_verdict(assignment_id, "verified", node_id=node["node_id"], tokens=tokens,
+            ledger.set_verdict(assignment_id, "verified", node_id=node.node_id, tokens=tokens,
                                  near_ties=near_ties)
-            self._check_steering(node["node_id"])
+            self._check_steering(node.node_id)
         self.on_decided()
 
     def _check_steering(self, node_id: str) -> None:
         """Ban a node whose tokens are far more often not the sampler's first choice than an honest
         node's (near-ties are numerical noise; choosing among them on purpose is steering)."""
         node = self.ledger.node(node_id)
-        if node["verified_tokens"] >= self.cfg.near_tie_min_tokens and \
-                node["near_ties"] > self.cfg.near_tie_max_rate * node["verified_tokens"]:
+        if node.verified_tokens >= self.cfg.near_tie_min_tokens and \
+                node.near_ties > self.cfg.near_tie_max_rate * node.verified_tokens:
             n = self._void(node_id, None, [{"reason": "verify_near_tie_rate"}])
             log.warning("node %s banned: %d of its %d verified tokens were near-ties; %d rollouts voided",
-                        node_id[:12], node["near_ties"], node["verified_tokens"], n)
+                        node_id[:12], node.near_ties, node.verified_tokens, n)
 
     def _void(self, node_id: str, assignment_id: str | None, rejections: list[dict]) -> int:
         """Ban and void in the ledger; the scheduler hands the voided groups' places out again."""

@@ -57,7 +57,7 @@ async def test_eval_curve_in_status_and_metrics(tmp_path):
         assert step0["warm_start_steps"] == 2 and step0["warm_start_nll"] > 0  # θ_0 is the warm-started policy
         # the prompts handed out for training never came from the evaluation's seed stream
         eval_ids = {p.prompt_id for p in coord.training.evaluator.problems}
-        served = {g["prompt_id"].split(":", 1)[1] for g in coord.ledger.groups(list(range(1, 200)))}
+        served = {g.prompt_id.split(":", 1)[1] for g in coord.ledger.groups(list(range(1, 200)))}
         assert served and not served & eval_ids
 
 

@@ -61,7 +61,7 @@ async def test_expiry_costs_reputation_until_a_ban(tmp_path):
                     break
                 await asyncio.sleep(0.3)  # never submit: every assignment expires
             assert statuses[-1] == 403, statuses
-            assert coord.ledger.node(node.pub)["reputation"] < 0
+            assert coord.ledger.node(node.pub).reputation < 0
 
 
 async def test_a_node_cannot_claim_an_older_step_than_it_reported(tmp_path):

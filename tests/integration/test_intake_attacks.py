@@ -82,9 +82,9 @@ async def test_replay_resign_and_foreign_rollouts(tmp_path):
                                                   "rollouts": forged})
             assert st == 200 and len(res["accepted"]) == len(forged)  # acknowledged like honest work...
             await wait_verdicts(coord)
-            assert coord.ledger.node(b.pub)["banned"] == 1  # ...then caught by the replay
-            assert {g["verdict"] for g in coord.ledger.submission_groups(wb["assignment_id"])} == {"void"}
-            assert {g["verdict"] for g in coord.ledger.submission_groups(wa["assignment_id"])} == {"verified"}
+            assert coord.ledger.node(b.pub).banned  # ...then caught by the replay
+            assert {g.verdict for g in coord.ledger.submission_groups(wb["assignment_id"])} == {"void"}
+            assert {g.verdict for g in coord.ledger.submission_groups(wa["assignment_id"])} == {"verified"}
             reasons = coord.status()["verification"]["rejected_by_reason"]
             assert any(k.startswith("verify_") for k in reasons), reasons
 
@@ -126,8 +126,8 @@ async def test_stale_step_claimed_as_fresh_is_caught_and_the_cheater_banned_at_o
             st, err = await cheat.post("/v1/work", {"policy_step": 1})
             assert st == 403 and err["error"] == "banned"  # one verified forgery is enough
             node = coord.ledger.node(cheat.pub)
-            assert node["banned"] == 1 and node["accepted"] == 0
-            assert not [g for g in coord.ledger.waiting_groups() if g["node_id"] == cheat.pub]
+            assert node.banned and node.accepted == 0
+            assert not [g for g in coord.ledger.waiting_groups() if g.node_id == cheat.pub]
             reasons = coord.status()["verification"]["rejected_by_reason"]
             assert any(k.startswith("verify_") for k in reasons), reasons
 
@@ -179,7 +179,7 @@ async def test_forgeries_timed_to_the_verification_draw_are_caught(tmp_path):
                 assert st in (200, 409)
                 await wait_verdicts(coord)
             node = coord.ledger.node(forger.pub)
-            assert node["banned"] == 1, f"{forged} forged submissions, never banned"
+            assert node.banned, f"{forged} forged submissions, never banned"
             untrained = [v for v, consumed in groups_of(coord, forger.pub) if consumed is None]
             assert not untrained or set(untrained) == {"void"}
 
@@ -264,7 +264,7 @@ async def test_steering_within_the_margin_is_banned_by_the_near_tie_rate(tmp_pat
             min_tokens = coord.cfg.verification.near_tie_min_tokens
             for _ in range(1000):
                 steer = coord.ledger.node(steerer.pub)
-                if steer["banned"] or steer["verified_tokens"] >= 2 * min_tokens:
+                if steer.banned or steer.verified_tokens >= 2 * min_tokens:
                     break
                 for node, make in ((steerer, lambda w: steered_rollouts(model, w, coord.eos_token_id)),
                                    (honest, lambda w: honest_rollouts(backend, w, coord.eos_token_id))):
@@ -277,11 +277,11 @@ async def test_steering_within_the_margin_is_banned_by_the_near_tie_rate(tmp_pat
                     assert st in (200, 409) and not (st == 200 and res["rejected"])
                 await wait_verdicts(coord)
             steer, hon = coord.ledger.node(steerer.pub), coord.ledger.node(honest.pub)
-            assert steer["banned"] == 1, steer
+            assert steer.banned, steer
             db = sqlite3.connect(coord.root / "ledger.sqlite")
             reasons = {r[0] for r in db.execute("SELECT reason FROM rejections WHERE node_id=?", (steerer.pub,))}
             db.close()
             assert reasons == {"verify_near_tie_rate"}, reasons  # every steered rollout itself passed
-            assert steer["near_ties"] > coord.cfg.verification.near_tie_max_rate * steer["verified_tokens"]
-            assert hon["banned"] == 0 and hon["near_ties"] <= coord.cfg.verification.near_tie_max_rate * max(
-                1, hon["verified_tokens"]), hon
+            assert steer.near_ties > coord.cfg.verification.near_tie_max_rate * steer.verified_tokens
+            assert not hon.banned and hon.near_ties <= coord.cfg.verification.near_tie_max_rate * max(
+                1, hon.verified_tokens), hon

@@ -113,11 +113,11 @@ async def test_killed_node_work_is_reassigned_and_run_completes(tmp_path):
                 if victim.poll() is None:
                     victim.kill()
             # what it held when it died (read after the kill: it may have submitted one just before)
-            victim_ids = {r["assignment_id"] for r in coord.ledger.open_assignments()}
+            victim_ids = {r.assignment_id for r in coord.ledger.open_assignments()}
             if victim_ids:
                 break
         assert victim_ids, "the victim never died holding an assignment"
-        victim_prompts = {p["prompt_id"] for aid in victim_ids for p in coord.ledger.assignment(aid)["prompts"]}
+        victim_prompts = {p["prompt_id"] for aid in victim_ids for p in coord.ledger.assignment(aid).prompts}
 
         def redone() -> set:
             rows = coord.ledger._exec("SELECT prompt_id FROM groups").fetchall()
@@ -127,7 +127,7 @@ async def test_killed_node_work_is_reassigned_and_run_completes(tmp_path):
         await wait_for(lambda: redone() == victim_prompts, 120, "the killed node's prompts to be redone", coord)
         await wait_for(lambda: coord.published_step >= 3, 180, "the run to go on for 3 steps", coord)
         await stop_workers(helper)
-        states = {aid: coord.ledger.assignment(aid)["state"] for aid in victim_ids}
+        states = {aid: coord.ledger.assignment(aid).state for aid in victim_ids}
         assert set(states.values()) == {"expired"}, states
 
 
