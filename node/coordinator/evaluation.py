@@ -62,13 +62,14 @@ class Evaluator:
         self.curve: list[dict] = []
 
     @classmethod
-    def for_coordinator(cls, c) -> "Evaluator | None":
-        e = c.cfg.eval
+    def for_run(cls, cfg, model, *, storage, metrics) -> "Evaluator | None":
+        """From the config's `eval` section (None when evaluation is off), for the run's model and task."""
+        e = cfg.eval
         if e.every_steps <= 0:
             return None
-        return cls(task=c.task, tokenizer=c.tokenizer, run_seed=c.cfg.run.seed, prompts=e.prompts,
-                   every_steps=e.every_steps, max_tokens=c.cfg.sampling.max_tokens, batch_size=e.batch_size,
-                   root=c.root, metrics=c.metrics)
+        return cls(task=model.task, tokenizer=model.tokenizer, run_seed=cfg.run.seed, prompts=e.prompts,
+                   every_steps=e.every_steps, max_tokens=cfg.sampling.max_tokens, batch_size=e.batch_size,
+                   root=storage, metrics=metrics)
 
     # -- persistence -------------------------------------------------------------------------------
     def restore(self, published_step: int) -> None:

@@ -74,12 +74,22 @@ class Coordinator:
             prompts_per_assignment=cfg.run.prompts_per_assignment, make_prompt=self._make_prompt,
         )
         self.policies = PolicyStore(self.model_dir, keep=self.k + 2)
-        self.training = TrainingLoop(self)
+        self.training = TrainingLoop(cfg=cfg, storage=self.root, ledger=self.ledger, checkpoints=self.checkpoints,
+                                     publisher=self.publisher, policies=self.policies, model=self.model,
+                                     metrics=self.metrics, on_groups_dropped=self._on_loop(self.on_groups_dropped),
+                                     on_step_published=self._on_loop(self.on_step_published))
         self.verdicts = VerdictQueue(cfg=cfg.verification, sampling=cfg.sampling, ledger=self.ledger,
                                      scheduler=self.scheduler, policies=self.policies, metrics=self.metrics,
                                      eos_token_id=self.eos_token_id, on_decided=self.training.notify)
         self.intake = Intake(cfg=cfg, ledger=self.ledger, scheduler=self.scheduler, verdicts=self.verdicts,
                              metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness)
+
+    def _on_loop(self, fn):
+        """`fn`, callable from another thread: it runs on the event loop (dropped before the loop started)."""
+        def post(*args) -> None:
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(fn, *args)
+        return post
 
     def _make_prompt(self, index: int) -> tuple[str, list[int]]:
         problem = self.task.sample(self.cfg.run.seed, index)

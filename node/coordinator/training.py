@@ -12,22 +12,43 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
+from node.checkpoint_dir import CheckpointDir
+from node.config import Config
 from node.coordinator.evaluation import Evaluator, warm_start_seed
 from node.coordinator.faults import crash_point
-from node.coordinator.ledger import StepRow, now_ms
+from node.coordinator.ledger import GroupRow, Ledger, StepRow, now_ms
+from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator.publisher import Publisher
+from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import min_policy_for_batch
+from node.coordinator.verification import PolicyStore
 
 log = logging.getLogger("prime_node.training")
 
 
 class TrainingLoop:
-    def __init__(self, coord):
-        self.c = coord
-        self.cfg = coord.cfg
-        self.k = coord.k
+    """`on_groups_dropped(by_batch, keep_rate)` and `on_step_published(step, consumed)` are called from this
+    thread; the coordinator hands in callables that are safe to call from it (they post to its loop)."""
+
+    def __init__(self, *, cfg: Config, storage: Path, ledger: Ledger, checkpoints: CheckpointDir,
+                 publisher: Publisher, policies: PolicyStore, model: RunModel, metrics: CoordinatorMetrics,
+                 on_groups_dropped: Callable[[dict[int, int], float], None],
+                 on_step_published: Callable[[int, dict[int, int]], None]):
+        self.cfg = cfg
+        self.k = cfg.run.async_level
+        self.storage = Path(storage)
+        self.ledger = ledger
+        self.checkpoints = checkpoints
+        self.publisher = publisher
+        self.policies = policies
+        self.model = model
+        self.metrics = metrics
+        self.on_groups_dropped = on_groups_dropped
+        self.on_step_published = on_step_published
         self.published_step = 0
-        self.state_root = Path(coord.root) / "trainer_state"
+        self.state_root = self.storage / "trainer_state"
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -47,7 +68,7 @@ class TrainingLoop:
                       temperature=self.cfg.sampling.temperature)
         if resume:
             return Trainer.resume(self.state_root, self.cfg.trainer, **kwargs)
-        return Trainer(self.c.model_dir, self.cfg.trainer, state_dir=self.state_root, **kwargs)
+        return Trainer(self.model.model_dir, self.cfg.trainer, state_dir=self.state_root, **kwargs)
 
     def _rewind_trainer_state(self, step: int) -> bool:
         """Point the trainer's LATEST at the snapshot of `step`, dropping newer ones (written before a
@@ -64,8 +85,8 @@ class TrainingLoop:
         return True
 
     def restore_or_init(self) -> None:
-        latest = self.c.ledger.latest_step()
-        store = self.c.checkpoints
+        latest = self.ledger.latest_step()
+        store = self.checkpoints
         if latest is None:
             store.discard_after(-1)
             shutil.rmtree(self.state_root, ignore_errors=True)
@@ -83,7 +104,7 @@ class TrainingLoop:
         self.published_step = step
         for s in range(max(0, step - self.k - 1), step + 1):
             if store.payload_path(s).is_file():
-                self.c.policies.put_payload(s, store.payload_path(s))
+                self.policies.put_payload(s, store.payload_path(s))
         self._start_eval()
 
     # -- warm start and evaluation (node/coordinator/evaluation.py) ---------------------------------
@@ -95,13 +116,13 @@ class TrainingLoop:
         from node.trainer import sft_warm_start
 
         t0 = time.monotonic()
-        nll = sft_warm_start(self.trainer, self.c.task, self.c.tokenizer, steps=steps,
+        nll = sft_warm_start(self.trainer, self.model.task, self.model.tokenizer, steps=steps,
                              lr=self.cfg.trainer.warm_start_lr, seed=warm_start_seed(self.cfg.run.seed))
         log.info("warm start: %d SFT steps, reference NLL %.3f -> %.3f", steps, nll[0], nll[-1])
         return {"warm_start_steps": steps, "warm_start_nll": nll[-1], "warm_start_seconds": time.monotonic() - t0}
 
     def _start_eval(self) -> None:
-        self.evaluator = Evaluator.for_coordinator(self.c)
+        self.evaluator = Evaluator.for_run(self.cfg, self.model, storage=self.storage, metrics=self.metrics)
         if self.evaluator is not None:
             self.evaluator.restore(self.published_step)
 
@@ -159,7 +180,7 @@ class TrainingLoop:
     def _train_one_step(self, n: int) -> None:
         from node.trainer import Group, Rollout
 
-        ledger = self.c.ledger
+        ledger = self.ledger
         idle0, busy0 = self.idle_seconds, self.busy_seconds
         min_m = min_policy_for_batch(n, self.k)
         fed: list[dict] = []
@@ -195,10 +216,9 @@ class TrainingLoop:
                     just_dropped.append(g)
                 if self.trainer.batch_complete:
                     break
-            if just_dropped and self.c.loop is not None:  # the scheduler asks for replacements now
-                self.c.loop.call_soon_threadsafe(self.c.on_groups_dropped,
-                                                 dict(Counter(g.batch_step for g in just_dropped)),
-                                                 float(self.trainer.keep_rate))
+            if just_dropped:  # the scheduler asks for replacements now
+                self.on_groups_dropped(dict(Counter(g.batch_step for g in just_dropped)),
+                                       float(self.trainer.keep_rate))
         if self._stop:
             return
         t0 = time.monotonic()
@@ -221,26 +241,25 @@ class TrainingLoop:
         self.busy = False
         self.busy_seconds += time.monotonic() - t0
 
-    def _publish(self, n: int, metrics: dict, fed: list[dict], dropped: dict[str, list[int]] | None = None) -> None:
+    def _publish(self, n: int, metrics: dict, fed: list[GroupRow], dropped: dict[str, list[int]] | None = None) -> None:
         t0 = time.monotonic()
         if n > 0:
             self.trainer.save_state()
         state = self.trainer.weights_for_broadcast()
-        pub = self.c.publisher.publish(n, state)
+        pub = self.publisher.publish(n, state)
         metrics = {**metrics, "publish_seconds": time.monotonic() - t0, "encoding": pub.encoding,
                    "compressed_bytes": pub.compressed_bytes}
         if n > 0:
             crash_point("publish")
-        self.c.ledger.publish_step(StepRow(n, now_ms(), pub.manifest_hash, pub.encoding, pub.base_step,
+        self.ledger.publish_step(StepRow(n, now_ms(), pub.manifest_hash, pub.encoding, pub.base_step,
                                            pub.compressed_bytes, _jsonable(metrics)),
                                    [g.group_id for g in fed], dropped)
-        self.c.policies.put(n, state)
+        self.policies.put(n, state)
         self.published_step = n
         self.last_metrics = metrics
-        removed = self.c.publisher.prune(n)
+        removed = self.publisher.prune(n)
         consumed = Counter(g.batch_step for g in fed)
-        if self.c.loop is not None:
-            self.c.loop.call_soon_threadsafe(self.c.on_step_published, n, dict(consumed))
+        self.on_step_published(n, dict(consumed))
         log.info("step %d published (%s, %d bytes, reward %.3f)%s", n, pub.encoding, pub.compressed_bytes,
                  metrics.get("reward_mean", 0.0), f"; pruned {removed}" if removed else "")
 
