@@ -1,7 +1,10 @@
 """Prometheus metrics of one coordinator (its own registry, so several can live in one process)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 
 class CoordinatorMetrics:
@@ -25,5 +28,34 @@ class CoordinatorMetrics:
         self.requests = Counter("prime_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
 
+    def watch_p2p(self, snapshot: Callable[[], dict]) -> None:
+        """Export the libp2p host's counters (node/p2p/stats.py `P2PStats.snapshot`), read at each scrape.
+        Per reason only: per-peer counts go to the log, one line per peer (a label per peer id would grow with
+        the swarm)."""
+        self.registry.register(_P2PCollector(snapshot))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _P2PCollector:
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+
+    def describe(self):
+        return []  # no samples at registration: the host may not be serving yet
+
+    def collect(self):
+        snap = self.snapshot()
+        for name, key, doc in (
+                ("prime_p2p_announcements_dropped", "announcements_dropped", "gossip announcements dropped, by reason"),
+                ("prime_p2p_announcements_received", "announcements_received", "gossip announcements delivered, by kind"),
+                ("prime_p2p_requests_refused", "requests_refused", "shard requests refused, by reason"),
+                ("prime_p2p_streams_aborted", "streams_aborted", "shard streams cut, by reason")):
+            family = CounterMetricFamily(name, doc, labels=["reason"])
+            for reason, n in sorted(snap.get(key, {}).items()):
+                family.add_metric([str(reason)], n)
+            yield family
+        yield CounterMetricFamily("prime_p2p_bytes_served", "shard bytes served to peers", value=snap.get("bytes_served", 0))
+        yield CounterMetricFamily("prime_p2p_bytes_fetched", "shard bytes fetched from peers",
+                                  value=snap.get("bytes_fetched", 0))

@@ -242,6 +242,7 @@ class Coordinator:
                                        coordinator_key=self.identity.public_hex)
         await self.p2p.start()
         self.p2p.add_listener(self._on_announcement)
+        self.metrics.watch_p2p(self.p2p.stats.snapshot)
 
     def _on_announcement(self, event) -> None:
         """A node's verified `have` announcement keeps its super-seeding claims alive."""
