@@ -39,13 +39,10 @@ All ranks live on one machine (MASTER_ADDR 127.0.0.1): gloo on CPU, NCCL with on
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -461,12 +458,7 @@ class DistributedTrainer(Trainer):
                 total = total.full_tensor()
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, total)
             grad_norm = float(total)
-        skipped = not (tokens > 0 and math.isfinite(grad_norm))
-        if not skipped:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return {"loss": self._win["loss_sum"] / max(tokens, 1), "grad_norm": grad_norm,
-                "loss_tokens": tokens, "lr": optimizer.param_groups[0]["lr"], "optimizer_skipped": skipped}
+        return self._apply_update(optimizer, tokens, grad_norm)
 
     def _gather(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

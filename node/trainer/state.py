@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from node.trainer.buffer import DifficultyPools
 from node.trainer.types import Group, Rollout
@@ -36,6 +36,21 @@ class TrainerStateError(PrimeNodeError):
 
 
 def save_state(trainer, state_dir: Path) -> Path:
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        trainer.model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        tensors, structure = _flatten_optimizer(trainer.optimizer.state_dict())
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        _write_json(tmp / "optimizer.json", structure)
+
+    return write_snapshot(trainer, state_dir, write, format=FORMAT)
+
+
+def write_snapshot(trainer, state_dir: Path, write_weights: Callable[[Path], None], **meta: Any) -> Path:
+    """STATE_DIR/step-NNNNNNNN, written whole or not at all: `write_weights(tmp)` writes the model (into
+    tmp/model) and optimizer; then the tokenizer files, the RNG, trainer.json (`meta` first, then step,
+    pools, keep-rate history, queued groups), an atomic rename, LATEST, and pruning to `keep_states`."""
     import torch
     from safetensors.torch import save_file
 
@@ -43,16 +58,14 @@ def save_state(trainer, state_dir: Path) -> Path:
     name = f"step-{trainer.step_count:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=state_dir))
     try:
-        trainer.model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        write_weights(tmp)
+        (tmp / "model").mkdir(exist_ok=True)
         for f in _TOKENIZER_FILES:
             if (trainer.model_dir / f).is_file():
                 shutil.copy2(trainer.model_dir / f, tmp / "model" / f)
-        tensors, structure = _flatten_optimizer(trainer.optimizer.state_dict())
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        _write_json(tmp / "optimizer.json", structure)
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
         _write_json(tmp / "trainer.json", {
-            "format": FORMAT,
+            **meta,
             "step": trainer.step_count,
             "pools": trainer.pools.to_json(),
             "keep_history": trainer.keep.to_json(),
@@ -72,7 +85,6 @@ def save_state(trainer, state_dir: Path) -> Path:
 
 
 def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: Any):
-    import torch
     from safetensors.torch import load_file
 
     snap = latest_snapshot(state_dir)
@@ -85,6 +97,15 @@ def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: 
     structure = _read_json(snap / "optimizer.json")
     tensors = load_file(str(snap / "optimizer.safetensors"))
     trainer.optimizer.load_state_dict(_unflatten_optimizer(tensors, structure))
+    return restore_snapshot_state(trainer, snap, meta, cfg, lift_pools=lift_pools)
+
+
+def restore_snapshot_state(trainer, snap: Path, meta: dict, cfg, *, lift_pools: bool):
+    """What every snapshot format holds besides weights and optimizer: RNG, step, pools, keep-rate history
+    and the queued groups."""
+    import torch
+    from safetensors.torch import load_file
+
     torch.set_rng_state(load_file(str(snap / "rng.safetensors"))["torch_cpu"])
     trainer.step_count = int(meta["step"])
     trainer.pools = DifficultyPools.from_json(meta["pools"])
@@ -99,7 +120,8 @@ def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: 
     except (KeyError, TypeError) as e:
         raise TrainerStateError(f"{snap}: queued groups are malformed: {e}") from None
     # Already selected and given advantages: straight into the queue. In stream mode this replays their
-    # forward/backward, and the window's loss-token count (the gradient divisor) includes them again.
+    # forward/backward (on every rank), and the window's loss-token count (the gradient divisor) includes
+    # them again.
     for g in groups:
         trainer._enqueue(g)
     return trainer

@@ -187,7 +187,11 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.div_(tokens)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if tokens else 0.0
-        # A non-finite gradient (a custom loss gone wrong) must not poison the weights: skip the update.
+        return self._apply_update(optimizer, tokens, grad_norm)
+
+    def _apply_update(self, optimizer, tokens: int, grad_norm: float) -> dict:
+        """The optimizer step on gradients already divided and clipped, and the step's metrics. A
+        non-finite gradient (a custom loss gone wrong) must not poison the weights: the update is skipped."""
         skipped = not (tokens > 0 and math.isfinite(grad_norm))
         if not skipped:
             optimizer.step()
