@@ -64,6 +64,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 OUT = REPO / "bench" / "results"
 
+from node.aio import CLIENT_KEEPALIVE_S  # noqa: E402  (the nodes' client keep-alive, as a worker's)
+
 ENDPOINTS = ["/v1/status", "/v1/join", "/v1/heartbeat", "/v1/work", "/v1/submit", "/v1/checkpoints"]
 # Requests made once per node, when it starts (spread over the first heartbeat period, before the window).
 BEFORE_WINDOW = {"/v1/status": "once per node before joining, as the worker's client does (before the window)",
@@ -190,7 +192,7 @@ class SimNode:
 
         c = self.c
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4),
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4, keepalive_timeout=CLIENT_KEEPALIVE_S),
                                              timeout=aiohttp.ClientTimeout(total=120))
         try:
             await self.call("/v1/status", None, signed=False, method="GET")  # what a worker reads before joining

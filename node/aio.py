@@ -1,8 +1,25 @@
 """Small asyncio helpers shared by the roles: waits for the long-running loops (every loop watches a
-stop event), and the bounded whole-body read of HTTP request and response bodies."""
+stop event), the HTTP client session of a node, and the bounded whole-body read of HTTP request and
+response bodies."""
 from __future__ import annotations
 
 import asyncio
+
+import aiohttp
+
+# A client keeps an idle connection for less time than our servers do (their keep-alive timer is
+# server.header_timeout_s, 10 s by default, and aiohttp's client default is 15 s): a request sent on a
+# connection the server is closing at that moment fails (ServerDisconnectedError / ClientOSError), which
+# bench/load.py saw for 13 of ~28,000 requests from nodes whose heartbeats come every 10 s.
+CLIENT_KEEPALIVE_S = 4.0
+
+
+def client_session(*, sock_connect: float = 10, sock_read: float = 60) -> aiohttp.ClientSession:
+    """The HTTP client of a worker or relay: no overall timeout (shards are large), bounded connect and
+    read waits, and idle connections dropped before the server drops them."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=sock_connect, sock_read=sock_read),
+        connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S))
 
 
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from node.aio import client_session
 from node.checkpoint_dir import CheckpointDir
 from node.checkpoint_routes import CheckpointRoutes
 from node.http import HardenedAppRunner, error_middleware
@@ -70,8 +71,7 @@ class Relay:
         return app
 
     async def run(self, host: str, port: int, on_ready=None) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with client_session() as session:
             key = await self._learn_key(session)
             self.fetcher = Fetcher(self.store, [HttpSource(self.upstream, "coordinator", session)], key,
                                    keep=self.keep, on_new_step=lambda step, path: log.info("mirrored step %d", step))

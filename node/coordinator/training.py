@@ -48,6 +48,7 @@ class TrainingLoop:
         self.on_groups_dropped = on_groups_dropped
         self.on_step_published = on_step_published
         self.published_step = 0
+        self.trainer = None  # made by restore_or_init (a Trainer, or rank 0's DistributedTrainer)
         self.state_root = self.storage / "trainer_state"
         self._cond = threading.Condition()
         self._stop = False
@@ -66,6 +67,11 @@ class TrainingLoop:
         # The trainer's logprobs must be of the distribution the sampler used (temperature-scaled).
         kwargs = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups,
                       temperature=self.cfg.sampling.temperature)
+        if self.cfg.trainer.ranks > 1:  # FSDP2: this process is rank 0 and starts the others (torchrun-style)
+            from node.trainer.distributed import launch
+
+            return launch(self.cfg.trainer.ranks, self.model.model_dir, self.cfg.trainer, state_dir=self.state_root,
+                          resume_from=self.state_root if resume else None, **kwargs)
         if resume:
             return Trainer.resume(self.state_root, self.cfg.trainer, **kwargs)
         return Trainer(self.model.model_dir, self.cfg.trainer, state_dir=self.state_root, **kwargs)
@@ -152,6 +158,8 @@ class TrainingLoop:
             self._cond.notify_all()
         if self._thread:
             self._thread.join()
+        if self.trainer is not None:
+            self.trainer.close()  # a distributed trainer's other ranks stop with it
 
     def notify(self) -> None:
         with self._cond:

@@ -192,6 +192,11 @@ def launch(world_size: int, model_dir: str | Path | None, cfg: TrainerConfig | N
     snapshot under `resume_from` (a state dir written by a DistributedTrainer, any world size; the model
     is built from `model_dir`, or if None the base model recorded in the snapshot, then overwritten).
     Call `.close()` when done (stops the followers, leaves the process group)."""
+    # The followers run in another working directory: every path they are sent must be absolute.
+    model_dir = None if model_dir is None else Path(model_dir).resolve()
+    resume_from = None if resume_from is None else Path(resume_from).resolve()
+    if kwargs.get("state_dir") is not None:
+        kwargs["state_dir"] = Path(kwargs["state_dir"]).resolve()
     port = free_port()
     procs = start_followers(world_size, port, device=device)
     try:
@@ -279,8 +284,8 @@ class DistributedTrainer(Trainer):
         cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
         if self.rank == 0:  # tell the followers what to build (each picks its own GPU)
             cfg = cfg or TrainerConfig()
-            init = {"model_dir": str(model_dir), "cfg": cfg.model_dump(mode="json"),
-                    "snapshot": None if _snapshot is None else str(_snapshot),
+            init = {"model_dir": str(Path(model_dir).resolve()), "cfg": cfg.model_dump(mode="json"),
+                    "snapshot": None if _snapshot is None else str(Path(_snapshot).resolve()),
                     "kwargs": {**{k: v for k, v in kwargs.items() if k != "state_dir"},
                                "device": "cuda" if cuda else "cpu"}}
             self._comm_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

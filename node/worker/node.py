@@ -16,9 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 
-from node.aio import sleep_or_stop, wait_any
+from node.aio import client_session, sleep_or_stop, wait_any
 from node.backoff import Backoff
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
@@ -118,8 +117,7 @@ class WorkerNode:
 
     # -- main --------------------------------------------------------------------------------------
     async def run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with client_session() as session:
             self.client = CoordinatorClient(self.url, self.identity, session)
             self.spec = spec = await self._join()
             key = self._pin(spec.coordinator_key)

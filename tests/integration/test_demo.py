@@ -35,3 +35,19 @@ def test_demo_runs_and_writes_summary(tmp_path):
     assert s["eval_prompts"] == 64 and all(0.0 <= v <= 1.0 for v in s["eval_by_step"].values())
     assert s["reward_last5_mean"] is not None and 0.0 <= s["reward_last5_mean"] <= 1.0
     assert "held-out eval" in r.stdout
+
+
+def test_demo_with_two_fsdp_trainer_ranks(tmp_path):
+    """`prime-node demo --set trainer.ranks=2`: the coordinator starts a second FSDP2 rank (gloo on CPU) and
+    trains with it; every rollout is replayed against the gathered broadcast weights, so 0 rejections says
+    the two ranks' checkpoint is the one nodes generate with."""
+    summary = tmp_path / "summary.json"
+    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "1", "--steps", "3",
+                        "--set", "trainer.ranks=2", "--set", "eval.every_steps=0", "--set", "trainer.warm_start_steps=0",
+                        "--summary", str(summary)], cwd=tmp_path, capture_output=True, text=True, timeout=380,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
+    log = (tmp_path / "demo-out" / "coordinator.log").read_text()
+    assert "Traceback" not in log
