@@ -71,7 +71,9 @@ class TrainingLoop:
             from node.trainer.distributed import launch
 
             return launch(self.cfg.trainer.ranks, self.model.model_dir, self.cfg.trainer, state_dir=self.state_root,
-                          resume_from=self.state_root if resume else None, **kwargs)
+                          resume_from=self.state_root if resume else None, device=self.cfg.trainer.device,
+                          **kwargs)
+        kwargs["device"] = self.cfg.trainer.device
         if resume:
             return Trainer.resume(self.state_root, self.cfg.trainer, **kwargs)
         return Trainer(self.model.model_dir, self.cfg.trainer, state_dir=self.state_root, **kwargs)

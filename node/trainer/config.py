@@ -102,6 +102,9 @@ class TrainerConfig(_Strict):
     # FSDP2 data-parallel ranks of the coordinator's trainer (node.trainer.distributed), all on this
     # machine: 1 = the plain single-process Trainer.
     ranks: int = Field(1, ge=1, le=64)
+    # Where the coordinator trains: "cpu", or "cuda" (one GPU per rank: rank r takes GPU r; NCCL between
+    # ranks). Verification replays and evaluation stay where they are (CPU replays, the trainer's model).
+    device: Literal["cpu", "cuda"] = "cpu"
     # Short supervised warm start on the task's reference answers, done before RL step 1 (0 = off).
     warm_start_steps: int = Field(0, ge=0)
     warm_start_lr: float = Field(3e-3, gt=0)
