@@ -102,21 +102,8 @@ def decompress_shard(manifest: Manifest, index: int, compressed: bytes | bytearr
         buf = out
         if len(out) != size:
             raise ValueError("output buffer must have the shard's declared size")
-    try:
-        reader = _decompressor().stream_reader(compressed, read_across_frames=True)
-        pos = 0
-        while pos < size:
-            n = reader.readinto(out[pos:])
-            if n == 0:
-                raise CheckpointError("shard_size", f"shard {index}: decompresses to {pos} bytes, the "
-                                                    f"manifest says {size}", shard=index)
-            pos += n
-        if reader.readinto(memoryview(bytearray(1))) != 0:
-            raise CheckpointError("decompress_bomb", f"shard {index}: decompresses beyond its declared "
-                                                     f"size of {size} bytes (stopped there)", shard=index)
-    except zstandard.ZstdError as e:
-        raise CheckpointError("decompress_error", f"shard {index}: not a valid zstd stream ({e})",
-                              shard=index) from None
+    for _ in decompress_chunks(manifest, index, compressed, out):  # one chunk: `out` holds the whole shard
+        pass
     return buf
 
 
