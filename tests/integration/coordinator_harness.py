@@ -48,7 +48,10 @@ class RawNode:
 def test_config(tmp: Path, *extra: str):
     from node.config import load_config
 
-    return load_config(REPO / "configs/local.toml", [f"storage.dir={tmp / 'coord'}", *extra])
+    # The demo's config with its warm start and evaluation off: the tests built on this harness are about an
+    # untrained tiny model (test_eval.py turns both on for itself); `extra` comes last and wins.
+    return load_config(REPO / "configs/local.toml", [f"storage.dir={tmp / 'coord'}", "trainer.warm_start_steps=0",
+                                                     "eval.every_steps=0", *extra])
 
 
 @asynccontextmanager
