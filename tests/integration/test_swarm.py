@@ -97,7 +97,7 @@ async def test_killed_node_work_is_reassigned_and_run_completes(tmp_path):
     async with running_coordinator(tmp_path, "run.assignment_deadline_seconds=4",
                                    "run.prompts_per_assignment=4") as (coord, url):
         victim_ids: set = set()
-        for attempt in range(3):  # SIGKILL lands between a submit and the next request: no work was held
+        for attempt in range(3):  # if SIGKILL lands after its last submission, nothing it held was lost
             victim = subprocess.Popen(
                 [sys.executable, "-m", "node.cli", "join", "--coordinator", url, "--coordinator-key",
                  coord.identity.public_hex, "--config", str(REPO / "configs/local.toml"),
@@ -112,8 +112,13 @@ async def test_killed_node_work_is_reassigned_and_run_completes(tmp_path):
             finally:
                 if victim.poll() is None:
                     victim.kill()
-            # what it held when it died (read after the kill: it may have submitted one just before)
-            victim_ids = {r.assignment_id for r in coord.ledger.open_assignments()}
+            # What it held when it died: its assignments settle as `submitted` (a submission already on the
+            # wire when it died is still taken) or `expired` (the 4 s deadline); the expired ones are its lost
+            # work. Read once none is open, not at the moment of the kill.
+            await wait_for(lambda: not coord.ledger.open_assignments(), 60, "the dead node's assignments to settle",
+                           coord)
+            victim_ids = {r[0] for r in coord.ledger._exec(
+                "SELECT assignment_id FROM assignments WHERE state = 'expired'").fetchall()}
             if victim_ids:
                 break
         assert victim_ids, "the victim never died holding an assignment"
