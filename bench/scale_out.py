@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
@@ -38,19 +37,15 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from node.trainer import Group, Rollout  # noqa: E402
+from node.trainer import Group  # noqa: E402
 from node.trainer.config import FiltersConfig, TrainerConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_packing import make_groups as _packing_groups  # noqa: E402  (the random groups of that bench)
 
 
 def make_groups(n: int, prompt_len: int, g: int, completion_len: int, vocab: int, seed: int) -> list[Group]:
-    rng = random.Random(seed)
-    groups = []
-    for i in range(n):
-        prompt = [rng.randrange(5, vocab) for _ in range(prompt_len)]
-        rollouts = [Rollout([rng.randrange(5, vocab) for _ in range(completion_len)], [-3.0] * completion_len,
-                            reward=float(j % 2)) for j in range(g)]
-        groups.append(Group(f"s{seed}g{i}", prompt, rollouts))
-    return groups
+    return _packing_groups(n, prompt_len, g, completion_len, vocab, seed, prefix=f"s{seed}")
 
 
 def _cfg(args) -> TrainerConfig:

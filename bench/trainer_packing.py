@@ -26,14 +26,16 @@ from node.trainer.config import FiltersConfig, TrainerConfig
 LAYOUTS = ("padded", "packed", "shared_prompt")
 
 
-def make_groups(n: int, prompt_len: int, g: int, completion_len: int, vocab: int, seed: int) -> list[Group]:
+def make_groups(n: int, prompt_len: int, g: int, completion_len: int, vocab: int, seed: int,
+                prefix: str = "") -> list[Group]:
+    """n groups of g random rollouts (rewards alternate 0/1), prompt ids `{prefix}g{i}`."""
     rng = random.Random(seed)
     groups = []
     for i in range(n):
         prompt = [rng.randrange(5, vocab) for _ in range(prompt_len)]
         rollouts = [Rollout([rng.randrange(5, vocab) for _ in range(completion_len)], [-3.0] * completion_len,
                             reward=float(j % 2)) for j in range(g)]
-        groups.append(Group(f"g{i}", prompt, rollouts))
+        groups.append(Group(f"{prefix}g{i}", prompt, rollouts))
     return groups
 
 
