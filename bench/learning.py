@@ -33,6 +33,7 @@ def run_one(cfg, k: int, seed: int, steps: int, eval_every: int, eval_prompts: i
     from node.coordinator.evaluation import Evaluator, warm_start_seed
     from node.envs import decode_completion, encode_prompt, load_task
     from node.trainer import Group, Rollout, Trainer, build_tiny_model_dir, load_tokenizer, sft_warm_start
+    from node.trainer.local_sampling import sample_group
 
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,32 +81,6 @@ def run_one(cfg, k: int, seed: int, steps: int, eval_every: int, eval_prompts: i
             "reward_by_step": [round(r, 4) for r in rewards],
             "eval": [{"step": e["step"], "reward": round(e["reward"], 4), "n": e["n"]} for e in ev.curve],
             "reward_last5_mean": round(sum(rewards[-5:]) / len(rewards[-5:]), 4)}
-
-
-def sample_group(model, prompt_ids, n, max_tokens, eos_id, generator, temperature):
-    """n completions of one prompt, token by token with a KV cache; (ids, sampler logprobs) each."""
-    import torch
-
-    with torch.no_grad():
-        ids = torch.tensor([prompt_ids] * n)
-        out = model(input_ids=ids, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
-        tokens = [[] for _ in range(n)]
-        logprobs = [[] for _ in range(n)]
-        done = [False] * n
-        for _ in range(max_tokens):
-            lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-            nxt = torch.multinomial(lp.exp(), 1, generator=generator)[:, 0]
-            for i in range(n):
-                if not done[i]:
-                    tokens[i].append(int(nxt[i]))
-                    logprobs[i].append(float(lp[i, nxt[i]]))
-                    done[i] = int(nxt[i]) == eos_id
-            if all(done):
-                break
-            out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1]
-    return list(zip(tokens, logprobs))
 
 
 def summarize(rows: list[dict], k: int) -> dict:

@@ -15,38 +15,12 @@ import torch
 from node.envs import decode_completion, encode_prompt, load_task
 from node.trainer import Group, Rollout, Trainer, build_tiny_model_dir, load_tokenizer, sft_warm_start
 from node.trainer.config import TrainerConfig
+from node.trainer.local_sampling import sample_group
 
 # Recommended demo settings (a 2-core CPU, ~20 steps).
 DEMO = dict(hidden_size=64, layers=2, heads=4, lr=1e-2, async_level=2, warm_start_steps=2, warm_start_lr=3e-3,
             group_size=8, batch_prompts=8, max_tokens=8, temperature=1.0,
             task_kwargs={"min_len": 2, "max_len": 4, "alphabet": "abcdef"})
-
-
-@torch.no_grad()
-def sample_group(model, prompt_ids: list[int], n: int, max_tokens: int, eos_id: int,
-                 generator: torch.Generator, temperature: float = 1.0) -> list[tuple[list[int], list[float]]]:
-    """n completions of one prompt, sampled token by token; returns (ids, sampler logprobs) each."""
-    model.eval()
-    ids = torch.tensor([prompt_ids] * n)
-    out = model(input_ids=ids, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1]
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    done = [False] * n
-    for _ in range(max_tokens):
-        lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        nxt = torch.multinomial(lp.exp(), 1, generator=generator)[:, 0]
-        for i in range(n):
-            if not done[i]:
-                tokens[i].append(int(nxt[i]))
-                logprobs[i].append(float(lp[i, nxt[i]]))
-                done[i] = int(nxt[i]) == eos_id
-        if all(done):
-            break
-        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
-    model.train()
-    return list(zip(tokens, logprobs))
 
 
 def run_rl(trainer: Trainer, tokenizer, task, *, steps: int, group_size: int, max_tokens: int,
