@@ -1,4 +1,5 @@
-"""Learning curves at max staleness k = 0 and k = 2 on the demo's task, several seeds each.
+"""Learning curves at max staleness k = 0 and k = 2 on the demo's task (or another, --set task.name=...),
+several seeds each.
 
 In one process, with the demo's settings read from configs/local.toml (model size, warm start, learning
 rate, task, batch, group size, sampling): the real Trainer (warm start, losses, advantages, filters) and
@@ -8,16 +9,20 @@ see: its staleness histogram is dominated by k), from a separate model fed the b
 as a worker would be. Every `--eval-every` steps the trainer's model is evaluated as the coordinator
 does (node/coordinator/evaluation.py: greedy, held-out prompts).
 
-    .venv/bin/python bench/learning.py [--steps 60] [--seeds 3] [--quick]
+    .venv/bin/python bench/learning.py [--steps 60] [--seeds 3] [--quick] [--set KEY=VALUE ...]
+    .venv/bin/python bench/learning.py --set task.name=reasoning-gym:spell_backward \
+        --set 'task.kwargs={min_word_len=3, max_word_len=3}'
 
-Writes bench/results/learning.json ({"rows": [...]}: one row per (k, seed) with the reward and eval
-curves and wall-clock seconds, plus one summary row per k) and docs/learning.png (mean ± min/max).
+Writes bench/results/learning.json ({"rows": [...]}: one row per (task, k, seed) with the reward and eval
+curves and wall-clock seconds, plus one summary row per (task, k) with its settings; rows of other tasks
+are kept) and docs/learning.png for the demo's task, docs/learning-<task>.png for others (mean ± min/max).
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import re
 import sys
 import tempfile
 import time
@@ -105,7 +110,14 @@ def summarize(rows: list[dict], k: int) -> dict:
             "wall_seconds_mean": round(sum(r["wall_seconds"] for r in mine) / len(mine), 1)}
 
 
-def plot(summaries: list[dict], out: Path) -> None:
+def plot_path(task: str) -> Path:
+    """docs/learning.png for the demo's task; docs/learning-<task>.png for any other."""
+    if task == "reverse-text":
+        return REPO / "docs" / "learning.png"
+    return REPO / "docs" / f"learning-{re.sub(r'[^A-Za-z0-9_-]+', '-', task)}.png"
+
+
+def plot(summaries: list[dict], out: Path, temperature: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +135,7 @@ def plot(summaries: list[dict], out: Path) -> None:
         axes[1].fill_between(es, list(s["eval_min_by_step"].values()), list(s["eval_max_by_step"].values()),
                              color=c, alpha=0.15)
     n = len(summaries[0]["seeds"])
-    axes[0].set_title(f"sampled rollouts (T=1): mean, min-max of {n} seeds", fontsize=9)
+    axes[0].set_title(f"sampled rollouts (T={temperature:g}): mean, min-max of {n} seeds", fontsize=9)
     axes[1].set_title(f"held-out eval (greedy, 64 prompts): mean, min-max of {n} seeds", fontsize=9)
     for ax in axes:
         ax.set_xlabel("step")
@@ -150,39 +162,48 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
     p.add_argument("--quick", action="store_true", help="2 seeds x 10 steps, results not written")
     p.add_argument("--plot-only", action="store_true", help="redraw docs/learning.png from the results file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of configs/local.toml, e.g. task.name=reasoning-gym:spell_backward")
+    p.add_argument("--no-write", action="store_true", help="print the table only (for trying settings)")
     a = p.parse_args()
+    results = REPO / "bench" / "results" / "learning.json"
     if a.plot_only:
-        rows = json.loads((REPO / "bench" / "results" / "learning.json").read_text())["rows"]
-        plot([r for r in rows if r.get("summary")], REPO / "docs" / "learning.png")
+        summaries = [r for r in json.loads(results.read_text())["rows"] if r.get("summary")]
+        for task in sorted({r["task"] for r in summaries}):
+            mine = [r for r in summaries if r["task"] == task]
+            plot(mine, plot_path(task), mine[0]["settings"]["sampling"]["temperature"])
         return 0
     torch.set_num_threads(a.threads)
     if a.quick:
         a.steps, a.seeds = 10, 2
-    cfg = load_config(REPO / "configs" / "local.toml")
+    cfg = load_config(REPO / "configs" / "local.toml", a.set)
+    task = cfg.task.name
     rows = []
     for k in (int(x) for x in a.ks.split(",")):
         for seed in range(a.seeds):
-            r = run_one(cfg, k, seed, a.steps, a.eval_every, a.eval_prompts)
+            r = {"task": task, **run_one(cfg, k, seed, a.steps, a.eval_every, a.eval_prompts)}
             rows.append(r)
             print(f"k={k} seed={seed}: reward {r['reward_by_step'][0]:.3f} -> last5 {r['reward_last5_mean']:.3f}, "
                   f"eval {r['eval'][0]['reward']:.3f} -> {r['eval'][-1]['reward']:.3f}, {r['wall_seconds']:.0f} s",
                   flush=True)
-    summaries = [summarize(rows, k) for k in sorted({r["k"] for r in rows})]
-    print(f"\n{'k':>2} {'reward last 5 (range)':>24} {'final eval (range)':>22} {'wall s/run':>10}")
-    for s in summaries:
-        print(f"{s['k']:>2} {s['reward_last5_mean']:>8.3f} ({s['reward_last5_range'][0]:.3f}-{s['reward_last5_range'][1]:.3f})"
-              f"   {s['final_eval_mean']:>8.3f} ({s['final_eval_range'][0]:.3f}-{s['final_eval_range'][1]:.3f})"
-              f" {s['wall_seconds_mean']:>10.1f}")
-    if a.quick:
-        return 0
     settings = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(), "lr": cfg.trainer.lr,
                 "warm_start_steps": cfg.trainer.warm_start_steps, "batch_prompts": cfg.run.batch_prompts,
                 "group_size": cfg.run.group_size, "sampling": cfg.sampling.model_dump(), "steps": a.steps,
                 "torch_threads": a.threads}
-    out = REPO / "bench" / "results" / "learning.json"
-    out.write_text(json.dumps({"settings": settings, "rows": rows + summaries}, indent=1))
-    plot(summaries, REPO / "docs" / "learning.png")
-    print(f"wrote {out} and docs/learning.png")
+    summaries = [{"task": task, "settings": settings, **summarize(rows, k)} for k in sorted({r["k"] for r in rows})]
+    print(f"\n{task}\n{'k':>2} {'reward last 5 (range)':>24} {'final eval (range)':>22} {'wall s/run':>10}")
+    for s in summaries:
+        print(f"{s['k']:>2} {s['reward_last5_mean']:>8.3f} ({s['reward_last5_range'][0]:.3f}-{s['reward_last5_range'][1]:.3f})"
+              f"   {s['final_eval_mean']:>8.3f} ({s['final_eval_range'][0]:.3f}-{s['final_eval_range'][1]:.3f})"
+              f" {s['wall_seconds_mean']:>10.1f}")
+    if a.quick or a.no_write:
+        return 0
+    # Rows of the other tasks stay (one task per run); a row without a task is from before tasks were recorded.
+    kept = [r for r in json.loads(results.read_text())["rows"] if r.get("task") not in (task, None)] \
+        if results.is_file() else []
+    results.write_text(json.dumps({"rows": kept + rows + summaries}, indent=1))
+    plot(summaries, plot_path(task), cfg.sampling.temperature)
+    print(f"wrote {results} and {plot_path(task).relative_to(REPO)}")
     return 0
 
 

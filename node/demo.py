@@ -100,7 +100,8 @@ def learning_ratio(rewards: dict[int, float]) -> float | None:
     return last / first if first > 0 else float("inf")
 
 
-def plot_rewards(rewards: dict[int, float], out: Path, evals: dict[int, float] | None = None) -> None:
+def plot_rewards(rewards: dict[int, float], out: Path, evals: dict[int, float] | None = None,
+                 temperature: float = 1.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,7 +109,7 @@ def plot_rewards(rewards: dict[int, float], out: Path, evals: dict[int, float] |
 
     steps = sorted(rewards)
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
-    ax.plot(steps, [rewards[s] for s in steps], marker="o", ms=3, label="rollouts (sampled, T=1)")
+    ax.plot(steps, [rewards[s] for s in steps], marker="o", ms=3, label=f"rollouts (sampled, T={temperature:g})")
     if evals:
         es = sorted(evals)
         ax.plot(es, [evals[s] for s in es], marker="s", ms=4, color="tab:orange", label="held-out eval (greedy)")
@@ -168,7 +169,7 @@ def cmd_demo(args) -> int:
     summary["learning_ratio_last_vs_first_fifth"] = ratio
     plot = out / "reward_curve.png"
     if summary["reward_by_step"]:
-        plot_rewards(summary["reward_by_step"], plot, summary["eval_by_step"])
+        plot_rewards(summary["reward_by_step"], plot, summary["eval_by_step"], cfg.sampling.temperature)
         summary["reward_plot"] = str(plot)
     if args.summary:
         Path(args.summary).write_text(json.dumps(summary, indent=2))
