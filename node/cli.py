@@ -22,6 +22,7 @@ HANDLERS = {
     "join": "node.worker.main:cmd_join",
     "demo": "node.demo:cmd_demo",
     "relay": "node.relay:cmd_relay",
+    "verifier": "node.verifier:cmd_verifier",
     "checkpoint pack": "node.checkpoint_cli:cmd_pack",
     "checkpoint unpack": "node.checkpoint_cli:cmd_unpack",
     "verify checkpoint": "verify.cli:cmd_verify_checkpoint",
@@ -86,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--dir", default="prime-node-relay", help="where mirrored checkpoints are kept")
+
+    p = sub.add_parser("verifier", help="a trusted verification worker of the coordinator's verifier pool")
+    p.add_argument("--coordinator", required=True, metavar="URL")
+    p.add_argument("--key", required=True, metavar="KEYFILE", help="its key, listed in verification.verifier_keys")
+    p.add_argument("--coordinator-key", metavar="HEX", help="refuse a coordinator that signs with another key")
+    p.add_argument("--dir", default="prime-node-verifier", help="where verified checkpoints are kept")
+    _add_config_args(p)
 
     ckpt = sub.add_parser("checkpoint", help="pack / unpack checkpoints").add_subparsers(dest="sub", required=True)
     p = ckpt.add_parser("pack", help="pack a model directory into a signed, sharded checkpoint")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -93,6 +93,12 @@ class VerificationConfig(_Section):
     # replayed tokens (bench/near_ties.py, docs/SECURITY.md).
     near_tie_max_rate: float = Field(0.02, ge=0, le=1)
     near_tie_min_tokens: int = Field(2000, ge=1)
+    # The verifier pool (`prime-node verifier`): trusted processes whose keys are listed here replay the
+    # chosen submissions instead of the coordinator; none listed = the coordinator replays in-process.
+    verifier_keys: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
+                                                                                  max_length=256)
+    job_lease_seconds: float = Field(60.0, gt=0, le=3600)  # a job not answered by then goes to another verifier
+    pool: int = Field(0, ge=0, le=8)  # demo only: how many verifier processes `prime-node demo` starts
 
 
 class DistributionConfig(_Section):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from node.config import Config, dump_toml, load_config
 from protocol.errors import PrimeNodeError
+from protocol.identity import Identity
 
 # The demo's settings; present in a source checkout (make demo installs it editable).
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
@@ -72,6 +73,7 @@ def summarize(status: dict, wall: float) -> dict:
         "accepted_rollouts": status["verification"]["accepted"],
         "rejected_rollouts": status["verification"]["rejected"],
         "rejected_by_reason": status["verification"]["rejected_by_reason"],
+        "groups_by_verdict": status["verification"].get("groups_by_verdict", {}),
         "reward_by_step": rewards,
         "wall_seconds": round(wall, 1),
         "trainer_idle_fraction": status["trainer"]["idle_fraction"],
@@ -137,12 +139,18 @@ def cmd_demo(args) -> int:
     common = ["--config", config_path or _write_default(out)] + [f"--set={o}" for o in args.overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
+    # verification.pool: that many verifier processes replay the chosen submissions instead of the coordinator
+    verifier_keys = [Identity.generate() for _ in range(cfg.verification.pool)]
+    for i, ident in enumerate(verifier_keys):
+        ident.save(out / f"verifier-{i}.key")
+    pool_set = [f"--set=verification.verifier_keys={json.dumps([v.public_hex for v in verifier_keys])}"] \
+        if verifier_keys else []
     ready = out / "coordinator.ready"
     clog = out / "coordinator.log"
     coord = subprocess.Popen(
         _cli("coordinator", *common,
              f"--set=storage.dir={out / 'coordinator'}", f"--set=run.max_steps={steps}", "--set=server.port=0",
-             "--ready-file", str(ready)),
+             *pool_set, "--ready-file", str(ready)),
         stdout=open(clog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     procs = [coord]
     try:
@@ -156,7 +164,14 @@ def cmd_demo(args) -> int:
                 _cli("join", "--coordinator", url, "--coordinator-key", info["key"], *common,
                      f"--set=worker.storage_dir={out / f'worker-{i}'}", "--set=worker.heartbeat_seconds=1"),
                 stdout=open(wlog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        print(f"started {nodes} worker nodes; training {steps} steps (async level {cfg.run.async_level})")
+        for i in range(len(verifier_keys)):
+            vlog = out / f"verifier-{i}.log"
+            procs.append(subprocess.Popen(
+                _cli("verifier", "--coordinator", url, "--coordinator-key", info["key"], *common,
+                     "--key", str(out / f"verifier-{i}.key"), "--dir", str(out / f"verifier-{i}")),
+                stdout=open(vlog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        pool = f" and {len(verifier_keys)} verifiers" if verifier_keys else ""
+        print(f"started {nodes} worker nodes{pool}; training {steps} steps (async level {cfg.run.async_level})")
         status = _follow(url, steps, procs)
         time.sleep(1.5)  # one more heartbeat, so byte counts include the last download
         status = _get_json(url + "/v1/status")

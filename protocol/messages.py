@@ -211,6 +211,73 @@ class SubmitResponse(Wire):
     rejected: Annotated[list[Rejection], Field(max_length=MAX_ROLLOUTS_PER_SUBMISSION)]
 
 
+# --- the verifier pool (DESIGN §5: POST /v1/verify/jobs, POST /v1/verify/verdicts; verifier keys only) ------
+MAX_JOB_ROLLOUTS = 4096  # one job is one submission's rollouts
+
+
+class VerifyJobsRequest(Wire):
+    """A verifier asks for work; `spec` asks for the run facts it needs first (model config, keys)."""
+    spec: bool = False
+
+
+class VerifierSpec(Wire):
+    run_id: RunId
+    coordinator_key: HexKey
+    model_config_json: BoundedJson
+    eos_token_id: TokenId
+    async_level: Step
+    checkpoint_dtype: Annotated[str, Field(max_length=32)]
+    relays: Annotated[list[Addr], Field(max_length=MAX_ADDRS)] = []
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, protected_namespaces=())
+
+
+class ReplayItem(Wire):
+    """One rollout to replay, with the seed the coordinator gave for it."""
+    prompt_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    completion_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)]
+    logprobs: Annotated[list[Annotated[float, Field(ge=MIN_LOGPROB, le=0.0)]], Field(max_length=MAX_COMPLETION_TOKENS)]
+    finish_reason: Literal["stop", "length"]
+    commitment: Annotated[str, Field(max_length=MAX_COMMITMENT_CHARS)]
+    seed: Seed
+
+
+class VerifyJob(Wire):
+    job_id: ShortStr
+    policy_step: Step
+    sampling: Sampling
+    lease_ms: UnixMs  # answer before this (coordinator clock), or the job goes to another verifier
+    items: Annotated[list[ReplayItem], Field(min_length=1, max_length=MAX_JOB_ROLLOUTS)]
+
+
+class VerifyJobsResponse(Wire):
+    spec: VerifierSpec | None = None
+    job: VerifyJob | None = None
+
+
+class ReplayVerdict(Wire):
+    reason: Annotated[str, Field(pattern=r"^verify_[a-z_]{1,48}$")] | None  # None: the replay passed
+    tokens: Counter
+    near_ties: Counter
+    outlier: bool = False  # failed by one sampled token only (possibly numerical)
+
+
+class VerdictsRequest(Wire):
+    job_id: ShortStr
+    verdicts: Annotated[list[ReplayVerdict], Field(max_length=MAX_JOB_ROLLOUTS)] = []
+    unavailable: bool = False  # the verifier could not get the step's weights: no verdicts, the job is passed over
+
+    @model_validator(mode="after")
+    def _verdicts_or_unavailable(self) -> "VerdictsRequest":
+        if self.unavailable == bool(self.verdicts):
+            raise ValueError("send one verdict per rollout, or unavailable = true and no verdicts")
+        return self
+
+
+class VerdictsResponse(Wire):
+    accepted: bool
+
+
 class ErrorBody(Wire):
     """Every 4xx/5xx answer of the coordinator and the relays (DESIGN §5): servers build it, clients parse it."""
 

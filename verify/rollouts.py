@@ -309,6 +309,28 @@ class RolloutVerifier:
         return Verdict(True, None, "", scores)
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """A replay's outcome as the coordinator acts on it (its verifier pool sends the same fields)."""
+
+    reason: str | None  # None = passed; else "verify_<Verdict.reason>"
+    tokens: int
+    near_ties: int
+    outlier: bool = False  # failed by one sampled token only: voided, not proof of forgery
+
+
+def judge(model: torch.nn.Module, items: Sequence[VerifyItem]) -> list[Judgement]:
+    """Replay `items` against `model` (the claimed step's weights), one Judgement each, in order."""
+    out = []
+    for v in RolloutVerifier(model).verify_many(items):
+        # One token off the sampler's choice, with the commitment and logprobs right, can be numerical
+        # (bf16 generation near a nucleus boundary, bench/near_ties.py); anything more is a forgery.
+        outlier = v.reason in ("sampling", "termination") and v.scores.get("sample_bad_positions") == 1
+        out.append(Judgement(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
+                             int(v.scores.get("near_tie_positions", 0)), outlier))
+    return out
+
+
 def _int_list(xs: Any, vocab: int) -> bool:
     return isinstance(xs, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in xs)
 

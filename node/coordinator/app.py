@@ -72,6 +72,15 @@ def build_app(coord) -> web.Application:
         signer, req = await signed(request, M.SubmitRequest)
         return _json(await coord.submit(signer, req))
 
+    async def verify_jobs(request):
+        signer, req = await signed(request, M.VerifyJobsRequest)
+        answer = coord.verify_jobs(signer, req)
+        return web.Response(status=204) if answer is None else _json(answer)
+
+    async def verify_verdicts(request):
+        signer, req = await signed(request, M.VerdictsRequest)
+        return _json(coord.verify_verdicts(signer, req))
+
     def count(n: int) -> None:
         coord.bytes_by_source["coordinator"] += n
         coord.metrics.bytes_served.inc(n)
@@ -104,6 +113,8 @@ def build_app(coord) -> web.Application:
     app.router.add_post("/v1/heartbeat", heartbeat)
     app.router.add_post("/v1/work", work)
     app.router.add_post("/v1/submit", submit)
+    app.router.add_post("/v1/verify/jobs", verify_jobs)
+    app.router.add_post("/v1/verify/verdicts", verify_verdicts)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/dashboard", dashboard)

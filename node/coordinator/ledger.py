@@ -505,6 +505,11 @@ class Ledger:
         rows = self._exec("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [RejectionRow(**dict(r)) for r in rows]
 
+    def verdict_counts(self) -> dict[str, int]:
+        """Groups by verdict: verified, unchecked (passed over), void, undecided."""
+        rows = self._exec("SELECT COALESCE(verdict, 'undecided'), COUNT(*) FROM groups GROUP BY verdict").fetchall()
+        return {r[0]: r[1] for r in rows}
+
     def rejection_counts(self) -> dict[str, int]:
         rows = self._exec("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall()
         return {r[0]: r[1] for r in rows}

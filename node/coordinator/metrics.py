@@ -25,6 +25,10 @@ class CoordinatorMetrics:
         self.eval_reward = Gauge("prime_eval_reward", "mean reward of greedy decoding on the held-out prompts, "
                                  "at the newest evaluated step (eval.every_steps)", registry=r)
         self.eval_step = Gauge("prime_eval_step", "policy step of the newest evaluation", registry=r)
+        self.verify_jobs = Gauge("prime_verify_jobs", "verifier pool jobs, waiting for a verifier or leased",
+                                 ["state"], registry=r)
+        self.verify_jobs_rehanded = Counter("prime_verify_jobs_rehanded", "verifier pool jobs handed out again "
+                                            "after their lease ran out (a verifier died or was too slow)", registry=r)
         self.requests = Counter("prime_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
 

@@ -25,6 +25,7 @@ from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignm
 from node.coordinator.seeding import SuperSeeder
 from node.coordinator.status import build_status
 from node.coordinator.training import TrainingLoop
+from node.coordinator.verifier_jobs import JobBoard
 from node.coordinator.verification import PolicyStore, VerdictQueue
 from node.envs import encode_prompt
 from node.http import ApiError
@@ -78,9 +79,13 @@ class Coordinator:
                                      publisher=self.publisher, policies=self.policies, model=self.model,
                                      metrics=self.metrics, on_groups_dropped=self._on_loop(self.on_groups_dropped),
                                      on_step_published=self._on_loop(self.on_step_published))
-        self.verdicts = VerdictQueue(cfg=cfg.verification, sampling=cfg.sampling, ledger=self.ledger,
+        v = cfg.verification
+        self.verifier_board = JobBoard(v.verifier_keys, v.job_lease_seconds, metrics=self.metrics) \
+            if v.verifier_keys else None
+        self.verdicts = VerdictQueue(cfg=v, sampling=cfg.sampling, ledger=self.ledger,
                                      scheduler=self.scheduler, policies=self.policies, metrics=self.metrics,
-                                     eos_token_id=self.eos_token_id, on_decided=self.training.notify)
+                                     eos_token_id=self.eos_token_id, on_decided=self.training.notify,
+                                     board=self.verifier_board)
         self.intake = Intake(cfg=cfg, ledger=self.ledger, scheduler=self.scheduler, verdicts=self.verdicts,
                              metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness)
 
@@ -213,6 +218,29 @@ class Coordinator:
             eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.trainer.broadcast_dtype,
             p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
         )
+
+    # -- the verifier pool (DESIGN §5: verifier keys only) -------------------------------------------
+    def _board(self, key: str) -> JobBoard:
+        if self.verifier_board is None:
+            raise ApiError(403, "not_a_verifier", "this run has no verifier pool (verification.verifier_keys is empty)")
+        self.verifier_board.check_verifier(key)
+        return self.verifier_board
+
+    def verify_jobs(self, key: str, req: M.VerifyJobsRequest) -> M.VerifyJobsResponse | None:
+        """The run facts a verifier needs (when it asks for them), else the oldest job nobody holds; None: no job."""
+        board = self._board(key)
+        spec = M.VerifierSpec(run_id=self.cfg.run.run_id, coordinator_key=self.identity.public_hex,
+                              model_config_json=self.model.model_config, eos_token_id=self.eos_token_id,
+                              async_level=self.k, checkpoint_dtype=self.cfg.trainer.broadcast_dtype,
+                              relays=list(self.cfg.distribution.relays)) if req.spec else None
+        job = None if spec else board.lease(key)
+        if spec is None and job is None:
+            return None
+        return M.VerifyJobsResponse(spec=spec, job=job.wire() if job else None)
+
+    def verify_verdicts(self, key: str, req: M.VerdictsRequest) -> M.VerdictsResponse:
+        self._board(key).complete(key, req)
+        return M.VerdictsResponse(accepted=True)
 
     def _admit(self, node_id: str, req: M.JoinRequest, *, known: bool) -> None:
         """DESIGN §4 admission: a new key of an open run pays a proof of work; an allowlist run admits

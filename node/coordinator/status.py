@@ -71,7 +71,9 @@ def build_status(c) -> dict:
         "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
         "verification": {"accepted": counts["accepted_rollouts"], "rejected": counts["rejected_rollouts"],
                          "rejected_by_reason": c.ledger.rejection_counts(),
-                         "undecided_submissions": c.verdicts.pending()},
+                         "undecided_submissions": c.verdicts.pending(),
+                         "groups_by_verdict": c.ledger.verdict_counts(),
+                         **({"pool": pool_status(c.verifier_board, t)} if c.verifier_board is not None else {})},
         "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")}
                          for r in thin([r for r in steps if r.step > 0], CURVE_POINTS)],
         # optional: present when eval.every_steps > 0 (node/coordinator/evaluation.py)
@@ -93,3 +95,10 @@ def build_status(c) -> dict:
                               for r in c.ledger.recent_rejections(20)],
         "uptime_s": round((t - c.started_ms) / 1000, 1),
     }
+
+
+def pool_status(board, t_ms: int) -> dict:
+    """The verifier pool: listed keys, those that asked for work in the last 30 s, jobs waiting and leased."""
+    waiting, leased = board.pending()
+    return {"verifiers": len(board.keys), "active": sum(1 for ms in board.last_seen.values() if t_ms - ms < 30_000),
+            "jobs_waiting": waiting, "jobs_leased": leased}

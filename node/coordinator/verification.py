@@ -19,8 +19,11 @@ from node.config import SamplingConfig, VerificationConfig
 from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.scheduler import Scheduler
+from node.coordinator.verifier_jobs import JobBoard
 from node.trainer.model import load_model
+from protocol import messages as M
 from protocol.checkpoint import load_payload
+from verify.rollouts import Judgement, RolloutClaim, VerifyItem, judge
 
 log = logging.getLogger("prime_node.verification")
 
@@ -82,12 +85,14 @@ class VerdictQueue:
 
     A node's first `new_node_submissions` are replayed at `new_node_fraction` (default: all of them),
     unless `fraction` is 0 (replays off).
-    Verification replays run one at a time in their own thread; undecided submissions survive a restart
-    (the ledger has them) and are decided again.
+    Replays run one at a time in their own thread, or, with a verifier pool (`board`), as jobs for the pool's
+    processes, many at once; undecided submissions survive a restart (the ledger has them) and are decided again.
     """
+    POOL_IN_FLIGHT = 256  # submissions awaiting the pool's verdicts at once
+
     def __init__(self, *, cfg: VerificationConfig, sampling: SamplingConfig, ledger: Ledger, scheduler: Scheduler,
                  policies: PolicyStore, metrics: CoordinatorMetrics, eos_token_id: int,
-                 on_decided: Callable[[], None]):
+                 on_decided: Callable[[], None], board: JobBoard | None = None):
         self.cfg = cfg
         self.sampling = sampling
         self.ledger = ledger
@@ -96,6 +101,7 @@ class VerdictQueue:
         self.metrics = metrics
         self.eos_token_id = eos_token_id
         self.on_decided = on_decided  # a verdict may complete a batch: wake the trainer
+        self.board = board
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
 
@@ -115,12 +121,20 @@ class VerdictQueue:
     async def run(self) -> None:
         for aid in self.ledger.undecided_submissions():  # recorded before a crash, never decided
             self.submit(aid)
-        while True:
-            aid = await self._queue.get()
-            try:
-                await self.decide(aid)
-            except Exception:  # one bad submission must not stop every later verdict
-                log.exception("verdict on %s failed; it stays undecided until the next restart", aid)
+        slots = asyncio.Semaphore(self.POOL_IN_FLIGHT if self.board else 1)
+        async with asyncio.TaskGroup() as decisions:  # cancelled with run(): every decision in flight stops
+            while True:
+                aid = await self._queue.get()
+                await slots.acquire()
+                decisions.create_task(self._decide_one(aid, slots))
+
+    async def _decide_one(self, assignment_id: str, slots: asyncio.Semaphore) -> None:
+        try:
+            await self.decide(assignment_id)
+        except Exception:  # one bad submission must not stop every later verdict
+            log.exception("verdict on %s failed; it stays undecided until the next restart", assignment_id)
+        finally:
+            slots.release()
 
     async def decide(self, assignment_id: str) -> None:
         ledger = self.ledger
@@ -144,11 +158,15 @@ class VerdictQueue:
             checks = [RolloutCheck(g.data["prompt_ids"], r["completion_ids"], r["logprobs"], r["finish_reason"],
                                    r.get("commitment", ""), seeds[g.prompt_id][r["sample_index"]])
                       for g in undecided for r in g.data["rollouts"]]
-            s = self.sampling
-            loop = asyncio.get_running_loop()
-            verdicts = await loop.run_in_executor(self._pool, self._verify_sync, step, checks,
-                                                  dict(temperature=s.temperature, top_p=s.top_p,
-                                                       max_tokens=s.max_tokens))
+            verdicts = await self._replay(step, checks)
+            if verdicts is None:  # the pool's verifier could not get the step's weights any more
+                log.warning("no verifier could get step %d to verify %s; passed over", step, assignment_id)
+                ledger.set_verdict(assignment_id, "unchecked")
+                self.on_decided()
+                return
+            node = ledger.node(node.node_id)
+            if node.banned or all(g.verdict is not None for g in ledger.submission_groups(assignment_id)):
+                return  # banned and voided while its replay was out with the pool
             self.metrics.verified.inc(len(checks))
             refs = [(g.prompt_id, r["sample_index"]) for g in undecided for r in g.data["rollouts"]]
             failed = [{"prompt_id": p, "sample_index": i, "reason": v.reason}
@@ -175,6 +193,20 @@ class VerdictQueue:
             self._check_steering(node.node_id)
         self.on_decided()
 
+    async def _replay(self, step: int, checks: list[RolloutCheck]) -> list[Judgement] | None:
+        s = self.sampling
+        if self.board is None:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._verify_sync, step, checks,
+                dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens))
+        items = [M.ReplayItem(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
+                              finish_reason=c.finish_reason, commitment=c.commitment, seed=c.seed) for c in checks]
+        answers = await self.board.replay(step, items, M.Sampling(temperature=s.temperature, top_p=s.top_p,
+                                                                  max_tokens=s.max_tokens))
+        if answers is None:
+            return None
+        return [Judgement(a.reason, a.tokens, a.near_ties, a.outlier) for a in answers]
+
     def _check_steering(self, node_id: str) -> None:
         """Ban a node whose tokens are far more often not the sampler's first choice than an honest
         node's (near-ties are numerical noise; choosing among them on purpose is steering)."""
@@ -191,29 +223,11 @@ class VerdictQueue:
         self.scheduler.forget_waiting(by_batch)
         return voided
 
-    def _verify_sync(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list["RolloutVerdict"]:
-        from verify.rollouts import RolloutClaim, RolloutVerifier, VerifyItem
-
-        model = self.policies.get(step)
+    def _verify_sync(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list[Judgement]:
         items = [VerifyItem(c.prompt_ids, RolloutClaim(c.completion_ids, c.logprobs, c.finish_reason, c.commitment),
                             c.seed, sampling["temperature"], sampling["top_p"], sampling["max_tokens"],
                             self.eos_token_id) for c in checks]
-        out = []
-        for v in RolloutVerifier(model).verify_many(items):
-            # One token off the sampler's choice, with the commitment and logprobs right, can be numerical
-            # (bf16 generation near a nucleus boundary, bench/near_ties.py); anything more is a forgery.
-            outlier = v.reason in ("sampling", "termination") and v.scores.get("sample_bad_positions") == 1
-            out.append(RolloutVerdict(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
-                                      int(v.scores.get("near_tie_positions", 0)), outlier))
-        return out
+        return judge(self.policies.get(step), items)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-@dataclass(frozen=True)
-class RolloutVerdict:
-    reason: str | None  # None = passed
-    tokens: int
-    near_ties: int
-    outlier: bool = False  # failed by one sampled token only: voided, not proof of forgery

@@ -115,3 +115,14 @@ class CoordinatorClient:
 
     async def submit(self, sub: M.SubmitRequest) -> M.SubmitResponse:
         return self._parse(await self._signed("/v1/submit", sub.model_dump()), M.SubmitResponse)
+
+    # -- the verifier pool (a `prime-node verifier` process; its key in verification.verifier_keys) --------
+    async def verify_jobs(self, *, spec: bool = False) -> M.VerifyJobsResponse | None:
+        """A leased replay job and/or the run facts (`spec`); None when there is no job (204)."""
+        r = await self._signed("/v1/verify/jobs", {"spec": spec})
+        if r.status == 204:
+            return None
+        return self._parse(r, M.VerifyJobsResponse)
+
+    async def verify_verdicts(self, req: M.VerdictsRequest) -> M.VerdictsResponse:
+        return self._parse(await self._signed("/v1/verify/verdicts", req.model_dump()), M.VerdictsResponse)

@@ -51,3 +51,21 @@ def test_demo_with_two_fsdp_trainer_ranks(tmp_path):
     assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
     log = (tmp_path / "demo-out" / "coordinator.log").read_text()
     assert "Traceback" not in log
+
+
+def test_demo_with_a_verifier_pool(tmp_path):
+    """`prime-node demo --set verification.pool=1`: the demo starts one `prime-node verifier` process, the
+    coordinator hands it every replay (verification.fraction = 1) and trains a group only after its verdict."""
+    summary = tmp_path / "summary.json"
+    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "1", "--steps", "3",
+                        "--set", "verification.pool=1", "--set", "eval.every_steps=0",
+                        "--set", "trainer.warm_start_steps=0", "--summary", str(summary)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=380,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "and 1 verifiers" in r.stdout
+    s = json.loads(summary.read_text())
+    assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
+    assert s["groups_by_verdict"].get("verified", 0) >= 3 * 8  # batch_prompts groups per step, all replayed
+    vlog = (tmp_path / "demo-out" / "verifier-0.log").read_text()
+    assert "Traceback" not in vlog and "holding step 0" in vlog

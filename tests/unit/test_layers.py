@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("node.p2p",),  # imports neither worker nor coordinator
     ("node.worker",),
     ("node.relay",),  # a fetcher without an engine: the worker's fetcher and the shared routes
+    ("node.verifier",),  # the worker's fetcher, client and engine loader; the coordinator never imports it
     ("node.coordinator",),
     ("node.demo", "node.cli", "node.checkpoint_cli", "node"),
 ]
