@@ -1,4 +1,5 @@
-"""Scale-out benchmark, trainer part: the FSDP2 trainer (node.trainer.distributed) on 1 and 2 CPU ranks.
+"""Scale-out benchmark: the FSDP2 trainer (node.trainer.distributed) on 1 and 2 CPU ranks, and verification
+in-process vs a pool of 1 and 2 `prime-node verifier` processes.
 
 Rows (bench/results/scale_out.json, {"rows": [...]}):
 
@@ -14,6 +15,11 @@ Rows (bench/results/scale_out.json, {"rows": [...]}):
   is Qwen2.5-0.5B's shape (hidden 896, 24 layers, MLP 4864, 14 heads / 2 KV heads, vocabulary 151,936,
   tied embeddings), `100m` a ~110 M Llama (hidden 768, 12 layers, vocabulary 32,000); random weights,
   after one tiny step so that the optimizer moments exist for save/resume.
+
+- `verify`: seconds from the first of `--verify-submissions` submissions of honest rollouts (16 each,
+  generated before the clock starts) to the last verdict, on a fresh coordinator per mode: in-process
+  (ranks 0: the coordinator replays in its verification thread) or a pool of 1 / 2 verifier processes
+  (ranks = verifiers; torch threads split between them). One warm-up submission first.
 
     .venv/bin/python bench/scale_out.py            # writes bench/results/scale_out.json
     .venv/bin/python bench/scale_out.py --big-shape 0.5b   # Qwen2.5-0.5B's shape (~6 GB of RAM per rank)
@@ -186,6 +192,105 @@ def build_big_model_dir(out: Path, shape: str) -> Path:
     return out
 
 
+# --- verification part: in-process replays vs a pool of 1 and 2 `prime-node verifier` processes ---------
+def _honest(backend, assignment: dict, eos: int) -> list[dict]:
+    from node.worker.backends.base import GenRequest
+
+    reqs = [GenRequest(p["prompt_ids"], seed) for p in assignment["prompts"] for seed in p["seeds"]]
+    s = assignment["sampling"]
+    results = iter(backend.generate(reqs, temperature=s["temperature"], top_p=s["top_p"],
+                                    max_tokens=s["max_tokens"], eos_token_id=eos))
+    return [{"prompt_id": p["prompt_id"], "sample_index": j, **{k: getattr(r, k) for k in (
+        "completion_ids", "logprobs", "finish_reason", "commitment")}}
+            for p in assignment["prompts"] for j, r in zip(range(len(p["seeds"])), results)]
+
+
+async def _verify_mode(work: Path, args, verifiers: int) -> dict:
+    """Submissions of honest rollouts (generated before the clock starts) to a fresh coordinator; seconds
+    from the first submission until every verdict is in. One warm-up submission first (model loads)."""
+    import asyncio
+    import subprocess
+
+    import aiohttp
+
+    from node.config import load_config
+    from node.coordinator.app import start_server
+    from node.coordinator.service import Coordinator
+    from node.trainer.model import load_model
+    from node.worker.backends.transformers_backend import TransformersBackend
+    from node.worker.client import CoordinatorClient
+    from protocol import messages as M
+    from protocol.checkpoint import load_payload
+    from protocol.identity import Identity
+
+    keys = [Identity.generate() for _ in range(verifiers)]
+    for i, k in enumerate(keys):
+        k.save(work / f"v{i}.key")
+    cfg = load_config(ROOT / "configs" / "local.toml", [
+        f"storage.dir={work / 'coord'}", "trainer.warm_start_steps=0", "eval.every_steps=0",
+        f"model.tiny_hidden_size={args.verify_hidden}", f"model.tiny_layers={args.verify_layers}",
+        "model.tiny_heads=4", f"sampling.max_tokens={args.verify_tokens}", "run.batch_prompts=128",
+        "run.max_assignments_per_node=64", "server.rate_limit_per_second=1000", "server.rate_limit_burst=1000",
+        "verification.verifier_keys=[" + ",".join(f'"{k.public_hex}"' for k in keys) + "]"])
+    coord = Coordinator(cfg, Identity.generate())
+    runner, port = await start_server(coord, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}"
+    procs = [subprocess.Popen([sys.executable, "-m", "node.cli", "verifier", "--coordinator", base,
+                               "--key", str(work / f"v{i}.key"), "--dir", str(work / f"v{i}")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // max(1, verifiers)))})
+             for i in range(verifiers)]
+    try:
+        async with aiohttp.ClientSession() as session:
+            node = CoordinatorClient(base, Identity.generate(), session)
+            await node.join()
+            backend = TransformersBackend(load_model(coord.model_dir))
+            backend.load_state_dict(load_payload(coord.checkpoints.payload_path(0)), 0)
+            subs = []
+            for _ in range(args.verify_submissions + 1):
+                a = await node.work(0)
+                subs.append(M.SubmitRequest(assignment_id=a.assignment_id, policy_step=0, rollouts=_honest(
+                    backend, a.model_dump(), coord.eos_token_id)))
+
+            async def settle() -> None:
+                while coord.ledger.undecided_submissions() or coord.verdicts.pending():
+                    await asyncio.sleep(0.02)
+
+            await node.submit(subs[0])  # warm-up: the verifiers fetch step 0 and load the model
+            await asyncio.wait_for(settle(), 300)
+            t0 = time.perf_counter()
+            for sub in subs[1:]:
+                await node.submit(sub)
+            await asyncio.wait_for(settle(), 900)
+            seconds = time.perf_counter() - t0
+            counts = coord.ledger.verdict_counts()
+            rollouts = sum(len(s.rollouts) for s in subs[1:])
+            assert set(counts) == {"verified"}, counts  # every submission replayed and passed, none passed over
+            tokens = sum(len(r.completion_ids) for s in subs[1:] for r in s.rollouts)
+            return {"model": f"llama h{args.verify_hidden} L{args.verify_layers}", "what": "verify",
+                    "trainer": "in-process" if not verifiers else "verifier pool", "ranks": verifiers,
+                    "seconds": round(seconds, 3), "rollouts": rollouts, "completion_tokens": tokens,
+                    "rollouts_per_s": round(rollouts / seconds, 1)}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+        await runner.cleanup()
+        await coord.stop()
+
+
+def verification_rows(work: Path, args) -> list[dict]:
+    import asyncio
+
+    rows = []
+    for n in (0, 1, 2):
+        d = work / f"verify-{n}"
+        d.mkdir()
+        rows.append(asyncio.run(_verify_mode(d, args, n)))
+    return rows
+
+
 def main() -> None:
     from node.trainer.distributed import run_ranks
     from node.trainer.model import build_tiny_model_dir
@@ -205,6 +310,12 @@ def main() -> None:
     p.add_argument("--big-shape", choices=sorted(BIG_SHAPES), default="100m",
                    help="model for the gather/pack/save/resume rows (0.5b: ~6 GB of RAM per rank)")
     p.add_argument("--small", action=argparse.BooleanOptionalAction, default=True, help="the step-time rows")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="the verification rows: in-process vs a pool of 1 and 2 verifier processes")
+    p.add_argument("--verify-submissions", type=int, default=24, help="timed submissions (16 rollouts each)")
+    p.add_argument("--verify-hidden", type=int, default=256)
+    p.add_argument("--verify-layers", type=int, default=4)
+    p.add_argument("--verify-tokens", type=int, default=32, help="sampling.max_tokens of the replayed rollouts")
     p.add_argument("--append", action="store_true", help="keep the rows already in --out")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale_out.json"))
     args = p.parse_args()
@@ -215,7 +326,7 @@ def main() -> None:
     def write(final: bool) -> None:
         result = {
             "benchmark": "scale_out",
-            "part": "trainer",
+            "part": "trainer and verification",
             "complete": final,
             "workload": {"groups_per_step": args.groups, "group_size": args.group_size, "prompt_len": args.prompt,
                          "completion_len": args.completion, "micro_batch_tokens": args.micro_batch_tokens,
@@ -247,6 +358,9 @@ def main() -> None:
                     add({**model_small, **r})
                 for r in run_ranks(world, ranked_resume, str(small), args, state, timeout=1200)[0]:
                     add({**model_small, **r})
+        if args.verify:
+            for r in verification_rows(work, args):
+                add(r)
         if args.big:
             big = build_big_model_dir(work / "big", args.big_shape)
             from safetensors import safe_open
@@ -265,7 +379,8 @@ def main() -> None:
     print("-" * 92)
     for r in rows:
         mb = f"{r['bytes'] / 2**20:8.0f}" if "bytes" in r else " " * 8
-        print(f"{r['model']:28} | {r['what']:9} | {r['trainer']:18} | {r['ranks']:>5} | {r['seconds']:8.2f} | {mb}")
+        rate = f" | {r['rollouts_per_s']:.1f} rollouts/s ({r['rollouts']})" if "rollouts_per_s" in r else ""
+        print(f"{r['model']:28} | {r['what']:9} | {r['trainer']:18} | {r['ranks']:>5} | {r['seconds']:8.2f} | {mb}{rate}")
     write(True)
     print(f"\nwrote {args.out}")
 
