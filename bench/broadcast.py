@@ -161,13 +161,13 @@ async def start_origin(tmp: Path, cap: int):
     return coord, runner, f"http://127.0.0.1:{port}"
 
 
-async def main_async(sizes: list[int], cap: int) -> dict:
+async def main_async(sizes: list[int], cap: int, modes: list[str]) -> dict:
     """A fresh coordinator per round, so no round sees another round's peers in its gossip."""
     logging.basicConfig(level=logging.ERROR)
     rows = []
     compressed = ideal = None
     for n in sizes:
-        for mode in ("origin", "relay", "swarm"):
+        for mode in modes:
             tmp = Path(tempfile.mkdtemp(prefix="prime-broadcast-"))
             coord, runner, url = await start_origin(tmp, cap)
             try:
@@ -182,12 +182,14 @@ async def main_async(sizes: list[int], cap: int) -> dict:
                 await coord.stop()
                 shutil.rmtree(tmp, ignore_errors=True)
             r["x_one_copy"] = round(r["seconds"] / ideal, 2)
+            r["one_copy_seconds"] = round(ideal, 3)
+            r["origin_bytes"] = r["bytes_from_origin"]
             rows.append(r)
             print(f"  N={n:<3} {mode:<7} {r['seconds']:7.2f} s  ({r['x_one_copy']:.2f}x one copy)  "
                   f"origin {r['bytes_from_origin'] / 1e6:.1f} MB, relay {r['bytes_from_relay'] / 1e6:.1f} MB, "
                   f"peers {r['bytes_from_peers'] / 1e6:.1f} MB, node CPU {r['node_cpu_seconds']:.0f} s", flush=True)
     return {"benchmark": "broadcast", "compressed_bytes": compressed, "origin_upload_limit": cap,
-            "one_copy_seconds": round(ideal, 3), "results": rows, "machine": f"{os.cpu_count()} cores"}
+            "one_copy_seconds": round(ideal, 3), "rows": rows, "machine": f"{os.cpu_count()} cores"}
 
 
 def plot(doc: dict) -> None:
@@ -198,7 +200,7 @@ def plot(doc: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     for mode, color in (("origin", "#d9534f"), ("relay", "#f0ad4e"), ("swarm", "#5cb85c")):
-        rows = [r for r in doc["results"] if r["mode"] == mode]
+        rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["nodes"])
         ax.plot([r["nodes"] for r in rows], [r["seconds"] for r in rows], marker="o", label=mode, color=color)
     ax.axhline(1.5 * doc["one_copy_seconds"], color="gray", ls="--", lw=1, label="1.5 x one copy at the cap")
     ax.set_xlabel("nodes")
@@ -213,7 +215,8 @@ def plot(doc: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--nodes", "--sizes", dest="sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--modes", default="origin,relay,swarm", help="any of origin,relay,swarm (comma-separated)")
     ap.add_argument("--cap", type=int, default=500_000, help="origin upload cap, bytes/s")
     ap.add_argument("--node", action="store_true", help=argparse.SUPPRESS)  # child process: one node
     for a in ("--mode", "--dir", "--origin", "--key", "--run-id", "--relay"):
@@ -223,17 +226,31 @@ def main() -> None:
     if args.node:
         asyncio.run(run_node(args))
         return
-    doc = asyncio.run(main_async(args.sizes, args.cap))
-    out = REPO / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "broadcast.json").write_text(json.dumps(doc, indent=2))
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - {"origin", "relay", "swarm"}
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from origin, relay, swarm")
+    doc = asyncio.run(main_async(args.sizes, args.cap, modes))
+    out = REPO / "bench" / "results" / "broadcast.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # rows of earlier runs stay for the (mode, nodes) pairs this run did not measure
+    fresh = {(r["mode"], r["nodes"]) for r in doc["rows"]}
+    try:
+        old = json.loads(out.read_text())
+        kept = [r for r in old.get("rows", old.get("results", [])) if (r["mode"], r["nodes"]) not in fresh
+                and r.get("one_copy_seconds", old.get("one_copy_seconds")) is not None]
+        for r in kept:
+            r.setdefault("one_copy_seconds", old.get("one_copy_seconds"))
+            r.setdefault("origin_bytes", r.get("bytes_from_origin"))
+    except (OSError, ValueError, KeyError):
+        kept = []
+    doc["rows"] = sorted(kept + doc["rows"], key=lambda r: (r["nodes"], r["mode"]))
+    out.write_text(json.dumps(doc, indent=2))
     plot(doc)
-    print()
-    print(f"{'N':>3} {'origin s':>9} {'relay s':>8} {'swarm s':>8} {'swarm/one copy':>15}")
-    for n in args.sizes:
-        r = {x["mode"]: x for x in doc["results"] if x["nodes"] == n}
-        print(f"{n:>3} {r['origin']['seconds']:>9.2f} {r['relay']['seconds']:>8.2f} {r['swarm']['seconds']:>8.2f} "
-              f"{r['swarm']['x_one_copy']:>14.2f}x")
+    print(f"\n{'N':>3} {'mode':>7} {'seconds':>8} {'x one copy':>11} {'origin MB':>10}")
+    for r in doc["rows"]:
+        print(f"{r['nodes']:>3} {r['mode']:>7} {r['seconds']:>8.2f} {r['x_one_copy']:>10.2f}x "
+              f"{r['origin_bytes'] / 1e6:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -606,7 +606,7 @@ def validation() -> list[dict]:
     (nodes uncapped: 100 MB/s, RTT 1 ms), HaveAnnouncer interval 0.05 s, 4 slots, 10 s super-seeding."""
     measured = json.loads((REPO / "bench/results/broadcast.json").read_text())
     rows = []
-    for m in measured["results"]:
+    for m in measured.get("rows", measured.get("results", [])):
         case = Case(nodes=m["nodes"], checkpoint_bytes=measured["compressed_bytes"], mode=m["mode"],
                     origin_cap=measured["origin_upload_limit"], shard_bytes=131072, links="loopback",
                     rtt_range=(0.001, 0.001), have_interval=0.05)

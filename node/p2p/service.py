@@ -171,6 +171,10 @@ class P2PService:
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
             heartbeat_interval=self.settings.heartbeat_interval_s,
             max_messages_per_topic_per_second=float(self.settings.gossip_rate_limit * GOSSIPSUB_LIMIT_FACTOR),
+            # py-libp2p's adaptive gossip stretches a 1 s heartbeat to 30-60 s whenever a mesh is below its
+            # degree (any swarm under 7 peers): mesh upkeep and gossip then stall, the message cache is not
+            # trimmed and each new subscriber is replayed hundreds of stale announcements (docs/BENCHMARKS.md).
+            adaptive_gossip_enabled=False,
         )
         self.pubsub = GuardedPubsub(self.host, self.gossipsub, strict_signing=True, allowed_topics={self.topic},
                                     guard=self)
