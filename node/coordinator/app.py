@@ -27,6 +27,11 @@ def _json(model_or_dict, status: int = 200) -> web.Response:
     return web.json_response(model_or_dict, status=status)
 
 
+def _json_or_204(answer) -> web.Response:
+    """An answer, or 204 No Content when there is nothing (no work, no job) right now."""
+    return web.Response(status=204) if answer is None else _json(answer)
+
+
 def build_app(coord) -> web.Application:
     cfg = coord.cfg.server
 
@@ -65,8 +70,7 @@ def build_app(coord) -> web.Application:
 
     async def work(request):
         signer, req = await signed(request, M.WorkRequest)
-        assignment = coord.work(signer, req)
-        return web.Response(status=204) if assignment is None else _json(assignment)
+        return _json_or_204(coord.work(signer, req))
 
     async def submit(request):
         signer, req = await signed(request, M.SubmitRequest)
@@ -74,8 +78,7 @@ def build_app(coord) -> web.Application:
 
     async def verify_jobs(request):
         signer, req = await signed(request, M.VerifyJobsRequest)
-        answer = coord.verify_jobs(signer, req)
-        return web.Response(status=204) if answer is None else _json(answer)
+        return _json_or_204(coord.verify_jobs(signer, req))
 
     async def verify_verdicts(request):
         signer, req = await signed(request, M.VerdictsRequest)
