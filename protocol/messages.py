@@ -241,6 +241,12 @@ class ReplayItem(Wire):
     commitment: Annotated[str, Field(max_length=MAX_COMMITMENT_CHARS)]
     seed: Seed
 
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> "ReplayItem":
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError("one logprob per completion token is required")
+        return self
+
 
 class VerifyJob(Wire):
     job_id: ShortStr

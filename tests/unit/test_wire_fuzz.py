@@ -125,6 +125,13 @@ def bounded(value) -> None:
 # -- protocol.messages ----------------------------------------------------------------------------------
 ROLLOUT = {"prompt_id": "p0", "sample_index": 1, "completion_ids": [5, 6, 4], "logprobs": [-0.1, -2.0, -0.01],
            "finish_reason": "stop", "commitment": "AAAA"}
+REPLAY = {"prompt_ids": [1, 2], "completion_ids": [5, 6, 4], "logprobs": [-0.1, -2.0, -0.01], "finish_reason": "stop",
+          "commitment": "AAAA", "seed": 2**63 - 1}
+SPEC = {"run_id": "r", "coordinator_key": H64, "model_config_json": {"vocab_size": 100}, "eos_token_id": 4,
+        "async_level": 2, "checkpoint_dtype": "bfloat16", "relays": ["http://127.0.0.1:9"]}
+JOB = {"job_id": "ab12-0", "policy_step": 3, "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8},
+       "lease_ms": 1_700_000_000_000, "items": [REPLAY]}
+VERDICT = {"reason": "verify_sampling", "tokens": 3, "near_ties": 0, "outlier": True}
 CKPT = {"step": 3, "encoding": "xor-delta", "base_step": 2, "num_shards": 2, "total_size": 300_000,
         "compressed_size": 90_000, "manifest_hash": H64}
 SAMPLES: dict[type[BaseModel], dict] = {
@@ -152,6 +159,14 @@ SAMPLES: dict[type[BaseModel], dict] = {
     M.SubmitResponse: {"accepted": [{"prompt_id": "p0", "sample_index": 0}],
                        "rejected": [{"prompt_id": "p0", "sample_index": 1, "reason": "group_rejected"}]},
     M.ErrorBody: {"error": "malformed", "detail": "body is not valid JSON"},
+    M.VerifyJobsRequest: {"spec": True},
+    M.VerifierSpec: SPEC,
+    M.ReplayItem: REPLAY,
+    M.VerifyJob: JOB,
+    M.VerifyJobsResponse: {"spec": SPEC, "job": JOB},
+    M.ReplayVerdict: VERDICT,
+    M.VerdictsRequest: {"job_id": "ab12-0", "verdicts": [VERDICT, dict(VERDICT, reason=None, outlier=False)]},
+    M.VerdictsResponse: {"accepted": True},
     M.CheckpointInfo: CKPT,
     M.CheckpointList: {"steps": [2, 3], "newest": 3, "checkpoints": [CKPT]},
     M.StatusResponse: {"run_id": "local-demo", "coordinator_key": H64, "admission": {"mode": "open", "pow_bits": 0},
