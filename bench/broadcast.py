@@ -1,5 +1,5 @@
 """Broadcast benchmark: time until all N nodes hold a new checkpoint under an origin upload cap,
-for origin-only HTTP, one HTTP relay, and the libp2p swarm (N = 2, 4, 8, 16).
+for origin-only HTTP, one HTTP relay, the libp2p swarm, and INTELLECT-2's shardcast (N = 2, 4, 8, 16).
 
 Real parts throughout: the coordinator publishes a signed full checkpoint and serves it with its
 upload cap; each node is the worker's real Fetcher (parallel, verified, rarest-first) with, for the
@@ -7,13 +7,17 @@ swarm, its own libp2p host (TCP + Noise + yamux, gossipsub announcements) servin
 Each node is its own process (as deployed: one node per machine; generation is not part of a
 broadcast), all on 127.0.0.1.
 
-    python bench/broadcast.py [--sizes 2 4 8 16] [--cap 500000]
-Writes bench/results/broadcast.json and docs/broadcast.png.
+shardcast (bench/shardcast_mode.py) runs its own origin (in this process, same cap), one middle node
+and N clients on the same checkpoint bytes.
+
+    python bench/broadcast.py [--nodes 2 4 8 16] [--modes origin,relay,swarm,shardcast] [--cap 500000]
+Writes bench/results/broadcast.json ({"rows": [...]}, keeping other (mode, nodes) rows) and docs/broadcast.png.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -176,7 +180,14 @@ async def main_async(sizes: list[int], cap: int, modes: list[str]) -> dict:
                     ideal = compressed / cap
                     print(f"checkpoint: {compressed / 1e6:.2f} MB compressed, origin cap {cap / 1e6:.2f} MB/s "
                           f"-> one copy takes {ideal:.2f} s", flush=True)
-                r = await one_round(mode, n, coord, url, tmp / "nodes")
+                if mode == "shardcast":  # shardcast's own origin (same cap), middle node and clients
+                    from shardcast_mode import shardcast_round
+
+                    m = coord.checkpoints.manifest(0)
+                    shards = [coord.checkpoints.shard_path(0, i) for i in range(m.num_shards)]
+                    r = await shardcast_round(n, shards, cap, tmp / "shardcast")
+                else:
+                    r = await one_round(mode, n, coord, url, tmp / "nodes")
             finally:
                 await runner.cleanup()
                 await coord.stop()
@@ -199,7 +210,7 @@ def plot(doc: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    for mode, color in (("origin", "#d9534f"), ("relay", "#f0ad4e"), ("swarm", "#5cb85c")):
+    for mode, color in (("origin", "#d9534f"), ("relay", "#f0ad4e"), ("swarm", "#5cb85c"), ("shardcast", "#5bc0de")):
         rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["nodes"])
         ax.plot([r["nodes"] for r in rows], [r["seconds"] for r in rows], marker="o", label=mode, color=color)
     ax.axhline(1.5 * doc["one_copy_seconds"], color="gray", ls="--", lw=1, label="1.5 x one copy at the cap")
@@ -216,7 +227,8 @@ def plot(doc: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", "--sizes", dest="sizes", type=int, nargs="+", default=[2, 4, 8, 16])
-    ap.add_argument("--modes", default="origin,relay,swarm", help="any of origin,relay,swarm (comma-separated)")
+    ap.add_argument("--modes", default="origin,relay,swarm",
+                    help="any of origin,relay,swarm,shardcast (comma-separated; shardcast: pip install shardcast==0.3.2)")
     ap.add_argument("--cap", type=int, default=500_000, help="origin upload cap, bytes/s")
     ap.add_argument("--node", action="store_true", help=argparse.SUPPRESS)  # child process: one node
     for a in ("--mode", "--dir", "--origin", "--key", "--run-id", "--relay"):
@@ -227,9 +239,11 @@ def main() -> None:
         asyncio.run(run_node(args))
         return
     modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - {"origin", "relay", "swarm"}
+    unknown = set(modes) - {"origin", "relay", "swarm", "shardcast"}
     if unknown:
-        ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from origin, relay, swarm")
+        ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from origin, relay, swarm, shardcast")
+    if "shardcast" in modes and importlib.util.find_spec("shardcast") is None:
+        ap.error("mode shardcast needs INTELLECT-2's shardcast: pip install shardcast==0.3.2 (and wget on PATH)")
     doc = asyncio.run(main_async(args.sizes, args.cap, modes))
     out = REPO / "bench" / "results" / "broadcast.json"
     out.parent.mkdir(parents=True, exist_ok=True)
