@@ -21,6 +21,9 @@ MAX_GROUP_SIZE = 256
 MAX_ROLLOUTS_PER_SUBMISSION = 4096
 MAX_COMMITMENT_CHARS = 4 * 1024 * 1024
 MAX_ID_CHARS = 128
+MAX_TURNS = 16  # model turns of a multi-turn episode
+MAX_ENV_TOKENS = 4096  # one environment turn (node/envs/episode.py)
+MAX_ENV_STATE_CHARS = 64 * 1024  # a multi-turn problem's answer, as JSON text
 MAX_REASON_CHARS = 64
 MAX_DETAIL_CHARS = 1024  # an error's human sentence (node/http.py cuts longer ones)
 MAX_ADDRS = 64  # p2p bootstrap addresses / relay URLs in a run spec
@@ -129,6 +132,9 @@ class RunSpec(Wire):
     checkpoint_dtype: Annotated[str, Field(max_length=32)]
     p2p_bootstrap: Annotated[list[Addr], Field(max_length=MAX_ADDRS)] = []
     relays: Annotated[list[Addr], Field(max_length=MAX_ADDRS)] = []
+    # Multi-turn tasks (max_turns > 1): the worker runs the task's environment, built from these
+    task_kwargs: BoundedJson = {}
+    max_turns: Annotated[int, Field(ge=1, le=MAX_TURNS)] = 1
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, protected_namespaces=())
 
@@ -161,6 +167,8 @@ class PromptWork(Wire):
     prompt_id: ShortStr
     prompt_ids: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
     seeds: Annotated[list[Seed], Field(max_length=MAX_GROUP_SIZE)]
+    # Multi-turn tasks only: the problem's answer as JSON text, which the worker's environment needs
+    env_state: Annotated[str, Field(max_length=MAX_ENV_STATE_CHARS)] | None = None
 
 
 class Assignment(Wire):
@@ -174,19 +182,30 @@ class Assignment(Wire):
 
 
 # --- submit ----------------------------------------------------------------------------------------
-class RolloutSubmission(Wire):
-    prompt_id: ShortStr
-    sample_index: SampleIndex
+class ModelTurnWire(Wire):
+    """What the model sampled in one turn, with its evidence."""
     completion_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)]
     logprobs: Annotated[list[Annotated[float, Field(ge=MIN_LOGPROB, le=0.0)]], Field(max_length=MAX_COMPLETION_TOKENS)]
     finish_reason: Literal["stop", "length"]
     commitment: Annotated[str, Field(max_length=MAX_COMMITMENT_CHARS)]
 
     @model_validator(mode="after")
-    def _one_logprob_per_token(self) -> "RolloutSubmission":
+    def _one_logprob_per_token(self) -> "ModelTurnWire":
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError("one logprob per completion token is required")
         return self
+
+
+class EnvTurn(ModelTurnWire):
+    """A multi-turn episode's next step: the environment's tokens, then the model's turn after them."""
+    env_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ENV_TOKENS)]
+
+
+class RolloutSubmission(ModelTurnWire):
+    """One sample: the model's first turn (top-level fields) and, for multi-turn tasks, the turns after it."""
+    prompt_id: ShortStr
+    sample_index: SampleIndex
+    turns: Annotated[list[EnvTurn], Field(max_length=MAX_TURNS - 1)] = []
 
 
 class SubmitRequest(Wire):
@@ -212,7 +231,7 @@ class SubmitResponse(Wire):
 
 
 # --- the verifier pool (DESIGN §5: POST /v1/verify/jobs, POST /v1/verify/verdicts; verifier keys only) ------
-MAX_JOB_ROLLOUTS = 4096  # one job is one submission's rollouts
+MAX_JOB_ITEMS = 4096 * MAX_TURNS  # one job is one submission's model turns (one per single-turn rollout)
 
 
 class VerifyJobsRequest(Wire):
@@ -253,7 +272,7 @@ class VerifyJob(Wire):
     policy_step: Step
     sampling: Sampling
     lease_ms: UnixMs  # answer before this (coordinator clock), or the job goes to another verifier
-    items: Annotated[list[ReplayItem], Field(min_length=1, max_length=MAX_JOB_ROLLOUTS)]
+    items: Annotated[list[ReplayItem], Field(min_length=1, max_length=MAX_JOB_ITEMS)]
 
 
 class VerifyJobsResponse(Wire):
@@ -270,7 +289,7 @@ class ReplayVerdict(Wire):
 
 class VerdictsRequest(Wire):
     job_id: ShortStr
-    verdicts: Annotated[list[ReplayVerdict], Field(max_length=MAX_JOB_ROLLOUTS)] = []
+    verdicts: Annotated[list[ReplayVerdict], Field(max_length=MAX_JOB_ITEMS)] = []
     unavailable: bool = False  # the verifier could not get the step's weights: no verdicts, the job is passed over
 
     @model_validator(mode="after")

@@ -119,6 +119,20 @@ def check_seed(seed: int) -> None:
         raise ValueError(f"sampling seed must be an int in [0, 2**63), got {seed!r}")
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of model turn `turn` of a multi-turn episode (node/envs/episode.py): turn 0 keeps the
+    coordinator's seed (a single-turn rollout is turn 0), later turns draw theirs from SplitMix64 of
+    (seed, turn), so no two model-token positions of an episode share their random numbers."""
+    check_seed(seed)
+    if turn == 0:
+        return seed
+    mask = (1 << 64) - 1
+    z = (seed + turn * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & MAX_SEED
+
+
 def check_sampling(temperature: float, top_p: float) -> None:
     if not (temperature >= 0.0 and temperature <= 100.0):
         raise ValueError(f"temperature must be in [0, 100], got {temperature!r}")

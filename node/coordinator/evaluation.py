@@ -23,7 +23,8 @@ import logging
 import time
 from pathlib import Path
 
-from node.envs import encode_prompt
+from node.envs import decode_completion, encode_prompt
+from node.envs.episode import next_env_ids, score_episode
 
 log = logging.getLogger("prime_node.evaluation")
 
@@ -96,10 +97,24 @@ class Evaluator:
     # -- evaluation --------------------------------------------------------------------------------
     def run(self, model, step: int) -> dict:
         t0 = time.monotonic()
-        completions = greedy_decode(model, self.prompt_ids, max_tokens=self.max_tokens, eos_id=self.eos_id,
-                                    pad_id=self.pad_id, batch_size=self.batch_size)
-        rewards = [float(self.task.score(p, self.tokenizer.decode(c, skip_special_tokens=True)))
-                   for p, c in zip(self.problems, completions)]
+        # Episodes, played greedily turn by turn (a single-turn task's episode is its one completion).
+        sequences = [list(ids) for ids in self.prompt_ids]
+        turns: list[list[list[int]]] = [[] for _ in sequences]
+        live = list(range(len(sequences)))
+        while live:
+            outs = greedy_decode(model, [sequences[i] for i in live], max_tokens=self.max_tokens, eos_id=self.eos_id,
+                                 pad_id=self.pad_id, batch_size=self.batch_size)
+            going = []
+            for i, c in zip(live, outs):
+                turns[i].append(c)
+                finish = "stop" if c and c[-1] == self.eos_id else "length"
+                env = next_env_ids(self.task, self.tokenizer, self.problems[i], turns[i], finish)
+                if env is not None:
+                    sequences[i] += c + env
+                    going.append(i)
+            live = going
+        rewards = [score_episode(self.task, p, [decode_completion(self.tokenizer, c) for c in ts])
+                   for p, ts in zip(self.problems, turns)]
         row = {"step": int(step), "reward": sum(rewards) / max(1, len(rewards)), "n": len(rewards),
                "exact": sum(r >= 1.0 for r in rewards), "seconds": round(time.monotonic() - t0, 4)}
         self.curve = self.curve + [row]

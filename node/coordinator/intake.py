@@ -23,6 +23,7 @@ from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import Scheduler
 from node.coordinator.verification import VerdictQueue
+from node.envs.episode import check_episode, episode_of, max_turns_of, model_texts, score_episode
 from protocol import messages as M
 from verify.commitment import CommitmentError, chunk_bounds, parse_commitment
 
@@ -32,8 +33,23 @@ log = logging.getLogger("prime_node.intake")
 COLLATERAL = ("incomplete_group", "group_rejected")
 
 
-def structural_problem(r: M.RolloutSubmission, *, vocab_size: int, max_tokens: int, eos: int) -> str | None:
-    """Why this rollout is impossible on its face, or None. (Pydantic already checked the types.)"""
+def structural_problem(r: M.RolloutSubmission, *, vocab_size: int, max_tokens: int, eos: int,
+                       max_turns: int = 1) -> str | None:
+    """Why this rollout is impossible on its face, or None. (Pydantic already checked the types.)
+    Every model turn of a multi-turn episode meets the single-turn rules."""
+    if len(r.turns) + 1 > max_turns:
+        return "too_many_turns"
+    for t in r.turns:
+        if any(i >= vocab_size for i in t.env_ids):
+            return "token_out_of_vocab"
+    for turn in [r, *r.turns]:
+        problem = _turn_problem(turn, vocab_size=vocab_size, max_tokens=max_tokens, eos=eos)
+        if problem:
+            return problem
+    return None
+
+
+def _turn_problem(r: M.ModelTurnWire, *, vocab_size: int, max_tokens: int, eos: int) -> str | None:
     ids = r.completion_ids
     if any(t >= vocab_size for t in ids):
         return "token_out_of_vocab"
@@ -129,7 +145,9 @@ class Intake:
                 t.reasons[key] = "duplicate_rollout"
             else:
                 problem = structural_problem(r, vocab_size=self.model.vocab_size, max_tokens=cfg.sampling.max_tokens,
-                                             eos=self.model.eos_token_id)
+                                             eos=self.model.eos_token_id, max_turns=max_turns_of(self.model.task))
+                if not problem and max_turns_of(self.model.task) > 1:
+                    problem = self.episode_problem(slots[r.prompt_id], r)
                 if problem:
                     t.reasons[key] = problem
                 by_prompt[r.prompt_id][r.sample_index] = r
@@ -142,6 +160,13 @@ class Intake:
                 t.complete[pid] = [samples[i] for i in range(G)]
         return t
 
+    def episode_problem(self, slot: dict, r: M.RolloutSubmission) -> str | None:
+        """A multi-turn episode: is every environment turn the one the environment gives (re-run here from the
+        same problem and the model's turns), and does the episode end where it must?"""
+        task = self.model.task
+        return check_episode(task, self.model.tokenizer, task.sample(self.cfg.run.seed, slot["problem_index"]),
+                             *episode_of(r))
+
     def score(self, slots: dict[str, dict], a: AssignmentRow, req: M.SubmitRequest, t: Triage) -> list[dict]:
         """Rewards come from the task, computed here (a node never reports them)."""
         task, tokenizer = self.model.task, self.model.tokenizer
@@ -149,14 +174,14 @@ class Intake:
         for pid, rs in t.complete.items():
             slot = slots[pid]
             problem = task.sample(self.cfg.run.seed, slot["problem_index"])
-            rewards = [float(task.score(problem, tokenizer.decode(r.completion_ids, skip_special_tokens=True)))
-                       for r in rs]
+            rewards = [score_episode(task, problem, model_texts(tokenizer, *episode_of(r))) for r in rs]
             groups.append({
                 "prompt_id": pid, "problem_index": slot["problem_index"], "batch_step": a.batch_step,
                 "policy_step": req.policy_step, "reward_mean": sum(rewards) / len(rewards),
                 "data": {"prompt_ids": slot["prompt_ids"], "rollouts": [
                     {"completion_ids": r.completion_ids, "logprobs": r.logprobs, "reward": w,
-                     "finish_reason": r.finish_reason, "sample_index": r.sample_index, "commitment": r.commitment}
+                     "finish_reason": r.finish_reason, "sample_index": r.sample_index, "commitment": r.commitment,
+                     **({"turns": [t.model_dump() for t in r.turns]} if r.turns else {})}
                     for r, w in zip(rs, rewards)]},
             })
         return groups

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from collections import Counter, deque
@@ -28,6 +29,7 @@ from node.coordinator.training import TrainingLoop
 from node.coordinator.verifier_jobs import JobBoard
 from node.coordinator.verification import PolicyStore, VerdictQueue
 from node.envs import encode_prompt
+from node.envs.episode import max_turns_of
 from node.http import ApiError
 from protocol import messages as M
 from protocol.admission import AdmissionError, check_join_token, check_pow
@@ -99,6 +101,12 @@ class Coordinator:
     def _make_prompt(self, index: int) -> tuple[str, list[int]]:
         problem = self.task.sample(self.cfg.run.seed, index)
         return f"{index}:{problem.prompt_id}", list(encode_prompt(self.tokenizer, problem))
+
+    def _env_state(self, index: int) -> str | None:
+        """A multi-turn task's problem answer (JSON) for the worker's environment; None for single-turn tasks."""
+        if max_turns_of(self.task) == 1:
+            return None
+        return json.dumps(self.task.sample(self.cfg.run.seed, index).answer)
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -217,6 +225,7 @@ class Coordinator:
             group_size=self.cfg.run.group_size, model_config_json=self.model.model_config, tokenizer_files=files,
             eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.trainer.broadcast_dtype,
             p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
+            task_kwargs=dict(self.cfg.task.kwargs), max_turns=max_turns_of(self.model.task),
         )
 
     # -- the verifier pool (DESIGN §5: verifier keys only) -------------------------------------------
@@ -345,7 +354,8 @@ class Coordinator:
             group_size=self.cfg.run.group_size,
             sampling=M.Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens),
             deadline_ms=deadline,
-            prompts=[M.PromptWork(prompt_id=x.prompt_id, prompt_ids=x.prompt_ids, seeds=x.seeds) for x in slots],
+            prompts=[M.PromptWork(prompt_id=x.prompt_id, prompt_ids=x.prompt_ids, seeds=x.seeds,
+                                  env_state=self._env_state(x.problem_index)) for x in slots],
         )
 
     async def submit(self, node_id: str, req: M.SubmitRequest) -> M.SubmitResponse:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
@@ -24,8 +24,24 @@ from node.coordinator.publisher import Publisher
 from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import min_policy_for_batch
 from node.coordinator.verification import PolicyStore
+from node.envs.episode import episode_of, pack
+
+if TYPE_CHECKING:
+    from node.trainer import Rollout
 
 log = logging.getLogger("prime_node.training")
+
+
+def trainable(r: dict, policy_step: int) -> Rollout:
+    """A stored rollout as the trainer takes it: a multi-turn episode packed into one sequence, with the
+    environment's tokens masked out of the loss."""
+    from node.trainer import Rollout  # torch stays out of the coordinator's start-up imports
+
+    first, rest = episode_of(r)
+    ids, logprobs, mask = pack(first, rest)
+    return Rollout(completion_ids=ids, inference_logprobs=logprobs, reward=r["reward"], policy_step=policy_step,
+                   finish_reason=(rest[-1].model if rest else first).finish_reason, turns=1 + len(rest),
+                   loss_mask=mask if rest else None)
 
 
 class TrainingLoop:
@@ -188,7 +204,7 @@ class TrainingLoop:
         self.idle_seconds += time.monotonic() - t0
 
     def _train_one_step(self, n: int) -> None:
-        from node.trainer import Group, Rollout
+        from node.trainer import Group
 
         ledger = self.ledger
         idle0, busy0 = self.idle_seconds, self.busy_seconds
@@ -212,10 +228,8 @@ class TrainingLoop:
                     continue
                 t0 = time.monotonic()
                 self.busy = True
-                group = Group(prompt_id=g.prompt_id, prompt_ids=g.data["prompt_ids"], rollouts=[
-                    Rollout(completion_ids=r["completion_ids"], inference_logprobs=r["logprobs"],
-                            reward=r["reward"], policy_step=g.policy_step, finish_reason=r["finish_reason"])
-                    for r in g.data["rollouts"]])
+                group = Group(prompt_id=g.prompt_id, prompt_ids=g.data["prompt_ids"],
+                              rollouts=[trainable(r, g.policy_step) for r in g.data["rollouts"]])
                 kept = self.trainer.add_group(group)
                 self.busy = False
                 self.busy_seconds += time.monotonic() - t0

@@ -20,10 +20,12 @@ from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.scheduler import Scheduler
 from node.coordinator.verifier_jobs import JobBoard
+from node.envs.episode import episode_of, model_turn_prompts
 from node.trainer.model import load_model
 from protocol import messages as M
 from protocol.checkpoint import load_payload
 from verify.rollouts import Judgement, RolloutClaim, VerifyItem, judge
+from verify.sampler import turn_seed
 
 log = logging.getLogger("prime_node.verification")
 
@@ -36,6 +38,20 @@ class RolloutCheck:
     finish_reason: str
     commitment: str
     seed: int
+
+
+def merge_turns(answers: list[Judgement], owner: list[int], n: int) -> list[Judgement]:
+    """Per-turn judgements -> one per rollout: it passes when every turn passes; it is an outlier (one token
+    off the sampler's choice, possibly numerical) only when that is its one failure."""
+    turns: list[list[Judgement]] = [[] for _ in range(n)]
+    for j, i in zip(answers, owner):
+        turns[i].append(j)
+    out = []
+    for js in turns:
+        failed = [j for j in js if j.reason]
+        out.append(Judgement(failed[0].reason if failed else None, sum(j.tokens for j in js),
+                             sum(j.near_ties for j in js), len(failed) == 1 and failed[0].outlier))
+    return out
 
 
 class PolicyStore:
@@ -155,10 +171,17 @@ class VerdictQueue:
         else:
             a = ledger.assignment(assignment_id)
             seeds = {p["prompt_id"]: p["seeds"] for p in a.prompts}
-            checks = [RolloutCheck(g.data["prompt_ids"], r["completion_ids"], r["logprobs"], r["finish_reason"],
-                                   r.get("commitment", ""), seeds[g.prompt_id][r["sample_index"]])
-                      for g in undecided for r in g.data["rollouts"]]
-            verdicts = await self._replay(step, checks)
+            refs, checks, owner = [], [], []  # one check per model turn (a single-turn rollout has one)
+            for g in undecided:
+                for r in g.data["rollouts"]:
+                    seed = seeds[g.prompt_id][r["sample_index"]]
+                    for turn, (before, m) in enumerate(model_turn_prompts(g.data["prompt_ids"], *episode_of(r))):
+                        checks.append(RolloutCheck(before, m.completion_ids, m.logprobs, m.finish_reason,
+                                                   m.commitment, turn_seed(seed, turn)))
+                        owner.append(len(refs))
+                    refs.append((g.prompt_id, r["sample_index"]))
+            answers = await self._replay(step, checks)
+            verdicts = None if answers is None else merge_turns(answers, owner, len(refs))
             if verdicts is None:  # the pool's verifier could not get the step's weights any more
                 log.warning("no verifier could get step %d to verify %s; passed over", step, assignment_id)
                 ledger.set_verdict(assignment_id, "unchecked")
@@ -167,8 +190,7 @@ class VerdictQueue:
             node = ledger.node(node.node_id)
             if node.banned or all(g.verdict is not None for g in ledger.submission_groups(assignment_id)):
                 return  # banned and voided while its replay was out with the pool
-            self.metrics.verified.inc(len(checks))
-            refs = [(g.prompt_id, r["sample_index"]) for g in undecided for r in g.data["rollouts"]]
+            self.metrics.verified.inc(len(refs))
             failed = [{"prompt_id": p, "sample_index": i, "reason": v.reason}
                       for (p, i), v in zip(refs, verdicts) if v.reason]
             for r in failed:

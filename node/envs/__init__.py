@@ -5,7 +5,8 @@
     ids = encode_prompt(tokenizer, problem)   # chat template + generation prompt
     reward = task.score(problem, decode_completion(tokenizer, completion_ids))   # float in [0, 1]
 
-Built-ins: `reverse-text` (LCS-ratio partial credit), `arithmetic` (exact match). Custom tasks by
+Built-ins: `reverse-text` (LCS-ratio partial credit), `arithmetic` (exact match), `guess-number`
+(multi-turn: the environment answers "higher"/"lower" between the model's turns; see episode.py). Custom tasks by
 "package.module:Class" (subclass `Task`, or any class with sample(seed, index) and score()).
 Light imports only (no torch): the coordinator imports this at start-up.
 """

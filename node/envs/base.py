@@ -58,6 +58,20 @@ class Task:
         """Reward of `completion` (decoded text, special tokens removed) for `problem`, in [0, 1]."""
         raise NotImplementedError
 
+    # -- multi-turn tasks (max_turns > 1): the environment answers between the model's turns -------------
+    max_turns: int = 1
+
+    def env_response(self, problem: Problem, model_turns: list[str]) -> str | None:
+        """The environment's next message after the model's turns so far (decoded text, special tokens
+        removed), or None when the episode is over. Deterministic, and a function of `problem.answer` and
+        the turns only: the worker runs it with a problem rebuilt from the answer the coordinator sent
+        (`PromptWork.env_state`), and the coordinator re-runs it to check every environment token."""
+        return None
+
+    def score_turns(self, problem: Problem, model_turns: list[str]) -> float:
+        """Reward of a whole episode in [0, 1]; single-turn tasks score their one completion."""
+        return self.score(problem, model_turns[-1])
+
     def reference(self, problem: Problem) -> str | None:
         """A correct completion, if the task knows one (used for the SFT warm start)."""
         return None

@@ -9,10 +9,11 @@ from typing import Any
 
 from node.envs.arithmetic import Arithmetic
 from node.envs.base import Task, TaskError
+from node.envs.guess_number import GuessNumber
 from node.envs.reverse_text import ReverseText
 from node.plugins import PluginError, import_object
 
-BUILTIN_TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ReverseText, Arithmetic)}
+BUILTIN_TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ReverseText, Arithmetic, GuessNumber)}
 
 
 def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:

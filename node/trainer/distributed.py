@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from node.trainer.config import TrainerConfig
-from node.trainer.loss import sft_loss
+from node.trainer.loss import loss_mask_tensor, sft_loss
 from node.trainer.packing import TrainSample, build_micro_batches
 from node.trainer.trainer import Trainer, TrainerError
 from node.trainer.types import Group
@@ -218,14 +218,18 @@ def launch(world_size: int, model_dir: str | Path | None, cfg: TrainerConfig | N
 
 def encode_samples(samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples -> (int64 tensor, float64 tensor). Per sample: ints [len(prompt), len(completion),
-    has_teacher, key0, key1, *prompt, *completion]; floats [advantage, *inference_logprobs, *teacher]."""
+    has_teacher, key0, key1, has_mask, *prompt, *completion, *mask if has_mask]; floats [advantage,
+    *inference_logprobs, *teacher]."""
     ints: list[int] = []
     floats: list[float] = []
     for s in samples:
         teacher = s.teacher_logprobs is not None
-        ints += [len(s.prompt_ids), len(s.completion_ids), int(teacher), int(s.key[0]), int(s.key[1])]
+        masked = s.loss_mask is not None
+        ints += [len(s.prompt_ids), len(s.completion_ids), int(teacher), int(s.key[0]), int(s.key[1]), int(masked)]
         ints += s.prompt_ids
         ints += s.completion_ids
+        if masked:
+            ints += [int(b) for b in s.loss_mask]
         floats.append(float(s.advantage))
         floats += s.inference_logprobs
         if teacher:
@@ -238,10 +242,14 @@ def decode_samples(ints: torch.Tensor, floats: torch.Tensor) -> list[TrainSample
     out: list[TrainSample] = []
     i = f = 0
     while i < len(iv):
-        lp, lc, teacher, k0, k1 = iv[i: i + 5]
-        i += 5
+        lp, lc, teacher, k0, k1, masked = iv[i: i + 6]
+        i += 6
         prompt, completion = iv[i: i + lp], iv[i + lp: i + lp + lc]
         i += lp + lc
+        mask = None
+        if masked:
+            mask = [bool(b) for b in iv[i: i + lc]]
+            i += lc
         adv = fv[f]
         lps = fv[f + 1: f + 1 + lc]
         f += 1 + lc
@@ -249,7 +257,7 @@ def decode_samples(ints: torch.Tensor, floats: torch.Tensor) -> list[TrainSample
         if teacher:
             tl = fv[f: f + lc]
             f += lc
-        out.append(TrainSample(prompt, completion, lps, adv, tl, key=(k0, k1)))
+        out.append(TrainSample(prompt, completion, lps, adv, tl, key=(k0, k1), loss_mask=mask))
     if f != len(fv):
         raise TrainerError("malformed sample batch from rank 0")
     return out
@@ -333,7 +341,7 @@ class DistributedTrainer(Trainer):
 
     def forward_backward(self, groups: list[Group], loss_fn) -> None:
         samples = [TrainSample(g.prompt_ids, r.completion_ids, r.inference_logprobs, g.advantages[j],
-                               r.teacher_logprobs, key=(gi, j))
+                               r.teacher_logprobs, key=(gi, j), loss_mask=r.loss_mask)
                    for gi, g in enumerate(groups) for j, r in enumerate(g.rollouts)]
         loss_id = 0 if loss_fn is self.loss_fn else next((k for k, v in _LOSSES.items() if v is loss_fn), None)
         if loss_id is None:
@@ -430,10 +438,10 @@ class DistributedTrainer(Trainer):
                 inference_logprobs=torch.tensor(s.inference_logprobs, **like),
                 teacher_logprobs=None if s.teacher_logprobs is None else torch.tensor(s.teacher_logprobs, **like),
                 advantages=torch.full((n,), float(s.advantage), **like),
-                loss_mask=torch.ones(n, dtype=torch.bool, device=lp.device),
+                loss_mask=loss_mask_tensor(s, lp.device),
             ))
             total = out.loss if total is None else total + out.loss
-            self._record_loss_metrics(out, n)
+            self._record_loss_metrics(out, n if s.loss_mask is None else sum(s.loss_mask))
         self._win["tokens_processed"] += mb.padded_tokens
         if total is not None and total.requires_grad:
             total.backward()

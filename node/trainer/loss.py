@@ -33,6 +33,13 @@ class LossOutputs:
 LossFn = Callable[..., LossOutputs]
 
 
+def loss_mask_tensor(sample, device) -> torch.Tensor:
+    """A TrainSample's loss mask: all its completion tokens, or only the model's in a multi-turn episode."""
+    if sample.loss_mask is None:
+        return torch.ones(len(sample.completion_ids), dtype=torch.bool, device=device)
+    return torch.tensor(sample.loss_mask, dtype=torch.bool, device=device)
+
+
 def _ratio_parts(inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log_ratio with invalid tokens zeroed, valid mask, count of non-finite tokens among loss tokens)."""
     mask = inputs.loss_mask.bool()

@@ -29,6 +29,7 @@ class TrainSample:
     advantage: float
     teacher_logprobs: list[float] | None = None
     key: tuple[int, int] = (0, 0)  # (group index, rollout index) for bookkeeping
+    loss_mask: list[bool] | None = None  # False on tokens not trained on (a multi-turn environment's); None: all
 
 
 @dataclass

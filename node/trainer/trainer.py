@@ -20,7 +20,7 @@ from node.trainer.buffer import DifficultyPools, KeepRate, uninformative
 from node.trainer.config import TrainerConfig
 from node.trainer.filters import apply_filters, build_filters
 from node.trainer.forward import micro_batch_logprobs
-from node.trainer.loss import LossInputs, LossOutputs, resolve_loss
+from node.trainer.loss import LossInputs, LossOutputs, loss_mask_tensor, resolve_loss
 from node.trainer.model import load_model
 from node.trainer.packing import TrainSample, build_micro_batches
 from node.trainer.state import load_state, save_state
@@ -156,7 +156,7 @@ class Trainer:
         t0 = time.perf_counter()
         samples = [
             TrainSample(g.prompt_ids, r.completion_ids, r.inference_logprobs, g.advantages[j],
-                        r.teacher_logprobs, key=(gi, j))
+                        r.teacher_logprobs, key=(gi, j), loss_mask=r.loss_mask)
             for gi, g in enumerate(groups) for j, r in enumerate(g.rollouts)
         ]
         for mb in build_micro_batches(samples, self.cfg.packing, self.cfg.micro_batch_tokens):
@@ -172,11 +172,11 @@ class Trainer:
                     inference_logprobs=torch.tensor(s.inference_logprobs, **like),
                     teacher_logprobs=None if s.teacher_logprobs is None else torch.tensor(s.teacher_logprobs, **like),
                     advantages=torch.full((n,), float(s.advantage), **like),
-                    loss_mask=torch.ones(n, dtype=torch.bool, device=lp.device),
+                    loss_mask=loss_mask_tensor(s, lp.device),
                 )
                 out = loss_fn(inputs)
                 total = out.loss if total is None else total + out.loss
-                self._record_loss_metrics(out, n)
+                self._record_loss_metrics(out, n if s.loss_mask is None else sum(s.loss_mask))
             self._win["tokens_processed"] += mb.padded_tokens
             if total is not None and total.requires_grad:
                 total.backward()

@@ -22,7 +22,8 @@ class Rollout:
     policy_step: int = 0
     finish_reason: str = "stop"  # "stop" | "length"
     teacher_logprobs: list[float] | None = None  # opd mode only
-    turns: int = 1  # for the `turns` length penalty (multi-turn tasks)
+    turns: int = 1  # model turns (multi-turn tasks; the `turns` length penalty counts them)
+    loss_mask: list[bool] | None = None  # multi-turn: False on the environment's tokens; None: train on all
 
 
 @dataclass
@@ -62,6 +63,9 @@ def validate_group(group: Group, *, vocab_size: int, max_tokens: int, need_teach
             raise RolloutError(f"{where}: finish_reason must be 'stop' or 'length'")
         if not isinstance(r.turns, int) or r.turns < 1 or not isinstance(r.policy_step, int) or r.policy_step < 0:
             raise RolloutError(f"{where}: turns must be an int >= 1 and policy_step an int >= 0")
+        if r.loss_mask is not None and (len(r.loss_mask) != len(r.completion_ids) or not any(r.loss_mask)
+                                        or not all(isinstance(b, bool) for b in r.loss_mask)):
+            raise RolloutError(f"{where}: loss_mask needs one bool per completion token, at least one True")
         if need_teacher:
             t = r.teacher_logprobs
             if t is None or len(t) != len(r.completion_ids):

@@ -22,6 +22,7 @@ from node.backoff import Backoff
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
 from node.worker.backends import GenRequest, start_backend
+from node.worker.episodes import Episode, EpisodePlayer
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
 from node.worker.fetcher import Fetcher
 from node.worker.peers import HaveAnnouncer, PeerSource
@@ -79,6 +80,7 @@ class WorkerNode:
         self.state = "starting"
         self.backend = None
         self.spec: M.RunSpec | None = None
+        self.episodes: EpisodePlayer | None = None  # multi-turn tasks only
         self._pending_step: tuple[int, Path] | None = None
         self._probes: deque[dict] = deque(maxlen=PROBES_KEPT)
 
@@ -122,6 +124,7 @@ class WorkerNode:
             self.spec = spec = await self._join()
             key = self._pin(spec.coordinator_key)
             self.model_dir = self._write_model_dir(spec)
+            self.episodes = EpisodePlayer(spec, self.model_dir) if spec.max_turns > 1 else None
             run_id = spec.run_id
             sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled,
                                   signer=lambda method, path: sign_request(self.identity, method, path, b"",
@@ -300,22 +303,29 @@ class WorkerNode:
     async def _do_assignment(self, a: M.Assignment) -> None:
         self.state = "generating"
         step = self.backend.policy_step
-        requests = [GenRequest(p.prompt_ids, seed) for p in a.prompts for seed in p.seeds]
+        sampling = dict(temperature=a.sampling.temperature, top_p=a.sampling.top_p,
+                        max_tokens=a.sampling.max_tokens, eos_token_id=self.spec.eos_token_id)
         t0 = time.monotonic()
-        results = await asyncio.to_thread(
-            self.backend.generate, requests, temperature=a.sampling.temperature, top_p=a.sampling.top_p,
-            max_tokens=a.sampling.max_tokens, eos_token_id=self.spec.eos_token_id)
+        if self.episodes is None:
+            requests = [GenRequest(p.prompt_ids, seed) for p in a.prompts for seed in p.seeds]
+            results = await asyncio.to_thread(self.backend.generate, requests, **sampling)
+            played = [Episode(r, []) for r in results]
+        else:  # a multi-turn task: the environment answers between the model's turns
+            played = await asyncio.to_thread(self.episodes.play, self.backend, a.prompts, **sampling)
         self.stats.gen_seconds += time.monotonic() - t0
-        self.stats.tokens += sum(len(r.completion_ids) for r in results)
+        self.stats.tokens += sum(len(e.first.completion_ids) + sum(len(r.completion_ids) for _, r in e.rest)
+                                 for e in played)
         if self.stop_event.is_set():
             return  # abandon: the coordinator re-issues the prompts after the deadline
-        rollouts, it = [], iter(results)
+        rollouts, it = [], iter(played)
         for p in a.prompts:
             for j in range(len(p.seeds)):
-                r = next(it)
-                rollouts.append(M.RolloutSubmission(prompt_id=p.prompt_id, sample_index=j,
-                                                    completion_ids=r.completion_ids, logprobs=r.logprobs,
-                                                    finish_reason=r.finish_reason, commitment=r.commitment))
+                e = next(it)
+                rollouts.append(M.RolloutSubmission(
+                    prompt_id=p.prompt_id, sample_index=j, completion_ids=e.first.completion_ids,
+                    logprobs=e.first.logprobs, finish_reason=e.first.finish_reason, commitment=e.first.commitment,
+                    turns=[M.EnvTurn(env_ids=env, completion_ids=r.completion_ids, logprobs=r.logprobs,
+                                     finish_reason=r.finish_reason, commitment=r.commitment) for env, r in e.rest]))
         sub = M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
         resp = await self._submit(sub, a.deadline_ms)
         if resp is None:

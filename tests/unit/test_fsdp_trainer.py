@@ -112,7 +112,9 @@ def test_two_rank_state_resumes_on_one_rank(straight):
 
 def test_batch_codec_and_split():
     samples = [TrainSample([1, 2], [3], [-0.5], 0.25, None, key=(0, 1)),
-               TrainSample([4], [5, 6], [-1.0, -2.0], -1.5, [-0.1, -0.2], key=(1, 0))]
+               TrainSample([4], [5, 6], [-1.0, -2.0], -1.5, [-0.1, -0.2], key=(1, 0)),
+               TrainSample([4], [5, 2, 7, 6], [-1.0, 0.0, 0.0, -2.0], 0.5, None, key=(1, 1),
+                           loss_mask=[True, False, False, True])]  # a multi-turn episode
     assert decode_samples(*encode_samples(samples)) == samples
     share = assign_micro_batches([10, 50, 20, 30], 2)
     assert share == [[0, 1], [2, 3]]  # 50 -> r0, 30 -> r1, 20 -> r1, 10 -> r0 (tie: lower rank)

@@ -248,3 +248,30 @@ def test_training_step_on_cuda_matches_cpu(model_dir):
     assert all(v.device.type == "cpu" for v in w.values())
     for name, v in cpu.weights_for_broadcast().items():
         torch.testing.assert_close(w[name].float(), v.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_a_multi_turn_episode_trains_on_the_model_tokens_only(model_dir):
+    """The loss mask of a packed episode: what the environment said (any tokens, any logprobs there) changes
+    the context the model's later tokens are trained in, but is never itself a loss token."""
+    def episode_groups(env: list[int], env_lps: list[float]) -> list[Group]:
+        groups = make_groups(2, seed=6)
+        for g in groups:
+            for r in g.rollouts:
+                n = len(r.completion_ids)
+                r.completion_ids = r.completion_ids + env + [7, 8]
+                r.inference_logprobs = r.inference_logprobs + env_lps + [-3.0, -3.5]
+                r.loss_mask = [True] * n + [False] * len(env) + [True, True]
+                r.turns = 2
+        return groups
+
+    a, b = (Trainer(model_dir, TrainerConfig(), batch_prompts=2) for _ in range(2))
+    a.forward_backward(_selected(a, episode_groups([2, 9, 10, 3], [0.0] * 4)), a.loss_fn)
+    b.forward_backward(_selected(b, episode_groups([2, 9, 10, 3], [-9.0] * 4)), b.loss_fn)
+    masked = sum(sum(r.loss_mask) for g in episode_groups([2, 9, 10, 3], [0.0] * 4) for r in g.rollouts)
+    assert a._win["loss_tokens"] == b._win["loss_tokens"] == masked
+    for name, grad in _grads(a).items():  # the environment's logprobs play no part
+        torch.testing.assert_close(_grads(b)[name], grad, atol=0, rtol=0, msg=name)
+    with pytest.raises(RolloutError, match="loss_mask"):
+        bad = make_groups(1, seed=7)[0]
+        bad.rollouts[0].loss_mask = [False] * len(bad.rollouts[0].completion_ids)
+        a.add_group(bad)
