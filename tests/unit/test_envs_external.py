@@ -240,7 +240,7 @@ def test_system_prompt_is_a_system_turn_or_goes_before_the_user_text():
     assert tok.decode(encode_prompt(tok, Problem("x", "1+2=", "3", system="add"))) == "system:add/user:1+2=/"
 
 
-MULTI_TURN = "multi-turn verifiers environments are not supported yet"
+MULTI_TURN = r"multi-turn verifiers environments are refused \(the coordinator cannot re-run their turns"
 
 
 @pytest.mark.parametrize("name,match", [
