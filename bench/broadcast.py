@@ -48,6 +48,11 @@ from protocol.identity import Identity  # noqa: E402
 MODEL = ["model.tiny_hidden_size=192", "model.tiny_layers=4", "distribution.shard_size=131072"]
 
 
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def run_node(args) -> None:
     """One fetch-only node in its own process (one node per machine, as deployed): set up, print
     "ready", wait for "go" on stdin, fetch the newest checkpoint, print the result as JSON."""
@@ -82,6 +87,7 @@ async def run_node(args) -> None:
             p2p.add_listener(lambda event: f.announce_change())
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        cpu_go = _cpu_seconds()
         bg = asyncio.create_task(announcer.run(stop)) if announcer else None
         t0 = time.monotonic()
         while "t" not in done:  # a relay lists the step only once it has mirrored all of it
@@ -92,8 +98,9 @@ async def run_node(args) -> None:
                 await asyncio.sleep(0.05)
         print(json.dumps({"seconds": done["t"] - t0, **{k: f.bytes_by_kind[k] for k in ("coordinator", "relay", "peer")}}),
               flush=True)
-        # keep serving peers until told to stop
+        # keep serving peers until told to stop; then say how much CPU this process used in the round
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        print(json.dumps({"round_cpu_seconds": _cpu_seconds() - cpu_go}), flush=True)
         stop.set()
         if bg:
             await bg
@@ -143,6 +150,10 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for p in procs:
         p.stdin.write(b"stop\n")
         await p.stdin.drain()
+    # CPU used from "go" to "stop" (the whole process's, start-up included, is node_cpu_seconds below)
+    round_cpu = 0.0
+    for p in procs:
+        round_cpu += json.loads(await asyncio.wait_for(p.stdout.readline(), 60))["round_cpu_seconds"]
     await asyncio.gather(*(p.wait() for p in procs))
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     node_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
@@ -153,6 +164,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for i in range(n):
         assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
+            "round_cpu_seconds": round(round_cpu, 1),
             "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
             "bytes_from_relay": sum(r["relay"] for r in results), "bytes_from_peers": sum(r["peer"] for r in results)}
 
@@ -198,7 +210,8 @@ async def main_async(sizes: list[int], cap: int, modes: list[str]) -> dict:
             rows.append(r)
             print(f"  N={n:<3} {mode:<7} {r['seconds']:7.2f} s  ({r['x_one_copy']:.2f}x one copy)  "
                   f"origin {r['bytes_from_origin'] / 1e6:.1f} MB, relay {r['bytes_from_relay'] / 1e6:.1f} MB, "
-                  f"peers {r['bytes_from_peers'] / 1e6:.1f} MB, node CPU {r['node_cpu_seconds']:.0f} s", flush=True)
+                  f"peers {r['bytes_from_peers'] / 1e6:.1f} MB, node CPU {r['node_cpu_seconds']:.0f} s "
+                  f"({r.get('round_cpu_seconds', float('nan')):.0f} s in the round)", flush=True)
     return {"benchmark": "broadcast", "compressed_bytes": compressed, "origin_upload_limit": cap,
             "one_copy_seconds": round(ideal, 3), "rows": rows, "machine": f"{os.cpu_count()} cores"}
 

@@ -68,6 +68,50 @@ GOSSIP_BURST_S = 2.0
 GOSSIPSUB_LIMIT_FACTOR = 4
 
 
+_SIGNED_RECORDS_KEPT = 4096
+
+
+def remembering(check: Callable[[Any, Any, ID], bool], kept: int = _SIGNED_RECORDS_KEPT) -> Callable[[Any, Any, ID], bool]:
+    """`check` (py-libp2p's `maybe_consume_signed_record`) that skips records it has seen pass: the same
+    record bytes from the same peer to the same host. Anything new, or refused before, is checked."""
+    passed: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()
+
+    def remembering_check(msg: Any, host: Any, peer_id: ID) -> bool:
+        if not msg.HasField("senderRecord"):
+            return check(msg, host, peer_id)
+        key = (host.get_id().to_bytes(), peer_id.to_bytes(), bytes(msg.senderRecord))
+        if key in passed:
+            passed.move_to_end(key)
+            return True
+        ok = check(msg, host, peer_id)
+        if ok:
+            passed[key] = None
+            if len(passed) > kept:
+                passed.popitem(last=False)
+        return ok
+
+    remembering_check.remembers = True  # type: ignore[attr-defined]
+    return remembering_check
+
+
+def _remember_signed_records() -> None:
+    """py-libp2p attaches the sender's signed peer record to every pubsub RPC and checks its Ed25519 signature
+    on arrival, twice for an RPC with control messages (pubsub, then gossipsub): in a 16-node swarm that was
+    ~10 % of a node's CPU (py-spy), and remembering the records that passed cut the nodes' CPU in a
+    broadcast round by ~40 % (bench/broadcast.py). A peer sends the same record bytes every time."""
+    import libp2p.pubsub.gossipsub as gossipsub_module
+    import libp2p.pubsub.pubsub as pubsub_module
+    from libp2p.pubsub import utils
+
+    if not getattr(pubsub_module.maybe_consume_signed_record, "remembers", False):
+        check = remembering(utils.maybe_consume_signed_record)
+        pubsub_module.maybe_consume_signed_record = check
+        gossipsub_module.maybe_consume_signed_record = check
+
+
+_remember_signed_records()
+
+
 @dataclass(frozen=True)
 class ServiceSettings:
     listen_addrs: tuple[str, ...]
