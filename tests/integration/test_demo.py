@@ -13,14 +13,18 @@ KEYS = {"steps_completed", "async_level", "max_staleness_seen", "accepted_rollou
         "reward_by_step", "wall_seconds", "trainer_idle_fraction", "checkpoint_bytes_by_source"}
 
 
-def test_demo_runs_and_writes_summary(tmp_path):
+def run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`prime-node demo ARGS --summary FILE` in tmp_path; its output and summary (asserts it exited 0)."""
     summary = tmp_path / "summary.json"
-    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "2", "--steps", "6",
-                        "--summary", str(summary)], cwd=tmp_path, capture_output=True, text=True, timeout=380,
-                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", *args, "--summary", str(summary)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=380, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r, json.loads(summary.read_text())
+
+
+def test_demo_runs_and_writes_summary(tmp_path):
+    r, s = run_demo(tmp_path, "--nodes", "2", "--steps", "6")
     assert "prime-node demo: done" in r.stdout and "dashboard: http://127.0.0.1:" in r.stdout
-    s = json.loads(summary.read_text())
     assert KEYS <= set(s)
     assert s["steps_completed"] == 6 and s["async_level"] == 2
     assert 0 <= s["max_staleness_seen"] <= 2
@@ -41,13 +45,8 @@ def test_demo_with_two_fsdp_trainer_ranks(tmp_path):
     """`prime-node demo --set trainer.ranks=2`: the coordinator starts a second FSDP2 rank (gloo on CPU) and
     trains with it; every rollout is replayed against the gathered broadcast weights, so 0 rejections says
     the two ranks' checkpoint is the one nodes generate with."""
-    summary = tmp_path / "summary.json"
-    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "1", "--steps", "3",
-                        "--set", "trainer.ranks=2", "--set", "eval.every_steps=0", "--set", "trainer.warm_start_steps=0",
-                        "--summary", str(summary)], cwd=tmp_path, capture_output=True, text=True, timeout=380,
-                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    s = json.loads(summary.read_text())
+    _, s = run_demo(tmp_path, "--nodes", "1", "--steps", "3", "--set", "trainer.ranks=2", "--set", "eval.every_steps=0",
+                    "--set", "trainer.warm_start_steps=0")
     assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
     log = (tmp_path / "demo-out" / "coordinator.log").read_text()
     assert "Traceback" not in log
@@ -56,15 +55,9 @@ def test_demo_with_two_fsdp_trainer_ranks(tmp_path):
 def test_demo_with_a_verifier_pool(tmp_path):
     """`prime-node demo --set verification.pool=1`: the demo starts one `prime-node verifier` process, the
     coordinator hands it every replay (verification.fraction = 1) and trains a group only after its verdict."""
-    summary = tmp_path / "summary.json"
-    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "1", "--steps", "3",
-                        "--set", "verification.pool=1", "--set", "eval.every_steps=0",
-                        "--set", "trainer.warm_start_steps=0", "--summary", str(summary)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=380,
-                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r, s = run_demo(tmp_path, "--nodes", "1", "--steps", "3", "--set", "verification.pool=1", "--set", "eval.every_steps=0",
+                    "--set", "trainer.warm_start_steps=0")
     assert "and 1 verifiers" in r.stdout
-    s = json.loads(summary.read_text())
     assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
     assert s["groups_by_verdict"].get("verified", 0) >= 3 * 8  # batch_prompts groups per step, all replayed
     vlog = (tmp_path / "demo-out" / "verifier-0.log").read_text()
@@ -76,13 +69,8 @@ def test_demo_of_the_multi_turn_task_with_a_verifier_pool(tmp_path):
     model turn a replay item of the pool's jobs, the environment re-run by the coordinator; nothing rejected."""
     import sqlite3
 
-    summary = tmp_path / "summary.json"
-    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "1", "--steps", "3",
-                        "--set", "task.name=guess-number", "--set", "verification.pool=1", "--set", "eval.every_steps=0",
-                        "--summary", str(summary)], cwd=tmp_path, capture_output=True, text=True, timeout=380,
-                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    s = json.loads(summary.read_text())
+    _, s = run_demo(tmp_path, "--nodes", "1", "--steps", "3", "--set", "task.name=guess-number",
+                    "--set", "verification.pool=1", "--set", "eval.every_steps=0")
     assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
     assert s["groups_by_verdict"].get("verified", 0) >= 3 * 8
     with sqlite3.connect(tmp_path / "demo-out" / "coordinator" / "ledger.sqlite") as db:
