@@ -164,8 +164,13 @@ class Intake:
         """A multi-turn episode: is every environment turn the one the environment gives (re-run here from the
         same problem and the model's turns), and does the episode end where it must?"""
         task = self.model.task
-        return check_episode(task, self.model.tokenizer, task.sample(self.cfg.run.seed, slot["problem_index"]),
-                             *episode_of(r))
+        try:
+            return check_episode(task, self.model.tokenizer, task.sample(self.cfg.run.seed, slot["problem_index"]),
+                                 *episode_of(r))
+        except Exception:  # the task's environment failed on this episode's text: refuse it, never a 500
+            log.warning("task %s: env_response failed on an episode of %s", getattr(task, "name", "?"), r.prompt_id,
+                        exc_info=True)
+            return "env_error"
 
     def score(self, slots: dict[str, dict], a: AssignmentRow, req: M.SubmitRequest, t: Triage) -> list[dict]:
         """Rewards come from the task, computed here (a node never reports them)."""

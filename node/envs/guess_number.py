@@ -18,7 +18,7 @@ class GuessNumberKwargs(TaskKwargs):
 def parse_guess(text: str) -> int | None:
     """The number a turn says, or None (bounded work on untrusted text)."""
     digits = text.strip()[:8]
-    return int(digits) if digits.isdigit() else None
+    return int(digits) if digits.isascii() and digits.isdigit() else None  # "²".isdigit() is True too
 
 
 class GuessNumber(Task):

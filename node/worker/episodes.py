@@ -4,6 +4,7 @@ re-runs the environment to check every environment token and replays every model
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from node.worker.backends.base import GenResult
 from protocol import messages as M
 from protocol.errors import PrimeNodeError
 from verify.sampler import turn_seed
+
+log = logging.getLogger("prime_node.worker")
 
 
 class EpisodeError(PrimeNodeError):
@@ -53,7 +56,11 @@ class EpisodePlayer:
                 e = episodes[i]
                 model_turns = [e.first.completion_ids] + [r.completion_ids for _, r in e.rest]
                 last = (e.rest[-1][1] if e.rest else e.first).finish_reason
-                env = next_env_ids(self.task, self.tokenizer, problem, model_turns, last)
+                try:
+                    env = next_env_ids(self.task, self.tokenizer, problem, model_turns, last)
+                except Exception:  # the task's bug: end this episode (the coordinator refuses it as env_error)
+                    log.warning("env_response of %s failed; episode ended", problem.prompt_id, exc_info=True)
+                    env = None
                 if env is None:
                     continue
                 sequence = list(ids) + e.first.completion_ids

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from node.envs.episode import check_episode, episode_of, model_texts, score_episode
+from node.envs.guess_number import GuessNumber
 from tests.integration.coordinator_harness import RawNode, running_coordinator
 from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
 
@@ -112,3 +113,38 @@ async def test_forged_episodes_are_rejected_by_name(tmp_path):
             st, res = await node.post("/v1/submit", {"assignment_id": work2["assignment_id"], "policy_step": 0,
                                                      "rollouts": [dict(too_many, prompt_id=p["prompt_id"])]})
             assert st == 200 and res["rejected"][0]["reason"] == "too_many_turns"
+
+
+class FragileGuess(GuessNumber):
+    """guess-number whose environment raises on the guess "0" (a task with a bug, or text it never expected)."""
+    name = "fragile-guess"
+
+    def env_response(self, problem, model_turns):
+        if model_turns[-1].strip() == "0":
+            raise ValueError("no zero here")
+        return super().env_response(problem, model_turns)
+
+
+async def test_an_environment_that_raises_refuses_that_episode_not_the_request(tmp_path):
+    import torch
+
+    from verify.commitment import make_commitment
+
+    async with running_coordinator(tmp_path, "task.name=tests.integration.test_multiturn:FragileGuess",
+                                   "task.kwargs={ max_value = 8, max_turns = 3 }", "run.group_size=2",
+                                   "verification.fraction=0") as (coord, url):
+        tok, eos = coord.tokenizer, coord.eos_token_id
+        async with aiohttp.ClientSession() as s:
+            node = RawNode(url, s)
+            assert (await node.post("/v1/join", {}))[0] == 200
+            st, work = await node.post("/v1/work", {"policy_step": 0})
+            assert st == 200
+            ids = tok("0", add_special_tokens=False)["input_ids"] + [eos]
+            rollouts = [{"prompt_id": p["prompt_id"], "sample_index": j, "completion_ids": ids,
+                         "logprobs": [-0.5] * len(ids), "finish_reason": "stop",
+                         "commitment": make_commitment(torch.randn(len(ids), 16))}
+                        for p in work["prompts"] for j in range(2)]
+            st, res = await node.post("/v1/submit", {"assignment_id": work["assignment_id"], "policy_step": 0,
+                                                     "rollouts": rollouts})
+            assert st == 200 and {r["reason"] for r in res["rejected"]} == {"env_error"}
+            assert len(res["rejected"]) == len(rollouts)

@@ -39,6 +39,7 @@ def test_guess_number_plays_by_its_rules():
     assert task.env_response(problem, ["x"]) == "a number from 1 to 8, please."
     assert task.env_response(problem, [str(problem.answer)]) is None  # found: the episode is over
     assert task.env_response(problem, ["x"] * 4) is None  # out of turns
+    assert task.env_response(problem, ["²"]) == "a number from 1 to 8, please."  # isdigit(), yet not int()-able
     assert score_episode(task, problem, [str(problem.answer)]) == 1.0
     assert score_episode(task, problem, ["x", "x", str(problem.answer)]) == 0.5
     assert score_episode(task, problem, ["x"] * 4) == 0.0
