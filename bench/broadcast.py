@@ -42,7 +42,7 @@ from node.checkpoint_dir import CheckpointDir  # noqa: E402
 from node.worker.client import CoordinatorClient  # noqa: E402
 from node.worker.fetcher import Fetcher, FetchError  # noqa: E402
 from node.worker.peers import HaveAnnouncer, PeerSource  # noqa: E402
-from node.worker.sources import HttpSource  # noqa: E402
+from node.worker.sources import HttpSource, ShardDeferred  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 
 MODEL = ["model.tiny_hidden_size=192", "model.tiny_layers=4", "distribution.shard_size=131072"]
@@ -51,6 +51,39 @@ MODEL = ["model.tiny_hidden_size=192", "model.tiny_layers=4", "distribution.shar
 def _cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _count_outcomes(sources: list) -> dict[str, float]:
+    """Each source's shard requests by outcome ("peer ok", "coordinator deferred", "peer failed", ...), to
+    see why a node went to the origin: wraps the sources' `shard` in place."""
+    counts: dict[str, float] = {}  # "peer ok": requests, "peer ok s": their seconds summed
+
+    def wrap(src) -> None:
+        inner = src.shard
+
+        async def shard(*a, **kw):
+            t0 = time.monotonic()
+            try:
+                data = await inner(*a, **kw)
+            except ShardDeferred:
+                outcome = "deferred"
+                raise
+            except Exception:
+                outcome = "failed"
+                raise
+            else:
+                outcome = "ok"
+                return data
+            finally:
+                key = f"{src.kind} {outcome}"
+                counts[key] = counts.get(key, 0) + 1
+                counts[key + " s"] = round(counts.get(key + " s", 0) + time.monotonic() - t0, 2)
+
+        src.shard = shard
+
+    for src in sources:
+        wrap(src)
+    return counts
 
 
 async def run_node(args) -> None:
@@ -81,6 +114,7 @@ async def run_node(args) -> None:
             sources.append(HttpSource(args.relay, "relay", session))
         else:
             sources.append(HttpSource(args.origin, "coordinator", session))
+        outcomes = _count_outcomes(sources)
         f = Fetcher(store, sources, args.key, keep=3, on_new_step=lambda s, p: done.setdefault("t", time.monotonic()),
                     on_shards=announcer.add if announcer else None)
         if p2p:
@@ -96,8 +130,8 @@ async def run_node(args) -> None:
                     await asyncio.sleep(0.05)
             except FetchError:  # e.g. the relay is still starting
                 await asyncio.sleep(0.05)
-        print(json.dumps({"seconds": done["t"] - t0, **{k: f.bytes_by_kind[k] for k in ("coordinator", "relay", "peer")}}),
-              flush=True)
+        print(json.dumps({"seconds": done["t"] - t0, "outcomes": outcomes,
+                          **{k: f.bytes_by_kind[k] for k in ("coordinator", "relay", "peer")}}), flush=True)
         # keep serving peers until told to stop; then say how much CPU this process used in the round
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         print(json.dumps({"round_cpu_seconds": _cpu_seconds() - cpu_go}), flush=True)
@@ -147,6 +181,10 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
             raise RuntimeError(f"node {i} died:\n" + (work / f"n{i}.log").read_text()[-3000:])
         results.append(json.loads(line))
     total = time.monotonic() - t0
+    outcomes: dict[str, float] = {}
+    for r in results:
+        for k, v in r.get("outcomes", {}).items():
+            outcomes[k] = round(outcomes.get(k, 0) + v, 2)
     for p in procs:
         p.stdin.write(b"stop\n")
         await p.stdin.drain()
@@ -164,7 +202,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for i in range(n):
         assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
-            "round_cpu_seconds": round(round_cpu, 1),
+            "round_cpu_seconds": round(round_cpu, 1), "shard_requests": dict(sorted(outcomes.items())),
             "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
             "bytes_from_relay": sum(r["relay"] for r in results), "bytes_from_peers": sum(r["peer"] for r in results)}
 
@@ -211,7 +249,9 @@ async def main_async(sizes: list[int], cap: int, modes: list[str]) -> dict:
             print(f"  N={n:<3} {mode:<7} {r['seconds']:7.2f} s  ({r['x_one_copy']:.2f}x one copy)  "
                   f"origin {r['bytes_from_origin'] / 1e6:.1f} MB, relay {r['bytes_from_relay'] / 1e6:.1f} MB, "
                   f"peers {r['bytes_from_peers'] / 1e6:.1f} MB, node CPU {r['node_cpu_seconds']:.0f} s "
-                  f"({r.get('round_cpu_seconds', float('nan')):.0f} s in the round)", flush=True)
+                  f"({r.get('round_cpu_seconds', float('nan')):.0f} s in the round)"
+                  + (f", a peer fetch took {q['peer ok s'] / q['peer ok']:.3f} s on average"
+                     if (q := r.get("shard_requests") or {}).get("peer ok") else ""), flush=True)
     return {"benchmark": "broadcast", "compressed_bytes": compressed, "origin_upload_limit": cap,
             "one_copy_seconds": round(ideal, 3), "rows": rows, "machine": f"{os.cpu_count()} cores"}
 
