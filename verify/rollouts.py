@@ -27,7 +27,7 @@ import torch
 
 from .commitment import (TOPK, ChunkScore, CommitmentError, capture_final_hidden, chunk_bounds, parse_commitment,
                          score_commitment)
-from .sampler import check_sampling, check_seed, replay_scores
+from .sampler import check_sampling, check_seed, replay_scores, turn_seed
 
 REASONS = ("shape", "termination", "commitment", "logprobs", "sampling")
 # A token whose replay margin (logit units) is above this, yet within `sample_margin`, was not the seeded
@@ -159,6 +159,24 @@ class VerifyItem:
     top_p: float
     max_tokens: int
     eos_token_id: int
+
+
+def turn_items(prompt_ids: list[int], rollout: Any, seed: int, temperature: float, top_p: float, max_tokens: int,
+               eos_token_id: int) -> list[VerifyItem]:
+    """One item per model turn of a rollout (a mapping or an object; a multi-turn one has `turns`, each with the
+    environment's `env_ids` before the model's turn): turn i is checked like a single-turn rollout whose prompt
+    is everything before it, with seed `turn_seed(seed, i)` (node/envs/episode.py has the episode's rules).
+    A single-turn rollout gives one item, itself."""
+    get = rollout.get if isinstance(rollout, Mapping) else (lambda k: getattr(rollout, k, None))
+    before = list(prompt_ids)
+    items = []
+    for i, turn in enumerate([rollout, *(get("turns") or [])]):
+        claim = RolloutClaim.of(turn)
+        if i:
+            before = before + list(turn["env_ids"] if isinstance(turn, Mapping) else turn.env_ids)
+        items.append(VerifyItem(before, claim, turn_seed(seed, i), temperature, top_p, max_tokens, eos_token_id))
+        before = before + list(claim.completion_ids)
+    return items
 
 
 @dataclass

@@ -17,7 +17,9 @@ Line format (one JSON object per line; blank lines are skipped; unknown fields a
 i.e. the assignment's context (`prompts` and `sampling` exactly as in the POST /v1/work answer, plus
 the run's `eos_token_id`) and the POST /v1/submit body (`policy_step`, `rollouts`; DESIGN §7).
 A rollout is checked with `prompts[prompt_id].seeds[sample_index]`. A line whose `policy_step` is not
-the checkpoint's step has every rollout reported invalid with reason "step".
+the checkpoint's step has every rollout reported invalid with reason "step". A multi-turn rollout (`turns`,
+docs/PROTOCOL.md) has every model turn replayed (turn i with `turn_seed(seed, i)`, its prompt everything
+before it); its environment tokens are not checked here (that needs the task: the coordinator does it).
 
 The checkpoint holds weights only. The architecture comes from `config.json` (a Hugging Face model
 config) found in, in order: `--model-config DIR`, CKPT/, CKPT's parent
@@ -147,12 +149,12 @@ def _label(lineno: int, line: SubmissionLine, r: RolloutSubmission) -> str:
 
 
 def cmd_verify_rollouts(args) -> int:
-    from verify.rollouts import RolloutClaim, RolloutVerifier, VerifyItem
+    from verify.rollouts import RolloutVerifier, VerifyItem, turn_items
 
     key = public_key_arg("--key", args.key) if args.key else None
     if not Path(args.file).is_file():
         raise RolloutFileError(f"no such file: {args.file}")
-    valid = invalid = 0
+    valid = invalid = multi_turn = 0
     with tempfile.TemporaryDirectory(prefix="prime-node-verify-") as tmp:
         model, step, notes = load_model(args.checkpoint, key=key, base=getattr(args, "base", None),
                                         model_config=args.model_config, workdir=Path(tmp))
@@ -161,7 +163,7 @@ def cmd_verify_rollouts(args) -> int:
         verifier = RolloutVerifier(model)
         for lineno, line in read_lines(args.file):
             prompts = {p.prompt_id: p for p in line.prompts}
-            pending: list[tuple[str, VerifyItem]] = []
+            pending: list[tuple[str, list[VerifyItem]]] = []  # one item per model turn
             seen: set[tuple[str, int]] = set()
             for r in line.rollouts:
                 label = _label(lineno, line, r)
@@ -180,20 +182,29 @@ def cmd_verify_rollouts(args) -> int:
                     print(f"INVALID {problem} [{label}]")
                     invalid += 1
                     continue
-                pending.append((label, VerifyItem(
-                    list(p.prompt_ids), RolloutClaim.of(r), p.seeds[r.sample_index], line.sampling.temperature,
-                    line.sampling.top_p, line.sampling.max_tokens, line.eos_token_id)))
+                if r.turns:
+                    multi_turn += 1
+                pending.append((label, turn_items(list(p.prompt_ids), r, p.seeds[r.sample_index],
+                                                  line.sampling.temperature, line.sampling.top_p,
+                                                  line.sampling.max_tokens, line.eos_token_id)))
             for i in range(0, len(pending), VERIFY_BATCH):
                 chunk = pending[i:i + VERIFY_BATCH]
-                for (label, _), verdict in zip(chunk, verifier.verify_many([it for _, it in chunk])):
-                    if verdict.ok:
+                verdicts = iter(verifier.verify_many([it for _, items in chunk for it in items]))
+                for label, items in chunk:
+                    failed = [(turn, v) for turn, v in enumerate([next(verdicts) for _ in items]) if not v.ok]
+                    if not failed:
                         valid += 1
                         print(f"ok [{label}]")
                     else:
                         invalid += 1
-                        print(f"INVALID {verdict.reason}: {verdict.detail} [{label}]")
+                        turn, verdict = failed[0]
+                        where = f" (model turn {turn})" if len(items) > 1 else ""
+                        print(f"INVALID {verdict.reason}{where}: {verdict.detail} [{label}]")
     total = valid + invalid
     if total == 0:
         raise RolloutFileError(f"{args.file} holds no rollouts")
     print(f"{total} rollouts: {valid} valid, {invalid} invalid", file=sys.stderr)
+    if multi_turn:
+        print(f"note: {multi_turn} multi-turn rollouts: every model turn was replayed; the environment's tokens "
+              "were not checked (that needs the task, which the coordinator runs)", file=sys.stderr)
     return 0 if invalid == 0 else 1

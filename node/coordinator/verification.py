@@ -11,7 +11,6 @@ import logging
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -20,24 +19,12 @@ from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.scheduler import Scheduler
 from node.coordinator.verifier_jobs import JobBoard
-from node.envs.episode import episode_of, model_turn_prompts
 from node.trainer.model import load_model
 from protocol import messages as M
 from protocol.checkpoint import load_payload
-from verify.rollouts import Judgement, RolloutClaim, VerifyItem, judge
-from verify.sampler import turn_seed
+from verify.rollouts import Judgement, VerifyItem, judge, turn_items
 
 log = logging.getLogger("prime_node.verification")
-
-
-@dataclass
-class RolloutCheck:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    commitment: str
-    seed: int
 
 
 def merge_turns(answers: list[Judgement], owner: list[int], n: int) -> list[Judgement]:
@@ -171,13 +158,13 @@ class VerdictQueue:
         else:
             a = ledger.assignment(assignment_id)
             seeds = {p["prompt_id"]: p["seeds"] for p in a.prompts}
+            s = self.sampling
             refs, checks, owner = [], [], []  # one check per model turn (a single-turn rollout has one)
             for g in undecided:
                 for r in g.data["rollouts"]:
-                    seed = seeds[g.prompt_id][r["sample_index"]]
-                    for turn, (before, m) in enumerate(model_turn_prompts(g.data["prompt_ids"], *episode_of(r))):
-                        checks.append(RolloutCheck(before, m.completion_ids, m.logprobs, m.finish_reason,
-                                                   m.commitment, turn_seed(seed, turn)))
+                    for it in turn_items(g.data["prompt_ids"], r, seeds[g.prompt_id][r["sample_index"]],
+                                         s.temperature, s.top_p, s.max_tokens, self.eos_token_id):
+                        checks.append(it)
                         owner.append(len(refs))
                     refs.append((g.prompt_id, r["sample_index"]))
             answers = await self._replay(step, checks)
@@ -215,14 +202,14 @@ class VerdictQueue:
             self._check_steering(node.node_id)
         self.on_decided()
 
-    async def _replay(self, step: int, checks: list[RolloutCheck]) -> list[Judgement] | None:
-        s = self.sampling
+    async def _replay(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
         if self.board is None:
             return await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._verify_sync, step, checks,
-                dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens))
-        items = [M.ReplayItem(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
-                              finish_reason=c.finish_reason, commitment=c.commitment, seed=c.seed) for c in checks]
+                self._pool, lambda: judge(self.policies.get(step), checks))
+        s = self.sampling
+        items = [M.ReplayItem(prompt_ids=c.prompt_ids, completion_ids=c.rollout.completion_ids,
+                              logprobs=c.rollout.logprobs, finish_reason=c.rollout.finish_reason,
+                              commitment=c.rollout.commitment or "", seed=c.seed) for c in checks]
         answers = await self.board.replay(step, items, M.Sampling(temperature=s.temperature, top_p=s.top_p,
                                                                   max_tokens=s.max_tokens))
         if answers is None:
@@ -244,12 +231,6 @@ class VerdictQueue:
         voided, by_batch = self.ledger.ban_and_void(node_id, assignment_id, rejections)
         self.scheduler.forget_waiting(by_batch)
         return voided
-
-    def _verify_sync(self, step: int, checks: list[RolloutCheck], sampling: dict) -> list[Judgement]:
-        items = [VerifyItem(c.prompt_ids, RolloutClaim(c.completion_ids, c.logprobs, c.finish_reason, c.commitment),
-                            c.seed, sampling["temperature"], sampling["top_p"], sampling["max_tokens"],
-                            self.eos_token_id) for c in checks]
-        return judge(self.policies.get(step), items)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

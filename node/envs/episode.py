@@ -7,7 +7,7 @@ construction (nothing is ever re-tokenized; the environment's text is tokenized 
 
 - Model turn i is sampled with seed `turn_seed(seed, i)` (turn 0 keeps the coordinator's seed), positions
   counted from 0 within the turn, at most `sampling.max_tokens` tokens. So each model turn is checked
-  exactly like a single-turn rollout whose prompt is everything before it.
+  exactly like a single-turn rollout whose prompt is everything before it (`verify.rollouts.turn_items`).
 - After a model turn that ended with EOS, the environment answers `task.env_response(problem, turns)`
   (the model turns decoded, special tokens removed). None ends the episode; so do a turn that ran out of
   tokens ("length") and the task's `max_turns`.
@@ -87,16 +87,6 @@ def check_episode(task: Task, tokenizer, problem: Problem, first: ModelTurn, res
     if next_env_ids(task, tokenizer, problem, turns, finish) is not None:
         return "env_cut_short"
     return None
-
-
-def model_turn_prompts(prompt_ids: list[int], first: ModelTurn, rest: list[EnvThenModel]) -> list[tuple[list[int], ModelTurn]]:
-    """(everything before it, the turn) for each model turn: what a replay checks."""
-    out, seq = [(list(prompt_ids), first)], list(prompt_ids) + first.completion_ids
-    for t in rest:
-        seq += t.env_ids
-        out.append((list(seq), t.model))
-        seq += t.model.completion_ids
-    return out
 
 
 def pack(first: ModelTurn, rest: list[EnvThenModel]) -> tuple[list[int], list[float], list[bool]]:

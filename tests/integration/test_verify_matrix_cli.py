@@ -45,7 +45,38 @@ def setup(tmp_path_factory):
                              "logprobs": r.logprobs, "finish_reason": r.finish_reason, "commitment": r.commitment})
     line = {"assignment_id": "a1", "prompts": prompts, "sampling": sampling, "eos_token_id": EOS,
             "policy_step": 3, "rollouts": rollouts}
-    return root, ckpt, key, line
+    return root, ckpt, key, line, worker
+
+
+def test_multi_turn_rollouts_have_every_model_turn_replayed(setup, capsys):
+    """A two-turn episode played as a worker plays it (turn 1: the sequence so far plus the environment's
+    tokens as its prompt, seed turn_seed(seed, 1)); then its second turn forged."""
+    from verify.sampler import turn_seed
+
+    root, ckpt, key, line, worker = setup
+    env_ids = [3, 20, 21, 4]
+    rollouts = []
+    for p in line["prompts"]:
+        for j, seed in enumerate(p["seeds"]):
+            (first,) = worker.generate([GenRequest(p["prompt_ids"], seed)], temperature=1.0, top_p=1.0, max_tokens=16,
+                                       eos_token_id=EOS)
+            (second,) = worker.generate([GenRequest(p["prompt_ids"] + first.completion_ids + env_ids,
+                                                    turn_seed(seed, 1))], temperature=1.0, top_p=1.0, max_tokens=16,
+                                        eos_token_id=EOS)
+            turn = {k: getattr(second, k) for k in ("completion_ids", "logprobs", "finish_reason", "commitment")}
+            rollouts.append({"prompt_id": p["prompt_id"], "sample_index": j, "completion_ids": first.completion_ids,
+                             "logprobs": first.logprobs, "finish_reason": first.finish_reason,
+                             "commitment": first.commitment, "turns": [{"env_ids": env_ids, **turn}]})
+    f = write(root / "multi.jsonl", [{**line, "rollouts": rollouts}])
+    assert main(["verify", "rollouts", f, "--checkpoint", str(ckpt), "--key", key.public_hex]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("ok [") == 6 and "environment's tokens were not checked" in out.err
+    forged = [dict(r, turns=[dict(r["turns"][0], logprobs=[x * 0.5 for x in r["turns"][0]["logprobs"]])])
+              for r in rollouts]
+    f = write(root / "multi-bad.jsonl", [{**line, "rollouts": forged}])
+    assert main(["verify", "rollouts", f, "--checkpoint", str(ckpt), "--key", key.public_hex]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(x.startswith("INVALID logprobs (model turn 1)") for x in lines)
 
 
 def write(path, lines):
@@ -54,7 +85,7 @@ def write(path, lines):
 
 
 def test_all_valid_exit_0(setup, capsys):
-    root, ckpt, key, line = setup
+    root, ckpt, key, line, _ = setup
     f = write(root / "good.jsonl", [line, {**line, "assignment_id": "a2"}])
     assert main(["verify", "rollouts", f, "--checkpoint", str(ckpt), "--key", key.public_hex]) == 0
     out = capsys.readouterr()
@@ -63,7 +94,7 @@ def test_all_valid_exit_0(setup, capsys):
 
 
 def test_tampered_rollouts_exit_1(setup, capsys):
-    root, ckpt, key, line = setup
+    root, ckpt, key, line, _ = setup
     bad = [dict(r) for r in line["rollouts"]]
     bad[0]["logprobs"] = [x * 0.5 for x in bad[0]["logprobs"]]
     bad[1]["commitment"] = bad[2]["commitment"] if len(bad[2]["completion_ids"]) > 1 else bad[3]["commitment"]
@@ -78,7 +109,7 @@ def test_tampered_rollouts_exit_1(setup, capsys):
 
 
 def test_wrong_key_and_bad_input_are_one_line_errors(setup, capsys, tmp_path):
-    root, ckpt, key, line = setup
+    root, ckpt, key, line, _ = setup
     f = write(tmp_path / "one.jsonl", [line])
     other = Identity.generate().public_hex
     assert main(["verify", "rollouts", f, "--checkpoint", str(ckpt), "--key", other]) == 1
@@ -98,7 +129,7 @@ def test_wrong_key_and_bad_input_are_one_line_errors(setup, capsys, tmp_path):
 def test_model_config_from_another_directory(setup, capsys, tmp_path):
     import shutil
 
-    root, ckpt, key, line = setup
+    root, ckpt, key, line, _ = setup
     lone = tmp_path / "elsewhere" / "ckpt-3"  # no config.json beside it
     shutil.copytree(ckpt, lone)
     f = write(tmp_path / "one.jsonl", [line])

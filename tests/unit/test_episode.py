@@ -3,9 +3,10 @@ the coordinator runs on a submitted episode, and the per-turn seeds."""
 import pytest
 
 from node.envs import load_task
-from node.envs.episode import (EnvThenModel, ModelTurn, check_episode, env_turn_ids, model_turn_prompts, next_env_ids,
+from node.envs.episode import (EnvThenModel, ModelTurn, check_episode, env_turn_ids, next_env_ids,
                                pack, score_episode)
 from node.trainer.tokenizer import build_bpe_tokenizer, build_char_tokenizer
+from verify.rollouts import turn_items
 from verify.sampler import MAX_SEED, turn_seed
 
 TOK = build_char_tokenizer()
@@ -56,8 +57,11 @@ def test_environment_tokens_are_a_user_turn_after_the_model_turn(tok):
     seq, lps, mask = pack(first, rest)
     assert seq == [7, 8, tok.eos_token_id] + ids + [9, tok.eos_token_id]
     assert mask == [True] * 3 + [False] * len(ids) + [True, True] and lps[3:3 + len(ids)] == [0.0] * len(ids)
-    (p0, t0), (p1, t1) = model_turn_prompts([1, 2], first, rest)
-    assert p0 == [1, 2] and p1 == [1, 2] + first.completion_ids + ids and t1 is rest[0].model
+    stored = {**vars(first), "turns": [{"env_ids": ids, **vars(rest[0].model)}]}  # as the ledger keeps it
+    i0, i1 = turn_items([1, 2], stored, 41, 1.0, 1.0, 8, tok.eos_token_id)
+    assert i0.prompt_ids == [1, 2] and i0.seed == 41 and i0.rollout.completion_ids == first.completion_ids
+    assert i1.prompt_ids == [1, 2] + first.completion_ids + ids and i1.seed == turn_seed(41, 1)
+    assert i1.rollout.completion_ids == rest[0].model.completion_ids
 
 
 def test_an_honest_episode_passes_and_forged_ones_are_named():
