@@ -53,6 +53,15 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _failure_kind(message: str) -> str:
+    """A short reason from a source error's text (a swarm error joins each tried peer's)."""
+    for kind in ("no stream within", "timed out", "connection lost", "stream failed", "busy", "cannot open",
+                 "not found", "answered"):
+        if kind in message:
+            return kind
+    return "other"
+
+
 def _count_outcomes(sources: list) -> dict[str, float]:
     """Each source's shard requests by outcome ("peer ok", "coordinator deferred", "peer failed", ...), to
     see why a node went to the origin: wraps the sources' `shard` in place."""
@@ -68,8 +77,10 @@ def _count_outcomes(sources: list) -> dict[str, float]:
             except ShardDeferred:
                 outcome = "deferred"
                 raise
-            except Exception:
+            except Exception as e:
                 outcome = "failed"
+                why = _failure_kind(str(e))
+                counts[f"{src.kind} failed: {why}"] = counts.get(f"{src.kind} failed: {why}", 0) + 1
                 raise
             else:
                 outcome = "ok"
@@ -134,7 +145,8 @@ async def run_node(args) -> None:
                           **{k: f.bytes_by_kind[k] for k in ("coordinator", "relay", "peer")}}), flush=True)
         # keep serving peers until told to stop; then say how much CPU this process used in the round
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        print(json.dumps({"round_cpu_seconds": _cpu_seconds() - cpu_go}), flush=True)
+        print(json.dumps({"round_cpu_seconds": _cpu_seconds() - cpu_go,
+                          "p2p": p2p.stats.snapshot() if p2p else {}}), flush=True)
         stop.set()
         if bg:
             await bg
@@ -189,9 +201,14 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
         p.stdin.write(b"stop\n")
         await p.stdin.drain()
     # CPU used from "go" to "stop" (the whole process's, start-up included, is node_cpu_seconds below)
-    round_cpu = 0.0
+    round_cpu, p2p_counts = 0.0, {}
     for p in procs:
-        round_cpu += json.loads(await asyncio.wait_for(p.stdout.readline(), 60))["round_cpu_seconds"]
+        end = json.loads(await asyncio.wait_for(p.stdout.readline(), 60))
+        round_cpu += end["round_cpu_seconds"]
+        for group in ("requests_refused", "streams_aborted", "announcements_dropped", "announcements_received"):  # why peers turned requests and gossip away
+            for k, v in (end.get("p2p", {}).get(group) or {}).items():
+                if isinstance(v, (int, float)):
+                    p2p_counts[f"{group} {k}"] = p2p_counts.get(f"{group} {k}", 0) + v
     await asyncio.gather(*(p.wait() for p in procs))
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     node_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
@@ -202,7 +219,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for i in range(n):
         assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
-            "round_cpu_seconds": round(round_cpu, 1), "shard_requests": dict(sorted(outcomes.items())),
+            "round_cpu_seconds": round(round_cpu, 1), "p2p_counts": dict(sorted(p2p_counts.items())), "shard_requests": dict(sorted(outcomes.items())),
             "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
             "bytes_from_relay": sum(r["relay"] for r in results), "bytes_from_peers": sum(r["peer"] for r in results)}
 
