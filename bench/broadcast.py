@@ -79,8 +79,8 @@ def _count_outcomes(sources: list) -> dict[str, float]:
                 raise
             except Exception as e:
                 outcome = "failed"
-                why = _failure_kind(str(e))
-                counts[f"{src.kind} failed: {why}"] = counts.get(f"{src.kind} failed: {why}", 0) + 1
+                why = f"{src.kind} failed: {_failure_kind(str(e))}"
+                counts[why] = counts.get(why, 0) + 1
                 raise
             else:
                 outcome = "ok"
@@ -205,7 +205,8 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for p in procs:
         end = json.loads(await asyncio.wait_for(p.stdout.readline(), 60))
         round_cpu += end["round_cpu_seconds"]
-        for group in ("requests_refused", "streams_aborted", "announcements_dropped", "announcements_received"):  # why peers turned requests and gossip away
+        # why peers turned shard requests and gossip away, and how much gossip arrived
+        for group in ("requests_refused", "streams_aborted", "announcements_dropped", "announcements_received"):
             for k, v in (end.get("p2p", {}).get(group) or {}).items():
                 if isinstance(v, (int, float)):
                     p2p_counts[f"{group} {k}"] = p2p_counts.get(f"{group} {k}", 0) + v
@@ -219,7 +220,8 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for i in range(n):
         assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
-            "round_cpu_seconds": round(round_cpu, 1), "p2p_counts": dict(sorted(p2p_counts.items())), "shard_requests": dict(sorted(outcomes.items())),
+            "round_cpu_seconds": round(round_cpu, 1), "p2p_counts": dict(sorted(p2p_counts.items())),
+            "shard_requests": dict(sorted(outcomes.items())),
             "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
             "bytes_from_relay": sum(r["relay"] for r in results), "bytes_from_peers": sum(r["peer"] for r in results)}
 
