@@ -1,5 +1,7 @@
 """Broadcast benchmark: time until all N nodes hold a new checkpoint under an origin upload cap,
-for origin-only HTTP, one HTTP relay, the libp2p swarm, and INTELLECT-2's shardcast (N = 2, 4, 8, 16).
+for origin-only HTTP, one HTTP relay, the libp2p swarm ("swarm": shards over libp2p streams, the default;
+"swarm-http": `p2p.http = true`, shards between nodes over HTTP and the origin naming first holders), and
+INTELLECT-2's shardcast (N = 2, 4, 8, 16).
 
 Real parts throughout: the coordinator publishes a signed full checkpoint and serves it with its
 upload cap; each node is the worker's real Fetcher (parallel, verified, rarest-first) with, for the
@@ -10,7 +12,7 @@ broadcast), all on 127.0.0.1.
 shardcast (bench/shardcast_mode.py) runs its own origin (in this process, same cap), one middle node
 and N clients on the same checkpoint bytes.
 
-    python bench/broadcast.py [--nodes 2 4 8 16] [--modes origin,relay,swarm,shardcast] [--cap 500000]
+    python bench/broadcast.py [--nodes 2 4 8 16] [--modes origin,relay,swarm,swarm-http,shardcast] [--cap 500000]
 Writes bench/results/broadcast.json ({"rows": [...]}, keeping other (mode, nodes) rows) and docs/broadcast.png.
 """
 from __future__ import annotations
@@ -108,7 +110,7 @@ async def run_node(args) -> None:
     async with aiohttp.ClientSession() as session:
         sources: list = []
         p2p = announcer = None
-        if args.mode == "swarm":  # a joined node: super-seeding counts only signed requests of joined nodes
+        if args.mode.startswith("swarm"):  # a joined node: super-seeding counts only signed requests of joined nodes
             from node.p2p import P2PNode
             from node.p2p.shard_store import CheckpointShards
             from protocol.signing import sign_request
@@ -117,8 +119,10 @@ async def run_node(args) -> None:
             sources.append(HttpSource(args.origin, "coordinator", session, swarm=True,
                                       signer=lambda m, path: sign_request(identity, m, path, b"", run_id=args.run_id)))
             p2p = P2PNode(identity, run_id=args.run_id, coordinator_key=args.key,
+                          http=args.mode == "swarm-http",  # a worker with p2p.http = true
                           shard_source=CheckpointShards(store.ckpt_dir), bootstrap=args.bootstrap)
             await p2p.start()
+            sources[0].shard_addr = lambda: p2p.http_shard_addr
             sources.append(PeerSource(p2p))
             announcer = HaveAnnouncer(p2p, interval=0.05)
         elif args.mode == "relay":
@@ -178,7 +182,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for p in procs:
         line = await asyncio.wait_for(p.stdout.readline(), 120)
         assert line.strip() == b"ready", line
-    if mode == "swarm":
+    if mode.startswith("swarm"):
         await asyncio.sleep(2.0)  # let gossipsub meshes form before the clock starts
     t0 = time.monotonic()
     if mode == "relay":
@@ -282,7 +286,8 @@ def plot(doc: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    for mode, color in (("origin", "#d9534f"), ("relay", "#f0ad4e"), ("swarm", "#5cb85c"), ("shardcast", "#5bc0de")):
+    for mode, color in (("origin", "#d9534f"), ("relay", "#f0ad4e"), ("swarm", "#5cb85c"),
+                        ("swarm-http", "#2e6b2e"), ("shardcast", "#5bc0de")):
         rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["nodes"])
         ax.plot([r["nodes"] for r in rows], [r["seconds"] for r in rows], marker="o", label=mode, color=color)
     ax.axhline(1.5 * doc["one_copy_seconds"], color="gray", ls="--", lw=1, label="1.5 x one copy at the cap")
@@ -300,7 +305,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", "--sizes", dest="sizes", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--modes", default="origin,relay,swarm",
-                    help="any of origin,relay,swarm,shardcast (comma-separated; shardcast: pip install shardcast==0.3.2)")
+                    help="any of origin,relay,swarm,swarm-http,shardcast (comma-separated; swarm-http: p2p.http = true; "
+                         "shardcast: pip install shardcast==0.3.2)")
     ap.add_argument("--cap", type=int, default=500_000, help="origin upload cap, bytes/s")
     ap.add_argument("--node", action="store_true", help=argparse.SUPPRESS)  # child process: one node
     for a in ("--mode", "--dir", "--origin", "--key", "--run-id", "--relay"):
@@ -311,9 +317,9 @@ def main() -> None:
         asyncio.run(run_node(args))
         return
     modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - {"origin", "relay", "swarm", "shardcast"}
+    unknown = set(modes) - {"origin", "relay", "swarm", "swarm-http", "shardcast"}
     if unknown:
-        ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from origin, relay, swarm, shardcast")
+        ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from origin, relay, swarm, swarm-http, shardcast")
     if "shardcast" in modes and importlib.util.find_spec("shardcast") is None:
         ap.error("mode shardcast needs INTELLECT-2's shardcast: pip install shardcast==0.3.2 (and wget on PATH)")
     doc = asyncio.run(main_async(args.sizes, args.cap, modes))

@@ -11,6 +11,7 @@ The arithmetic is separate from the clock so it can be tested without sleeping.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from typing import Callable, Hashable
@@ -71,34 +72,57 @@ class KeyedRateLimit:
         return bucket.try_take(1, now)
 
 
-class AsyncRateLimiter:
-    """TokenBucket on the asyncio loop's clock: `await acquire(n)` returns once `n` tokens are paid for.
-    A rate of 0 means unlimited. Concurrent callers share the rate (one event loop: no lock needed)."""
+class SharedBucket:
+    """One TokenBucket on the monotonic clock, taken from by several threads: a node's libp2p (trio) thread
+    and its asyncio loop serve shards under one upload cap."""
 
     def __init__(self, rate: float, burst: float | None = None):
-        self._bucket = TokenBucket(rate, burst, now=time.monotonic()) if rate > 0 else None
+        self._bucket = TokenBucket(rate, burst, now=time.monotonic())
+        self._lock = threading.Lock()
+
+    def reserve(self, n: int) -> float:
+        with self._lock:
+            return self._bucket.reserve(n, time.monotonic())
+
+
+class AsyncRateLimiter:
+    """TokenBucket on the asyncio loop's clock: `await acquire(n)` returns once `n` tokens are paid for.
+    A rate of 0 means unlimited. Concurrent callers share the rate (one event loop: no lock needed);
+    `shared` takes the tokens from a SharedBucket instead (rate and burst are then its)."""
+
+    def __init__(self, rate: float, burst: float | None = None, *, shared: SharedBucket | None = None):
+        self._bucket = TokenBucket(rate, burst, now=time.monotonic()) if rate > 0 and shared is None else None
+        self._shared = shared
 
     async def acquire(self, n: int) -> None:
-        if self._bucket is not None:
+        if self._shared is not None:
+            delay = self._shared.reserve(n)
+        elif self._bucket is not None:
             delay = self._bucket.reserve(n, time.monotonic())
-            if delay > 0:
-                await asyncio.sleep(delay)
+        else:
+            return
+        if delay > 0:
+            await asyncio.sleep(delay)
 
 
 class TrioRateLimiter:
-    """TokenBucket on trio's clock. Only used from the trio thread."""
+    """TokenBucket on trio's clock, or a SharedBucket's (`shared`). Only used from the trio thread."""
 
-    def __init__(self, rate: float, burst: float | None = None):
+    def __init__(self, rate: float, burst: float | None = None, *, shared: SharedBucket | None = None):
         import trio
 
         self._trio = trio
         self._bucket = TokenBucket(rate, burst)  # validates now; its clock starts at the first use
         self._started = False
+        self._shared = shared
 
     async def acquire(self, n: int) -> None:
-        now = self._trio.current_time()
-        if not self._started:
-            self._bucket._last, self._started = now, True
-        delay = self._bucket.reserve(n, now)
+        if self._shared is not None:
+            delay = self._shared.reserve(n)
+        else:
+            now = self._trio.current_time()
+            if not self._started:
+                self._bucket._last, self._started = now, True
+            delay = self._bucket.reserve(n, now)
         if delay > 0:
             await self._trio.sleep(delay)

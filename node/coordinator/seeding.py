@@ -15,10 +15,11 @@ than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` window
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
-from node.http import SWARM_HEADER, ApiError
+from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
 from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
@@ -79,6 +80,11 @@ class SuperSeeder:
         self._deferred[(key, node_id)] = n
         return False
 
+    def holder(self, key: Hashable) -> str | None:
+        """The node whose first copy of `key` is complete and still spreading, if any."""
+        claim = self._claim(key)
+        return claim.node_id if claim is not None and claim.finished is not None else None
+
     def started(self, key: Hashable, node_id: str | None) -> None:
         """The origin begins sending `key` to `node_id`: the first copy, if none is spreading."""
         if not self.enabled or node_id is None or (key, node_id) in self._broken or self._claim(key) is not None:
@@ -120,8 +126,27 @@ class SeedingGate:
     node (DESIGN §4, empty body) goes through the `SuperSeeder`; an unsigned one is served like any
     HTTP client's and never holds a first copy; a signature that does not verify is a 401."""
 
-    def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool]):
+    def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000):
         self.seeder, self.verifier, self.is_member = seeder, verifier, is_member
+        # node id -> the HTTP shard server it told us about (X-Prime-Shard-Addr on its signed requests), so a
+        # deferred node learns where the first copy went (X-Prime-Holder) instead of waiting for gossip
+        self.shard_addrs: OrderedDict[str, str] = OrderedDict()
+        self.max_addrs = max_addrs
+
+    def _remember_addr(self, node_id: str, addr: str | None) -> None:
+        from node.p2p.http_shards import url_of
+
+        if addr is None or url_of(addr) is None:  # only a literal-IP /http address is ever repeated
+            return
+        self.shard_addrs[node_id] = addr
+        self.shard_addrs.move_to_end(node_id)
+        while len(self.shard_addrs) > self.max_addrs:
+            self.shard_addrs.popitem(last=False)
+
+    def _holder_header(self, key) -> dict[str, str] | None:
+        holder = self.seeder.holder(key)
+        addr = self.shard_addrs.get(holder) if holder is not None else None
+        return {HOLDER_HEADER: f"{holder} {addr}"} if addr is not None else None
 
     def _node(self, request) -> str | None:
         if request.headers.get(SWARM_HEADER) != "1" or not request.headers.get("X-Prime-Signature"):
@@ -134,8 +159,11 @@ class SeedingGate:
 
     def before(self, request, step: int, index: int) -> tuple | None:
         key, node_id = (step, index), self._node(request)
+        if node_id is not None:
+            self._remember_addr(node_id, request.headers.get(SHARD_ADDR_HEADER))
         if not self.seeder.admit(key, node_id):
-            raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer")
+            raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer",
+                           headers=self._holder_header(key))
         # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
         if request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-"):
             self.seeder.started(key, node_id)

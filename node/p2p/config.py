@@ -20,6 +20,14 @@ class P2PConfig(BaseModel):
     # Public multiaddrs put in this node's announcements (e.g. "/ip4/203.0.113.7/tcp/4001") when
     # the listen address is not what peers can dial (port forwarding, 0.0.0.0). Empty = listen addrs.
     announce_addrs: list[str] = Field(default_factory=list, max_length=8)
+    # Also serve and fetch shard bytes over HTTP (node/p2p/http_shards.py): ~15x less CPU per byte than
+    # libp2p streams. Served on listen_host:http_port (0 = any free port) and announced with the first
+    # address peers can dial (announce_addrs' host if set: forward this port too); also told to the origin,
+    # which then names this node to others as the holder of a first copy. libp2p stays for discovery,
+    # gossip, outbound-only nodes and any peer whose HTTP server cannot be reached. Off by default: it needs
+    # a second inbound port.
+    http: bool = False
+    http_port: int = Field(0, ge=0, le=65535)
     # Shard transfers served at once; further requests are answered "busy" instead of queueing.
     # A slot is taken only once a well-formed request has arrived.
     max_concurrent_streams: int = Field(8, ge=1, le=1024)

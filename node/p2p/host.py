@@ -52,7 +52,14 @@ MIB = 1024 * 1024
 # beyond its per-forwarder limit (10/s in stock py-libp2p, which we apply to ourselves as well):
 # pacing here turns a would-be silent loss into a short wait.
 PUBLISH_PER_SECOND = 8
+GOSSIP_DIALS = 8  # announcers a node dials itself (gossipsub's mesh degree is 6, up to 12)
 SUBSCRIBER_LOG_INTERVAL_S = 60.0  # "subscriber is behind" is logged at most this often per subscription
+
+
+def _ip_of(addr: str) -> str | None:
+    """The IP literal of /ip4/<ip>/... or /ip6/<ip>/..., else None."""
+    parts = addr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
 
 
 class AnnouncementSubscription:
@@ -118,7 +125,8 @@ class P2PNode:
                  read_timeout_s: float = 10.0, connect_timeout_s: float = 10.0, announce_max_age_s: float = 600.0,
                  heartbeat_interval_s: int = 1, gossip_rate_limit: int = 100, bootstrap: Sequence[str] = (),
                  announce_addrs: Sequence[str] | None = None, name: str | None = None,
-                 max_streams_per_peer: int = 4, request_timeout_s: float = 2.0, log_interval_s: float = 60.0):
+                 max_streams_per_peer: int = 4, request_timeout_s: float = 2.0, log_interval_s: float = 60.0,
+                 http: bool = False, http_port: int = 0):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -161,6 +169,22 @@ class P2PNode:
         self._announce_override = tuple(announce_addrs) if announce_addrs is not None else None
         self.listen_addrs: list[str] = []
         self.announce_addrs: list[str] = []
+        # The HTTP data plane (http_shards.py): served if we listen and hold shards, used towards every
+        # peer that announces it, until it fails for that peer (then libp2p carries its shards).
+        self.http, self.http_port = http, http_port
+        self._http_server: Any = None
+        self._http_session: Any = None
+        self._http_failed: set[str] = set()
+        # One upload cap for both planes: libp2p's streams and the HTTP server take from the same tokens.
+        self._upload_bucket = None
+        if http and upload_limit > 0:
+            from node.rate_limit import SharedBucket
+
+            self._upload_bucket = SharedBucket(upload_limit, burst=max(64 * 1024, upload_limit * 0.05))
+        # Announcers we dialled so that gossip has more paths than the bootstrap hub (shard fetches over
+        # libp2p used to make those connections as a side effect; over HTTP they do not).
+        self._dialled: set[str] = set()
+        self._dials: set[asyncio.Task] = set()
 
     @classmethod
     def from_config(cls, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
@@ -174,7 +198,7 @@ class P2PNode:
                    max_shard_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
                    connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s,
                    gossip_rate_limit=cfg.gossip_rate_limit, max_streams_per_peer=cfg.max_streams_per_peer,
-                   request_timeout_s=cfg.request_timeout_s, **kw)
+                   request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -204,13 +228,15 @@ class P2PNode:
             connect_timeout_s=self.connect_timeout_s, announce_max_age_s=self.announce_max_age_s,
             heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit,
             request_timeout_s=self.request_timeout_s, max_streams_per_peer=self.max_streams_per_peer,
-            log_interval_s=self.log_interval_s)
+            log_interval_s=self.log_interval_s, upload_bucket=self._upload_bucket)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
         except OSError as e:  # e.g. the listen port is taken
             raise P2PError(f"p2p host could not start on {list(self.listen)}: {e}") from None
         self.announce_addrs = self._addrs_to_announce()
+        if self.http:
+            await self._start_http()
         log.info("p2p node %s listening on %s", self.peer_id, self.listen_addrs or "nothing (outbound-only)")
         if self.bootstrap:
             try:
@@ -218,6 +244,37 @@ class P2PNode:
             except P2PError as e:  # the coordinator's list may be stale; the node can run without peers
                 log.warning("p2p bootstrap: %s", e)
         return list(self.listen_addrs)
+
+    @property
+    def http_shard_addr(self) -> str | None:
+        """Our HTTP shard server's announced address (/ip4/<ip>/tcp/<port>/http), if we serve one."""
+        return next((a for a in self.announce_addrs if a.endswith("/http")), None) if self._http_server else None
+
+    async def _start_http(self) -> None:
+        """Fetch over HTTP from peers that offer it; serve ours if we listen, hold shards and know an
+        address peers can dial (an announce override's, or a listen address that is not a wildcard)."""
+        import aiohttp
+
+        from .http_shards import HttpShardServer, http_addr
+
+        self._http_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
+                                                   auto_decompress=False)
+        hosts = [_ip_of(a) for a in (self._announce_override or self.listen_addrs)]
+        host = next((h for h in hosts if h and h not in ("0.0.0.0", "::")), None)
+        listen_host = next((_ip_of(a) for a in self.listen), None)
+        if self.store is None or not self.listen_addrs or host is None or listen_host is None:
+            return
+        self._http_server = HttpShardServer(self.store, stats=self.stats, max_concurrent=self.max_concurrent_streams,
+                                            max_bytes=self.max_shard_bytes, read_timeout_s=self.read_timeout_s,
+                                            upload_limit=self.upload_limit, upload_bucket=self._upload_bucket)
+        try:
+            port = await self._http_server.start(listen_host, self.http_port)
+        except OSError as e:  # the node still serves over libp2p
+            log.warning("p2p: HTTP shard server could not listen on %s:%s (%s); serving over libp2p only",
+                        listen_host, self.http_port, e)
+            self._http_server = None
+            return
+        self.announce_addrs = [*self.announce_addrs[:7], http_addr(host, port)]
 
     def _addrs_to_announce(self) -> list[str]:
         """What peers should dial: the operator's public addresses if given, else our listen addresses
@@ -230,6 +287,15 @@ class P2PNode:
 
     async def stop(self) -> None:
         """Stop the host, end every subscription, join the thread. Idempotent."""
+        for task in list(self._dials):
+            task.cancel()
+        await asyncio.gather(*self._dials, return_exceptions=True)
+        if self._http_server is not None:
+            await self._http_server.stop()
+            self._http_server = None
+        if self._http_session is not None:
+            await self._http_session.close()
+            self._http_session = None
         await self._bridge.stop()
         for sub in list(self._subscriptions):
             sub._end()
@@ -331,6 +397,7 @@ class P2PNode:
             self.table.record_manifest(ann)
         elif isinstance(ann, HaveAnnouncement):
             self.table.record_have(event.peer_id, ann)
+            self._maybe_dial(event.peer_id, ann.addrs)
         for sub in list(self._subscriptions):
             sub._offer(event)
         for cb in list(self._listeners):
@@ -338,6 +405,27 @@ class P2PNode:
                 cb(event)
             except Exception as e:
                 log.warning("announcement listener failed: %r", e)
+
+    def _maybe_dial(self, peer: str, addrs: Sequence[str]) -> None:
+        """With the HTTP data plane on, connect to up to GOSSIP_DIALS announcers: shard fetches no longer open
+        libp2p connections, and gossip would otherwise only run through the star around the bootstrap node
+        (most announcements never arrived: docs/BENCHMARKS.md, "Broadcast")."""
+        if (self._http_server is None or peer in self._dialled or len(self._dialled) >= GOSSIP_DIALS
+                or not self.running):
+            return
+        dialable = [a for a in addrs if "/p2p/" in a and not a.endswith("/http")]
+        if not dialable:
+            return
+        self._dialled.add(peer)
+        task = asyncio.get_running_loop().create_task(self._dial(dialable))
+        self._dials.add(task)
+        task.add_done_callback(self._dials.discard)
+
+    async def _dial(self, addrs: list[str]) -> None:
+        try:
+            await self.connect(addrs[:2])
+        except P2PError as e:  # best effort: gossip still reaches us through the others
+            log.debug("p2p: dialling an announcer failed: %s", e)
 
     # --- shards --------------------------------------------------------------------------------
     async def fetch_shard(self, peer: str, step: int, index: int, max_bytes: int, *,
@@ -348,10 +436,36 @@ class P2PNode:
         from .shard_wire import ShardRequest
 
         pid = self._peer_id(peer)
+        name = pid.to_base58()
         req = ShardRequest(step=step, index=index, manifest_hash=manifest_hash,
                            max_bytes=min(max_bytes, self.max_shard_bytes))
-        addrs = self.table.addrs_of(pid.to_base58())
+        addrs = self.table.addrs_of(name)
+        data = await self._fetch_http(name, req, addrs)
+        if data is not None:
+            return data
         return await self._bridge.call(self._service.fetch, pid, req, addrs, timeout_s)
+
+    async def _fetch_http(self, peer: str, req: Any, addrs: tuple[str, ...]) -> bytes | None:
+        """The shard over the peer's HTTP shard server, or None to use libp2p (it offers none, or its
+        server could not be reached or did not speak the protocol: then libp2p for that peer from now on).
+        An answer ("busy", "not here", "too large") is the peer's and is raised as over libp2p."""
+        from .errors import ShardPeerGone, ShardFetchTimeout, ShardProtocolError
+        from .http_shards import fetch_shard_http, pick_url
+
+        if self._http_session is None or req.manifest_hash is None or peer in self._http_failed:
+            return None
+        url = pick_url(addrs)
+        if url is None:
+            return None
+        try:
+            return await fetch_shard_http(self._http_session, url, peer=peer, step=req.step, index=req.index,
+                                          manifest_hash=req.manifest_hash, max_bytes=req.max_bytes, stats=self.stats,
+                                          read_timeout_s=self.read_timeout_s,
+                                          connect_timeout_s=self.connect_timeout_s)
+        except (ShardPeerGone, ShardFetchTimeout, ShardProtocolError) as e:
+            self._http_failed.add(peer)
+            log.info("p2p: HTTP to %s failed (%s); using libp2p for it", peer, e)
+            return None
 
     def _peer_id(self, peer: str) -> Any:
         from .keys import parse_peer_id

@@ -50,6 +50,17 @@ class PeerTable:
             peers.popitem(last=False)
         self._trim(self._holdings)
 
+    def record_hint(self, peer: str, step: int, manifest_hash: str, index: int, addr: str) -> None:
+        """Peer holds shard `index` (the origin said so): like a one-shard `have` with one address."""
+        peers = self._holdings.setdefault(step, OrderedDict())
+        held = peers.get(peer)
+        if held is None or held.manifest_hash != manifest_hash:
+            held = peers[peer] = _Holding(manifest_hash)
+        held.indices.add(index)
+        if addr not in held.addrs:
+            held.addrs = (*held.addrs, addr)[-8:]
+        self._trim(self._holdings)
+
     def _trim(self, by_step: dict) -> None:
         for step in sorted(by_step)[:-self.max_steps]:
             del by_step[step]

@@ -133,6 +133,8 @@ class ServiceSettings:
     max_streams_per_peer: int = 4
     # At most one log line per peer per this many seconds about what it made us drop or refuse.
     log_interval_s: float = 60.0
+    # The upload cap's tokens, when the HTTP shard server serves under the same cap (rate_limit.SharedBucket).
+    upload_bucket: Any = None
 
 
 def _peer_name(peer_id_bytes: bytes) -> str:
@@ -193,7 +195,7 @@ class P2PService:
                                   max_bytes=settings.max_shard_bytes, read_timeout_s=settings.read_timeout_s,
                                   upload_limit=settings.upload_limit, request_timeout_s=settings.request_timeout_s,
                                   max_streams_per_peer=settings.max_streams_per_peer,
-                                  log_interval_s=settings.log_interval_s)
+                                  log_interval_s=settings.log_interval_s, upload_bucket=settings.upload_bucket)
         self.host: Any = None
         self.pubsub: Pubsub | None = None
         self.gossipsub: GossipSub | None = None
@@ -293,6 +295,8 @@ class P2PService:
             # Learned from its announcement; the peerstore entry lets new_stream dial it.
             good = []
             for a in addrs:
+                if a.endswith("/http"):  # the HTTP data plane's address, not a libp2p one
+                    continue
                 try:
                     good.append(parse_multiaddr(a))
                 except InvalidMultiaddr:

@@ -51,7 +51,7 @@ class NoRequest(Exception):
 class ShardServer:
     def __init__(self, store: ShardStore | None, *, stats: P2PStats, max_concurrent: int, max_bytes: int,
                  read_timeout_s: float, upload_limit: int = 0, request_timeout_s: float = 2.0,
-                 max_streams_per_peer: int = 4, log_interval_s: float = 60.0):
+                 max_streams_per_peer: int = 4, log_interval_s: float = 60.0, upload_bucket: Any = None):
         self.store = store
         self.stats = stats
         self.max_concurrent = max_concurrent
@@ -66,7 +66,8 @@ class ShardServer:
             # Small chunks under a limit (≈50 ms of traffic each): the sender sleeps briefly and
             # often, so a reader that went away is noticed at the next write, not many seconds later.
             self.chunk_bytes = int(min(CHUNK_BYTES, max(1024, upload_limit // 20)))
-            self.limiter = TrioRateLimiter(upload_limit, burst=max(self.chunk_bytes, upload_limit * 0.05))
+            self.limiter = TrioRateLimiter(upload_limit, burst=max(self.chunk_bytes, upload_limit * 0.05),
+                                           shared=upload_bucket)
         self.active = 0  # transfers running (a well-formed request holds a slot)
         self.streams_by_peer: dict[str, int] = {}  # open shard streams per peer, any stage
 

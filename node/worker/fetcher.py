@@ -165,8 +165,12 @@ class Fetcher:
                     continue
                 try:
                     await self._fetch_shard(m, pick)
-                except ShardDeferred:  # the origin or every holding peer said "not now"
+                except ShardDeferred as e:  # the origin or every holding peer said "not now"
                     planner.deferred(pick, time.monotonic())
+                    if e.holder is not None:  # the origin named who got the first copy: ask it now
+                        for src in self.sources:
+                            src.hint(step, h, pick.index, *e.holder)
+                        self.announce_change()
                     continue
                 except BaseException:
                     planner.failed(pick)

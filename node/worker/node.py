@@ -128,7 +128,8 @@ class WorkerNode:
             run_id = spec.run_id
             sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled,
                                   signer=lambda method, path: sign_request(self.identity, method, path, b"",
-                                                                           run_id=run_id))]
+                                                                           run_id=run_id),
+                                  shard_addr=lambda: self.p2p.http_shard_addr if self.p2p is not None else None)]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
             store = CheckpointDir(self.root)
             self.p2p, self.announcer = None, None

@@ -61,6 +61,21 @@ class PeerSource:
             raise ShardDeferred(f"every holder of shard {index} of step {step} is busy")
         raise SourceError("; ".join(errors))
 
+    def hint(self, step: int, manifest_hash: str, index: int, node_id: str, addr: str) -> None:
+        """The origin says `node_id` got shard `index` from it and serves it at HTTP `addr`. Untrusted like any
+        announcement (the shard is verified whoever serves it); only a literal-IP /http address is kept."""
+        from node.p2p.http_shards import url_of
+        from node.p2p.keys import peer_id_for_node
+
+        if url_of(addr) is None:
+            return
+        try:
+            peer = peer_id_for_node(node_id).to_base58()
+        except ValueError:
+            return
+        if peer != self.p2p.peer_id:
+            self.p2p.table.record_hint(peer, step, manifest_hash, index, addr)
+
     def report_bad(self, step: int, index: int) -> bool:
         peer = self._last.get((step, index))
         if peer:

@@ -3,11 +3,13 @@ against the signed manifest, so a source only ever costs a retry."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Callable, Protocol
 
 import aiohttp
 
 from node.aio import read_bounded
+from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER
 from node.worker.client import MAX_MANIFEST_BYTES, Unreachable, read_limited
 from protocol.messages import ErrorBody
 
@@ -21,7 +23,12 @@ class SourceError(Exception):
 
 
 class ShardDeferred(SourceError):
-    """The origin asks us to get this shard from peers for now (super-seeding)."""
+    """The origin asks us to get this shard from peers for now (super-seeding); `holder`: (node id, HTTP
+    shard address) of the node it sent the first copy to, when it says."""
+
+    def __init__(self, msg: str, holder: tuple[str, str] | None = None):
+        super().__init__(msg)
+        self.holder = holder
 
 
 class ShardSource(Protocol):
@@ -47,12 +54,25 @@ class ShardSource(Protocol):
         """The shard just served failed verification: True if the source dealt with it (dropped the
         one peer that served it), False if the fetcher should ban the source itself."""
 
+    def hint(self, step: int, manifest_hash: str, index: int, node_id: str, addr: str) -> None:
+        """The origin says `node_id` holds the shard and serves it at HTTP `addr` (the swarm records it)."""
+
+
+_HOLDER = re.compile(r"([0-9a-f]{64}) (/\S{1,200})")
+
+
+def _holder(value: str | None) -> tuple[str, str] | None:
+    """(node id, address) from an X-Prime-Holder header, or None if it is not exactly that."""
+    m = _HOLDER.fullmatch(value) if value else None
+    return (m.group(1), m.group(2)) if m else None
+
 
 class HttpSource:
     """A coordinator or relay serving DESIGN §5's /v1/checkpoints paths."""
 
     def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession, *, swarm: bool = False,
-                 signer: Callable[[str, str], dict[str, str]] | None = None):
+                 signer: Callable[[str, str], dict[str, str]] | None = None,
+                 shard_addr: Callable[[], str | None] = lambda: None):
         self.base = base_url.rstrip("/")
         self.name = f"{kind}:{self.base}"
         self.kind = kind
@@ -60,6 +80,7 @@ class HttpSource:
         self.swarm = swarm  # we can also fetch from peers: the origin may defer us to them
         # (method, path) -> signed headers: super-seeding counts only the copies of joined nodes
         self.signer = signer
+        self.shard_addr = shard_addr  # our HTTP shard server, told to the origin so it can name us as a holder
 
     async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
         try:
@@ -91,6 +112,9 @@ class HttpSource:
     def report_bad(self, step: int, index: int) -> bool:
         return False
 
+    def hint(self, step: int, manifest_hash: str, index: int, node_id: str, addr: str) -> None:
+        pass  # a server has no peers to learn about
+
     async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0, *,
                     manifest_hash: str | None = None) -> bytes:
         """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
@@ -100,13 +124,16 @@ class HttpSource:
             headers["X-Prime-Swarm"] = "1"
             if self.signer is not None:
                 headers.update(self.signer("GET", path))
+            if (mine := self.shard_addr()) is not None:
+                headers[SHARD_ADDR_HEADER] = mine
         url = self.base + path
         got = bytearray()
         try:
             async with self.session.get(url, headers=headers) as resp:
                 if resp.status == 429 and getattr(ErrorBody.parse(await read_bounded(resp.content, 4096) or b""),
                                                   "error", None) == "seeded":
-                    raise ShardDeferred(f"{self.name}: shard {index} of step {step} is spreading via peers")
+                    raise ShardDeferred(f"{self.name}: shard {index} of step {step} is spreading via peers",
+                                        holder=_holder(resp.headers.get(HOLDER_HEADER)))
                 if resp.status not in (200, 206) or (offset and resp.status != 206):
                     raise SourceError(f"{self.name}: shard {index} of step {step} answered {resp.status}")
                 async for chunk in resp.content.iter_chunked(256 * 1024):

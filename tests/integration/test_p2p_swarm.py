@@ -11,10 +11,14 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.p2p]
 BIGGER = ["model.tiny_hidden_size=128", "model.tiny_layers=4", "distribution.shard_size=65536"]
 
 
-async def test_four_nodes_capped_origin_most_bytes_from_peers(tmp_path):
+@pytest.mark.parametrize("plane", ["libp2p", "http"])
+async def test_four_nodes_capped_origin_most_bytes_from_peers(tmp_path, plane):
+    """`http`: the workers run `p2p.http = true` (shard bytes between nodes over HTTP, the origin naming
+    first holders)."""
     async with running_coordinator(tmp_path, *BIGGER, "distribution.origin_upload_limit=400000",
                                    "run.max_steps=2") as (coord, url):
-        nodes = [start_worker(tmp_path, f"w{i}", coord, url) for i in range(4)]
+        extra = ["p2p.http=true"] if plane == "http" else []
+        nodes = [start_worker(tmp_path, f"w{i}", coord, url, *extra) for i in range(4)]
         await wait_for(lambda: coord.published_step >= 2 and all(
             n.backend is not None and n.backend.policy_step >= 2 for n, _ in nodes), 240,
             "every node to hold step 2", coord)
@@ -30,10 +34,15 @@ async def test_four_nodes_capped_origin_most_bytes_from_peers(tmp_path):
         assert peer > origin, (peer, origin)
         await asyncio.sleep(1.5)
         assert coord.status()["checkpoint_bytes_by_source"]["peer"] > 0
+        served_over_http = sum(v for n, _ in nodes for k, v in n.p2p.stats.bytes_served_by_peer().items()
+                               if k.startswith("http:"))
+        assert (served_over_http > 0) == (plane == "http"), served_over_http
 
 
-async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_path):
-    """A peer announces every shard of step 0 and serves them corrupted."""
+@pytest.mark.parametrize("plane", ["libp2p", "http"])
+async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_path, plane):
+    """A peer announces every shard of step 0 and serves them corrupted (`http`: over its HTTP shard
+    server, to a worker that fetches over HTTP)."""
     from node.p2p import P2PNode
     from protocol.identity import Identity
 
@@ -51,10 +60,10 @@ async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_pat
             return bytes([data[0] ^ 0x55]) + data[1:]
 
         evil = P2PNode(Identity.generate(), run_id=coord.cfg.run.run_id, coordinator_key=coord.identity.public_hex,
-                       shard_source=corrupt, bootstrap=coord.p2p_bootstrap())
+                       shard_source=corrupt, bootstrap=coord.p2p_bootstrap(), http=plane == "http")
         await evil.start()
         try:
-            node, task = start_worker(tmp_path, "honest", coord, url)
+            node, task = start_worker(tmp_path, "honest", coord, url, *(["p2p.http=true"] if plane == "http" else []))
             await wait_for(lambda: hasattr(node, "p2p") and node.p2p is not None and node.p2p.running, 60, "p2p up")
 
             async def announce_forever():
@@ -70,6 +79,8 @@ async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_pat
             peer_src = next(s for s in node.fetcher.sources if s.kind == "peer")
             assert served["n"] >= 1, "the malicious peer was never asked (test did not exercise it)"
             assert evil.peer_id in peer_src.banned
+            if plane == "http":  # the corrupted bytes came over HTTP, not libp2p
+                assert evil.stats.bytes_served_by_peer().keys() == {"http:127.0.0.1"}
             assert node.fetcher.store.payload_path(0).read_bytes() == coord.checkpoints.payload_path(0).read_bytes()
         finally:
             await evil.stop()

@@ -1,0 +1,192 @@
+"""Shard bytes between nodes over plain HTTP: the swarm's cheap data plane.
+
+Opt-in (`p2p.http = true`). libp2p keeps discovery, gossip and the nodes that can only dial out; a node
+that listens also serves the shards it holds at `GET /v1/p2p/shards/{step}/{index}?manifest=<hash>` and puts
+`/ip4/<host>/tcp/<port>/http` among the addresses of its `have` announcements. A fetcher that knows such
+an address for a holder asks it over HTTP first: on this machine a fetch over py-libp2p costs ~14 ms of CPU
+before its first byte and ~35-40 CPU-s per GB, over HTTP ~0.7 ms and ~2 (bench/transport_cost.py).
+
+Nothing about trust changes: every shard is checked against the signed manifest by the fetcher,
+whichever plane carried it. Both sides are bounded like the libp2p shard protocol: the server takes two
+validated integers and a hex hash (never a path), serves at most `max_concurrent` transfers (more get 429
+"busy") under the node's upload cap, and gives each transfer a deadline; the client dials only literal IP
+addresses from a strict pattern, follows no redirect, and refuses a body above the signed size, a stall
+longer than `read_timeout_s` or a transfer slower than a floor rate. Every failure comes out as the
+libp2p plane's ShardFetchError types.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from node.rate_limit import AsyncRateLimiter, SharedBucket
+
+from .errors import ShardBusy, ShardFetchError, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
+from .shard_store import ShardStore
+from .stats import P2PStats
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/p2p/shards/{step}/{index}"
+CHUNK_BYTES = 256 * 1024
+FLOOR_RATE = 32 * 1024  # bytes/s below which a transfer counts as stalled overall (as over libp2p)
+MAX_STEP = 2**53
+MAX_INDEX = 99_999
+_HASH = re.compile(r"[0-9a-f]{64}")
+_HTTP_ADDR = re.compile(r"/(ip4|ip6)/([0-9A-Fa-f.:]{2,45})/tcp/([0-9]{1,5})/http")
+
+
+def http_addr(host: str, port: int) -> str:
+    """The announcement address of an HTTP shard server: /ip4/<host>/tcp/<port>/http (or /ip6/)."""
+    ip = ipaddress.ip_address(host)
+    return f"/ip{ip.version}/{ip}/tcp/{int(port)}/http"
+
+
+def url_of(addr: str) -> str | None:
+    """http://host:port for an address of exactly that form with a literal IP and a real port, else None."""
+    m = _HTTP_ADDR.fullmatch(addr) if isinstance(addr, str) else None
+    if m is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(m.group(2))
+    except ValueError:
+        return None
+    port = int(m.group(3))
+    if f"ip{ip.version}" != m.group(1) or not 0 < port < 65536 or ip.is_multicast or ip.is_unspecified:
+        return None
+    return f"http://{ip}:{port}" if ip.version == 4 else f"http://[{ip}]:{port}"
+
+
+def is_http_addr(addr: str) -> bool:
+    return isinstance(addr, str) and addr.endswith("/http")
+
+
+def _int_param(request: web.Request, name: str, top: int) -> int:
+    raw = request.match_info[name]
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 16 or int(raw) > top:
+        raise web.HTTPBadRequest(text=f"{name} must be an integer 0..{top}")
+    return int(raw)
+
+
+class HttpShardServer:
+    """Serves the node's shards over HTTP; `start(host, port)` returns the bound port."""
+
+    def __init__(self, store: ShardStore | None, *, stats: P2PStats, max_concurrent: int, max_bytes: int,
+                 read_timeout_s: float, upload_limit: int = 0, upload_bucket: SharedBucket | None = None):
+        self.store = store
+        self.stats = stats
+        self.max_concurrent = max_concurrent
+        self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
+        self.limiter = AsyncRateLimiter(upload_limit, shared=upload_bucket if upload_limit > 0 else None)
+        self.chunk_bytes = int(min(CHUNK_BYTES, max(1024, upload_limit // 20))) if upload_limit > 0 else CHUNK_BYTES
+        self.active = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int = 0) -> int:
+        app = web.Application(client_max_size=1024)
+        app.router.add_get(PATH, self.handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        step = _int_param(request, "step", MAX_STEP)
+        index = _int_param(request, "index", MAX_INDEX)
+        manifest_hash = request.query.get("manifest")
+        if manifest_hash is None or not _HASH.fullmatch(manifest_hash):
+            raise web.HTTPBadRequest(text="?manifest= must be the manifest's sha256 (64 lowercase hex)")
+        peer = f"http:{request.remote}"
+        if self.active >= self.max_concurrent:
+            self.stats.count_refused("busy")
+            raise web.HTTPTooManyRequests(text=f"serving {self.active} shards already; try another peer")
+        body = self.store.open(step, index, manifest_hash) if self.store is not None else None
+        if body is None:
+            self.stats.count_refused("not_found")
+            raise web.HTTPNotFound(text=f"no shard {index} of step {step} here")
+        self.active += 1
+        try:
+            if body.size > self.max_bytes:
+                self.stats.count_refused("too_large")
+                raise web.HTTPRequestEntityTooLarge(max_size=self.max_bytes, actual_size=body.size)
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = body.size
+            await resp.prepare(request)
+            sent = 0
+            try:  # a reader that stops reading cannot pin the slot: the whole transfer has a deadline
+                async with asyncio.timeout(self.read_timeout_s + body.size / FLOOR_RATE):
+                    for chunk in body.chunks(self.chunk_bytes):
+                        await self.limiter.acquire(len(chunk))
+                        await resp.write(chunk)
+                        sent += len(chunk)
+                        self.stats.add_served(peer, len(chunk), shard_done=sent == body.size)
+            except TimeoutError:
+                self.stats.count_aborted("stalled")
+                if request.transport is not None:  # the body is incomplete: the connection cannot be reused
+                    request.transport.close()
+            except (ConnectionError, OSError):
+                self.stats.count_aborted("peer_gone")
+            return resp
+        finally:
+            self.active -= 1
+            body.close()
+
+
+async def fetch_shard_http(session: aiohttp.ClientSession, base_url: str, *, peer: str, step: int, index: int,
+                           manifest_hash: str, max_bytes: int, stats: P2PStats, read_timeout_s: float,
+                           connect_timeout_s: float) -> bytes:
+    """The compressed bytes of a shard from a peer's HTTP shard server (unverified: check the sha256)."""
+    where = dict(peer=peer, step=step, index=index)
+    what = f"shard {index} of step {step} from peer {peer} over HTTP"
+    url = f"{base_url}{PATH.format(step=int(step), index=int(index))}?manifest={manifest_hash}"
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+    buf = bytearray()
+    try:
+        async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
+            if resp.status == 429:
+                raise ShardBusy(f"{what}: busy", **where)
+            if resp.status == 404:
+                raise ShardNotFound(f"{what}: not held there", **where)
+            if resp.status == 413:
+                raise ShardTooLarge(f"{what}: larger than the peer serves", **where)
+            if resp.status != 200:
+                raise ShardProtocolError(f"{what}: answered {resp.status}", **where)
+            length = resp.content_length
+            if length is None or length > max_bytes:
+                raise ShardTooLarge(f"{what}: peer offers {length} bytes, limit {max_bytes}", **where)
+            async with asyncio.timeout(read_timeout_s + length / FLOOR_RATE):
+                async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
+                    buf += chunk
+                    if len(buf) > length:
+                        raise ShardProtocolError(f"{what}: more bytes than announced", **where)
+                    stats.add_fetched(peer, len(chunk), shard_done=len(buf) == length)
+            if len(buf) != length:
+                raise ShardPeerGone(f"{what}: connection lost after {len(buf)} of {length} bytes", **where)
+    except ShardFetchError:
+        raise
+    except TimeoutError:
+        raise ShardFetchTimeout(f"{what}: timed out", **where) from None
+    except (aiohttp.ClientError, OSError) as e:
+        raise ShardPeerGone(f"{what}: {type(e).__name__}: {e}"[:300], **where) from None
+    return bytes(buf)
+
+
+def pick_url(addrs: Any) -> str | None:
+    """The first usable HTTP shard server among a peer's announced addresses."""
+    for a in addrs or ():
+        if is_http_addr(a) and (url := url_of(a)) is not None:
+            return url
+    return None

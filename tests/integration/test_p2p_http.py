@@ -1,0 +1,207 @@
+"""Shard bytes between nodes over HTTP (node/p2p/http_shards.py) and the origin naming a shard's first
+holder, against real aiohttp servers and real libp2p hosts on 127.0.0.1: the happy path, a dead HTTP
+address (libp2p carries the shard), hostile servers (oversize, trickle, redirect, short body, errors) and
+hostile requests (bad numbers, bad hash, not held, busy)."""
+import asyncio
+import socket
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from node.p2p.announce import decode_announcement, encode_have_announcement
+from node.p2p.errors import ShardBusy, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
+from node.p2p.http_shards import PATH, HttpShardServer, fetch_shard_http, http_addr, pick_url, url_of
+from node.p2p.peer_table import PeerTable
+from node.p2p.shard_store import manifest_hash
+from node.p2p.stats import P2PStats
+from tests.integration.coordinator_harness import RawNode, running_coordinator
+from tests.integration.test_p2p_shards import RUN, node, running, write_checkpoint
+
+pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
+KIB = 1024
+
+
+def record_have(table: PeerTable, holder, step: int, indices: list[int], h: str, addrs: list[str]) -> None:
+    """What a verified gossip `have` from `holder` does to a node's table (signed with its key)."""
+    data = encode_have_announcement(holder.identity, run_id=RUN, step=step, manifest_hash=h, indices=indices,
+                                    addrs=addrs)
+    ann = decode_announcement(data, run_id=RUN, coordinator_key=None, origin_node_id=holder.node_id, max_age_s=60)
+    table.record_have(holder.peer_id, ann)
+
+
+def test_only_literal_ip_http_addresses_are_dialled():
+    assert url_of("/ip4/127.0.0.1/tcp/8080/http") == "http://127.0.0.1:8080"
+    assert url_of("/ip6/::1/tcp/8080/http") == "http://[::1]:8080"
+    assert http_addr("127.0.0.1", 9) == "/ip4/127.0.0.1/tcp/9/http"
+    for bad in ("/dns4/example.org/tcp/80/http", "/ip4/127.0.0.1/tcp/0/http", "/ip4/127.0.0.1/tcp/70000/http",
+                "/ip4/::1/tcp/80/http", "/ip4/224.0.0.1/tcp/80/http", "/ip4/0.0.0.0/tcp/80/http",
+                "/ip4/127.0.0.1/tcp/80/http/x", "/ip4/127.0.0.1/tcp/80", "/ip4/1.2.3/tcp/80/http", 7, None):
+        assert url_of(bad) is None, bad
+    assert pick_url(["/ip4/127.0.0.1/tcp/1/p2p/x", "/dns4/a/tcp/1/http", "/ip4/127.0.0.1/tcp/2/http"]) \
+        == "http://127.0.0.1:2"
+
+
+def test_a_hint_from_the_origin_adds_one_holder():
+    t = PeerTable()
+    t.record_hint("peerA", 3, "ab" * 32, 5, "/ip4/127.0.0.1/tcp/9/http")
+    assert t.peers_with(3, 5, "ab" * 32) == ["peerA"] and t.peers_with(3, 4, "ab" * 32) == []
+    assert t.addrs_of("peerA") == ("/ip4/127.0.0.1/tcp/9/http",)
+
+
+async def test_shards_travel_over_http_between_nodes_and_libp2p_takes_over_from_a_dead_address(tmp_path):
+    manifest, shards = write_checkpoint(tmp_path, 3, n_shards=6, raw_size=512 * KIB)  # ~400 KiB each, compressed
+    h = manifest_hash(manifest)
+    async with running(node(shard_root=tmp_path, http=True), node(listen=[], http=True)) as (server, client):
+        http = [a for a in server.announce_addrs if a.endswith("/http")]
+        assert len(http) == 1 and url_of(http[0]) is not None
+        [peer] = await client.connect(server.listen_addrs)
+        record_have(client.table, server, 3, list(range(6)), h, server.announce_addrs)
+        got = [await client.fetch_shard(peer, 3, i, 1 << 20, manifest_hash=h) for i in range(3)]
+        assert got == shards[:3]
+        served = server.stats.snapshot()["bytes_served_by_peer"]
+        assert list(served) == ["http:127.0.0.1"] and served["http:127.0.0.1"] == sum(map(len, shards[:3]))
+        # the same holder now announces an HTTP address where nothing listens: libp2p carries the shard
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead = http_addr("127.0.0.1", sock.getsockname()[1])
+        record_have(client.table, server, 3, list(range(6)), h,
+                    [a for a in server.announce_addrs if not a.endswith("/http")] + [dead])
+        assert await client.fetch_shard(peer, 3, 4, 1 << 20, manifest_hash=h) == shards[4]
+        assert peer in client._http_failed
+        assert server.stats.snapshot()["bytes_served_by_peer"].get(client.peer_id) == len(shards[4])  # libp2p
+
+
+async def test_the_http_shard_server_refuses_bad_requests_without_a_500(tmp_path):
+    manifest, shards = write_checkpoint(tmp_path, 3, n_shards=2, raw_size=64 * KIB)
+    h = manifest_hash(manifest)
+    from node.p2p.shard_store import DirectoryShardStore
+
+    server = HttpShardServer(DirectoryShardStore(tmp_path), stats=P2PStats(), max_concurrent=1,
+                             max_bytes=1 << 20, read_timeout_s=2)
+    port = await server.start("127.0.0.1")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def status(path: str) -> int:
+                async with s.get(base + path, allow_redirects=False) as r:
+                    await r.read()
+                    return r.status
+
+            assert await status(f"/v1/p2p/shards/3/1?manifest={h}") == 200
+            assert await status(f"/v1/p2p/shards/3/7?manifest={h}") == 404  # not held
+            assert await status(f"/v1/p2p/shards/3/1?manifest={'cd' * 32}") == 404  # another manifest
+            for bad in (f"/v1/p2p/shards/3/1", f"/v1/p2p/shards/3/1?manifest=../../x", f"/v1/p2p/shards/-1/1?manifest={h}",
+                        f"/v1/p2p/shards/3/100000?manifest={h}", f"/v1/p2p/shards/99999999999999999999/1?manifest={h}",
+                        f"/v1/p2p/shards/3/%C2%B2?manifest={h}"):
+                assert await status(bad) == 400, bad
+            assert await status(f"/v1/p2p/shards/3/..%2f..%2fmanifest.json?manifest={h}") in (400, 404)
+            server.active = 1  # every slot taken
+            assert await status(f"/v1/p2p/shards/3/1?manifest={h}") == 429
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("behaviour, error", [
+    ("oversize", ShardTooLarge), ("chunked", ShardTooLarge), ("redirect", ShardProtocolError),
+    ("error", ShardProtocolError), ("busy", ShardBusy), ("missing", ShardNotFound), ("short", ShardPeerGone),
+    ("trickle", ShardFetchTimeout),
+])
+async def test_a_hostile_http_holder_costs_a_clear_error(behaviour, error):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if behaviour == "redirect":
+            raise web.HTTPFound("http://127.0.0.1:1/elsewhere")
+        if behaviour in ("error", "busy", "missing"):
+            return web.Response(status={"error": 500, "busy": 429, "missing": 404}[behaviour])
+        resp = web.StreamResponse()
+        if behaviour != "chunked":
+            resp.content_length = {"oversize": 10 << 20, "short": 1000, "trickle": 1000}[behaviour]
+        await resp.prepare(request)
+        if behaviour == "short":
+            await resp.write(b"x" * 10)
+            request.transport.close()
+        elif behaviour == "trickle":
+            await resp.write(b"x")
+            await asyncio.sleep(2)  # far past the 0.5 s read timeout; short so cleanup does not wait long
+        elif behaviour == "chunked":
+            await resp.write(b"x" * 100)
+        return resp
+
+    app = web.Application()
+    app.router.add_get(PATH, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            with pytest.raises(error):
+                await fetch_shard_http(s, f"http://127.0.0.1:{port}", peer="p", step=3, index=1,
+                                       manifest_hash="ab" * 32, max_bytes=1 << 20, stats=P2PStats(),
+                                       read_timeout_s=0.5, connect_timeout_s=2)
+            assert time.monotonic() - t0 < 5
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_origin_names_the_first_holder_to_a_deferred_node(tmp_path):
+    """The node that got a shard's first copy sent its HTTP shard address with its signed request; a node
+    deferred afterwards learns who holds the shard and where (X-Prime-Holder), and nothing else does: an
+    address that is not a literal-IP /http one is never repeated."""
+    async with running_coordinator(tmp_path, "distribution.super_seed_seconds=5.0") as (coord, base):
+        path = "/v1/checkpoints/0/shards/0"
+        async with aiohttp.ClientSession() as s:
+            a, b, c = RawNode(base, s), RawNode(base, s), RawNode(base, s)
+            for n in (a, b, c):
+                assert (await n.post("/v1/join", {}))[0] == 200
+
+            def signed(n, **extra):
+                h = n.headers("GET", path, b"")
+                del h["Content-Type"]
+                return {**h, "X-Prime-Swarm": "1", **extra}
+
+            async with s.get(base + path, headers=signed(a, **{"X-Prime-Shard-Addr": "/ip4/127.0.0.1/tcp/4242/http"})) as r:
+                assert r.status == 200
+                await r.read()
+            async with s.get(base + path, headers=signed(b)) as r:
+                assert r.status == 429 and (await r.json())["error"] == "seeded"
+                assert r.headers["X-Prime-Holder"] == f"{a.pub} /ip4/127.0.0.1/tcp/4242/http"
+    async with running_coordinator(tmp_path / "2", "distribution.super_seed_seconds=5.0") as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            a, b = RawNode(base, s), RawNode(base, s)
+            for n in (a, b):
+                assert (await n.post("/v1/join", {}))[0] == 200
+            h = a.headers("GET", path, b"")
+            del h["Content-Type"]
+            async with s.get(base + path, headers={**h, "X-Prime-Swarm": "1",
+                                                   "X-Prime-Shard-Addr": "/dns4/evil.example/tcp/80/http"}) as r:
+                assert r.status == 200
+                await r.read()
+            h = b.headers("GET", path, b"")
+            del h["Content-Type"]
+            async with s.get(base + path, headers={**h, "X-Prime-Swarm": "1"}) as r:
+                assert r.status == 429 and "X-Prime-Holder" not in r.headers
+
+
+async def test_both_planes_share_one_upload_cap(tmp_path):
+    """`upload_limit` is the node's whole upload: a shard going out over HTTP and one over libp2p at the same
+    time take their bytes from the same tokens (served alone, each plane would get the full cap)."""
+    manifest, shards = write_checkpoint(tmp_path, 3, n_shards=2, raw_size=512 * KIB)
+    h = manifest_hash(manifest)
+    limit = 256 * KIB
+    async with running(node(shard_root=tmp_path, http=True, upload_limit=limit), node(listen=[], http=True),
+                       node(listen=[])) as (server, over_http, over_libp2p):
+        peers = [(await n.connect(server.listen_addrs))[0] for n in (over_http, over_libp2p)]
+        for n in (over_http, over_libp2p):
+            record_have(n.table, server, 3, [0, 1], h, server.announce_addrs)
+        t0 = time.monotonic()
+        got = await asyncio.gather(over_http.fetch_shard(peers[0], 3, 0, 1 << 20, manifest_hash=h),
+                                   over_libp2p.fetch_shard(peers[1], 3, 1, 1 << 20, manifest_hash=h))
+        elapsed = time.monotonic() - t0
+        assert list(got) == shards
+        served = server.stats.snapshot()["bytes_served_by_peer"]
+        assert served["http:127.0.0.1"] == len(shards[0]) and served[over_libp2p.peer_id] == len(shards[1])
+        assert elapsed >= 0.8 * sum(map(len, shards)) / limit, elapsed  # one cap, not one per plane
