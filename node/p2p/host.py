@@ -248,7 +248,9 @@ class P2PNode:
     @property
     def http_shard_addr(self) -> str | None:
         """Our HTTP shard server's announced address (/ip4/<ip>/tcp/<port>/http), if we serve one."""
-        return next((a for a in self.announce_addrs if a.endswith("/http")), None) if self._http_server else None
+        from .http_shards import is_http_addr
+
+        return next(filter(is_http_addr, self.announce_addrs), None) if self._http_server else None
 
     async def _start_http(self) -> None:
         """Fetch over HTTP from peers that offer it; serve ours if we listen, hold shards and know an
@@ -413,7 +415,9 @@ class P2PNode:
         if (self._http_server is None or peer in self._dialled or len(self._dialled) >= GOSSIP_DIALS
                 or not self.running):
             return
-        dialable = [a for a in addrs if "/p2p/" in a and not a.endswith("/http")]
+        from .http_shards import is_http_addr
+
+        dialable = [a for a in addrs if "/p2p/" in a and not is_http_addr(a)]
         if not dialable:
             return
         self._dialled.add(peer)

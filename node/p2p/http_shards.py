@@ -25,8 +25,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from node.http import ApiError, error_middleware, int_param
 from node.rate_limit import AsyncRateLimiter, SharedBucket
 
+from .announce import MAX_SHARD_INDEX, MAX_STEP
 from .errors import ShardBusy, ShardFetchError, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
 from .shard_store import ShardStore
 from .stats import P2PStats
@@ -36,8 +38,6 @@ log = logging.getLogger(__name__)
 PATH = "/v1/p2p/shards/{step}/{index}"
 CHUNK_BYTES = 256 * 1024
 FLOOR_RATE = 32 * 1024  # bytes/s below which a transfer counts as stalled overall (as over libp2p)
-MAX_STEP = 2**53
-MAX_INDEX = 99_999
 _HASH = re.compile(r"[0-9a-f]{64}")
 _HTTP_ADDR = re.compile(r"/(ip4|ip6)/([0-9A-Fa-f.:]{2,45})/tcp/([0-9]{1,5})/http")
 
@@ -64,14 +64,8 @@ def url_of(addr: str) -> str | None:
 
 
 def is_http_addr(addr: str) -> bool:
+    """An address of the HTTP data plane (libp2p never dials these)."""
     return isinstance(addr, str) and addr.endswith("/http")
-
-
-def _int_param(request: web.Request, name: str, top: int) -> int:
-    raw = request.match_info[name]
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 16 or int(raw) > top:
-        raise web.HTTPBadRequest(text=f"{name} must be an integer 0..{top}")
-    return int(raw)
 
 
 class HttpShardServer:
@@ -90,7 +84,7 @@ class HttpShardServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int = 0) -> int:
-        app = web.Application(client_max_size=1024)
+        app = web.Application(client_max_size=1024, middlewares=[error_middleware])  # JSON errors, never a bare 500
         app.router.add_get(PATH, self.handle)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -104,24 +98,24 @@ class HttpShardServer:
             self._runner = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        step = _int_param(request, "step", MAX_STEP)
-        index = _int_param(request, "index", MAX_INDEX)
+        step = int_param(request, "step", MAX_STEP + 1)
+        index = int_param(request, "index", MAX_SHARD_INDEX + 1)
         manifest_hash = request.query.get("manifest")
         if manifest_hash is None or not _HASH.fullmatch(manifest_hash):
-            raise web.HTTPBadRequest(text="?manifest= must be the manifest's sha256 (64 lowercase hex)")
+            raise ApiError(400, "malformed", "?manifest= must be the manifest's sha256 (64 lowercase hex)")
         peer = f"http:{request.remote}"
         if self.active >= self.max_concurrent:
             self.stats.count_refused("busy")
-            raise web.HTTPTooManyRequests(text=f"serving {self.active} shards already; try another peer")
+            raise ApiError(429, "busy", f"serving {self.active} shards already; try another peer")
         body = self.store.open(step, index, manifest_hash) if self.store is not None else None
         if body is None:
             self.stats.count_refused("not_found")
-            raise web.HTTPNotFound(text=f"no shard {index} of step {step} here")
+            raise ApiError(404, "not_found", f"no shard {index} of step {step} here")
         self.active += 1
         try:
             if body.size > self.max_bytes:
                 self.stats.count_refused("too_large")
-                raise web.HTTPRequestEntityTooLarge(max_size=self.max_bytes, actual_size=body.size)
+                raise ApiError(413, "too_large", f"shard is {body.size} bytes, limit {self.max_bytes}")
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             resp.content_length = body.size
             await resp.prepare(request)
@@ -186,7 +180,4 @@ async def fetch_shard_http(session: aiohttp.ClientSession, base_url: str, *, pee
 
 def pick_url(addrs: Any) -> str | None:
     """The first usable HTTP shard server among a peer's announced addresses."""
-    for a in addrs or ():
-        if is_http_addr(a) and (url := url_of(a)) is not None:
-            return url
-    return None
+    return next((url for a in addrs or () if (url := url_of(a)) is not None), None)

@@ -36,30 +36,31 @@ class PeerTable:
         self._trim(self._manifests)
 
     def record_have(self, peer: str, ann: HaveAnnouncement) -> None:
-        peers = self._holdings.setdefault(ann.step, OrderedDict())
-        held = peers.get(peer)
-        if held is None or held.manifest_hash != ann.manifest_hash:
-            # A different checkpoint under the same step number replaces what we knew.
-            held = _Holding(ann.manifest_hash)
+        held = self._holding(peer, ann.step, ann.manifest_hash)
         held.indices.update(ann.indices)
         if ann.ts_ms >= held.ts_ms:
             held.addrs, held.ts_ms = tuple(ann.addrs), ann.ts_ms
+
+    def record_hint(self, peer: str, step: int, manifest_hash: str, index: int, addr: str) -> None:
+        """Peer holds shard `index` (the origin said so): like a one-shard `have` with one address."""
+        held = self._holding(peer, step, manifest_hash)
+        held.indices.add(index)
+        if addr not in held.addrs:
+            held.addrs = (*held.addrs, addr)[-8:]
+
+    def _holding(self, peer: str, step: int, manifest_hash: str) -> _Holding:
+        """What `peer` holds of `step`, made the newest entry (within both bounds)."""
+        peers = self._holdings.setdefault(step, OrderedDict())
+        held = peers.get(peer)
+        if held is None or held.manifest_hash != manifest_hash:
+            # A different checkpoint under the same step number replaces what we knew.
+            held = _Holding(manifest_hash)
         peers[peer] = held
         peers.move_to_end(peer)
         while len(peers) > self.max_peers_per_step:
             peers.popitem(last=False)
         self._trim(self._holdings)
-
-    def record_hint(self, peer: str, step: int, manifest_hash: str, index: int, addr: str) -> None:
-        """Peer holds shard `index` (the origin said so): like a one-shard `have` with one address."""
-        peers = self._holdings.setdefault(step, OrderedDict())
-        held = peers.get(peer)
-        if held is None or held.manifest_hash != manifest_hash:
-            held = peers[peer] = _Holding(manifest_hash)
-        held.indices.add(index)
-        if addr not in held.addrs:
-            held.addrs = (*held.addrs, addr)[-8:]
-        self._trim(self._holdings)
+        return held
 
     def _trim(self, by_step: dict) -> None:
         for step in sorted(by_step)[:-self.max_steps]:

@@ -46,6 +46,7 @@ from .errors import AnnouncementRejected, InvalidMultiaddr, P2PError, PeerUnavai
 from .keys import libp2p_key_pair, node_id_for_peer
 from node.peer_log import PeerEventLog
 from node.rate_limit import KeyedRateLimit
+from .http_shards import is_http_addr
 from .shard_client import fetch_shard
 from .shard_server import ShardServer
 from .shard_store import ShardStore
@@ -295,7 +296,7 @@ class P2PService:
             # Learned from its announcement; the peerstore entry lets new_stream dial it.
             good = []
             for a in addrs:
-                if a.endswith("/http"):  # the HTTP data plane's address, not a libp2p one
+                if is_http_addr(a):  # the HTTP data plane's address, not a libp2p one
                     continue
                 try:
                     good.append(parse_multiaddr(a))
