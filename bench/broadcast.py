@@ -13,6 +13,9 @@ shardcast (bench/shardcast_mode.py) runs its own origin (in this process, same c
 and N clients on the same checkpoint bytes.
 
     python bench/broadcast.py [--nodes 2 4 8 16] [--modes origin,relay,swarm,swarm-http,shardcast] [--cap 500000]
+                              [--events DIR]
+Each row also says when the origin finished its last shard and when the last node had its last one
+(`origin_done_s`, `shards_done_s`: the gap is the swarm's tail).
 Writes bench/results/broadcast.json ({"rows": [...]}, keeping other (mode, nodes) rows) and docs/broadcast.png.
 """
 from __future__ import annotations
@@ -64,9 +67,10 @@ def _failure_kind(message: str) -> str:
     return "other"
 
 
-def _count_outcomes(sources: list) -> dict[str, float]:
+def _count_outcomes(sources: list, events: list) -> dict[str, float]:
     """Each source's shard requests by outcome ("peer ok", "coordinator deferred", "peer failed", ...), to
-    see why a node went to the origin: wraps the sources' `shard` in place."""
+    see why a node went to the origin: wraps the sources' `shard` in place. `events` gets one
+    (start, end, source kind, outcome, shard index) per request, times from time.monotonic()."""
     counts: dict[str, float] = {}  # "peer ok": requests, "peer ok s": their seconds summed
 
     def wrap(src) -> None:
@@ -91,6 +95,7 @@ def _count_outcomes(sources: list) -> dict[str, float]:
                 key = f"{src.kind} {outcome}"
                 counts[key] = counts.get(key, 0) + 1
                 counts[key + " s"] = round(counts.get(key + " s", 0) + time.monotonic() - t0, 2)
+                events.append((t0, time.monotonic(), src.kind, outcome, a[1]))
 
         src.shard = shard
 
@@ -129,7 +134,8 @@ async def run_node(args) -> None:
             sources.append(HttpSource(args.relay, "relay", session))
         else:
             sources.append(HttpSource(args.origin, "coordinator", session))
-        outcomes = _count_outcomes(sources)
+        events: list = []
+        outcomes = _count_outcomes(sources, events)
         f = Fetcher(store, sources, args.key, keep=3, on_new_step=lambda s, p: done.setdefault("t", time.monotonic()),
                     on_shards=announcer.add if announcer else None)
         if p2p:
@@ -146,6 +152,7 @@ async def run_node(args) -> None:
             except FetchError:  # e.g. the relay is still starting
                 await asyncio.sleep(0.05)
         print(json.dumps({"seconds": done["t"] - t0, "outcomes": outcomes,
+                          "events": [(round(a - t0, 3), round(b - t0, 3), *rest) for a, b, *rest in events],
                           **{k: f.bytes_by_kind[k] for k in ("coordinator", "relay", "peer")}}), flush=True)
         # keep serving peers until told to stop; then say how much CPU this process used in the round
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -158,7 +165,7 @@ async def run_node(args) -> None:
             await p2p.stop()
 
 
-async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
+async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file: Path | None = None) -> dict:
     key = coord.identity.public_hex
     relay = relay_task = None
     relay_url = ""
@@ -197,6 +204,12 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
             raise RuntimeError(f"node {i} died:\n" + (work / f"n{i}.log").read_text()[-3000:])
         results.append(json.loads(line))
     total = time.monotonic() - t0
+    if events_file is not None:
+        events_file.write_text(json.dumps({"mode": mode, "nodes": n, "seconds": total,
+                                           "events_by_node": [r["events"] for r in results]}))
+    # when the origin sent its last shard, and when the last node had its last one (each from that node's "go")
+    ok = [e for r in results for e in r["events"] if e[3] == "ok"]
+    origin_done = max((e[1] for e in ok if e[2] == "coordinator"), default=None)
     outcomes: dict[str, float] = {}
     for r in results:
         for k, v in r.get("outcomes", {}).items():
@@ -224,6 +237,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path) -> dict:
     for i in range(n):
         assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
+            "origin_done_s": origin_done and round(origin_done, 2), "shards_done_s": round(max(e[1] for e in ok), 2),
             "round_cpu_seconds": round(round_cpu, 1), "p2p_counts": dict(sorted(p2p_counts.items())),
             "shard_requests": dict(sorted(outcomes.items())),
             "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
@@ -238,7 +252,7 @@ async def start_origin(tmp: Path, cap: int):
     return coord, runner, f"http://127.0.0.1:{port}"
 
 
-async def main_async(sizes: list[int], cap: int, modes: list[str]) -> dict:
+async def main_async(sizes: list[int], cap: int, modes: list[str], events_dir: Path | None = None) -> dict:
     """A fresh coordinator per round, so no round sees another round's peers in its gossip."""
     logging.basicConfig(level=logging.ERROR)
     rows = []
@@ -260,7 +274,8 @@ async def main_async(sizes: list[int], cap: int, modes: list[str]) -> dict:
                     shards = [coord.checkpoints.shard_path(0, i) for i in range(m.num_shards)]
                     r = await shardcast_round(n, shards, cap, tmp / "shardcast")
                 else:
-                    r = await one_round(mode, n, coord, url, tmp / "nodes")
+                    r = await one_round(mode, n, coord, url, tmp / "nodes",
+                                        events_dir / f"{mode}-{n}.json" if events_dir else None)
             finally:
                 await runner.cleanup()
                 await coord.stop()
@@ -308,6 +323,8 @@ def main() -> None:
                     help="any of origin,relay,swarm,swarm-http,shardcast (comma-separated; swarm-http: p2p.http = true; "
                          "shardcast: pip install shardcast==0.3.2)")
     ap.add_argument("--cap", type=int, default=500_000, help="origin upload cap, bytes/s")
+    ap.add_argument("--events", type=Path, metavar="DIR",
+                    help="write every node's shard requests (start s, end s, source, outcome, shard) to DIR/<mode>-<N>.json")
     ap.add_argument("--node", action="store_true", help=argparse.SUPPRESS)  # child process: one node
     for a in ("--mode", "--dir", "--origin", "--key", "--run-id", "--relay"):
         ap.add_argument(a, help=argparse.SUPPRESS)
@@ -322,7 +339,9 @@ def main() -> None:
         ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from origin, relay, swarm, swarm-http, shardcast")
     if "shardcast" in modes and importlib.util.find_spec("shardcast") is None:
         ap.error("mode shardcast needs INTELLECT-2's shardcast: pip install shardcast==0.3.2 (and wget on PATH)")
-    doc = asyncio.run(main_async(args.sizes, args.cap, modes))
+    if args.events:
+        args.events.mkdir(parents=True, exist_ok=True)
+    doc = asyncio.run(main_async(args.sizes, args.cap, modes, args.events))
     out = REPO / "bench" / "results" / "broadcast.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     # rows of earlier runs stay for the (mode, nodes) pairs this run did not measure

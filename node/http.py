@@ -31,6 +31,7 @@ BODY_TIMEOUT = web.AppKey("body_timeout_s", float)  # a signed request's body mu
 SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from libp2p peers
 SHARD_ADDR_HEADER = "X-Prime-Shard-Addr"  # a swarm node's HTTP shard server, /ip4/<ip>/tcp/<port>/http
 HOLDER_HEADER = "X-Prime-Holder"  # on a 429 "seeded": "<node id> <its HTTP shard address>"
+HAVE_HEADER = "X-Prime-Have"  # a node's HTTP shard server: the shards of that step it holds (base64 bitfield)
 
 # Numbers from clients are ASCII digits only: str.isdigit() and int() also take other scripts' digits
 # ("²" passes isdigit() but int() refuses it; int("١") is 1), and int() takes signs, spaces and "_".

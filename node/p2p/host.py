@@ -465,11 +465,17 @@ class P2PNode:
             return await fetch_shard_http(self._http_session, url, peer=peer, step=req.step, index=req.index,
                                           manifest_hash=req.manifest_hash, max_bytes=req.max_bytes, stats=self.stats,
                                           read_timeout_s=self.read_timeout_s,
-                                          connect_timeout_s=self.connect_timeout_s)
+                                          connect_timeout_s=self.connect_timeout_s,
+                                          on_have=lambda held: self._heard_have(peer, req, held))
         except (ShardPeerGone, ShardFetchTimeout, ShardProtocolError) as e:
             self._http_failed.add(peer)
             log.info("p2p: HTTP to %s failed (%s); using libp2p for it", peer, e)
             return None
+
+    def _heard_have(self, peer: str, req: Any, held: list[int]) -> None:
+        """The peer's HTTP shard server said which shards of the step it holds (the fetcher looks again after
+        every fetch, so no listener is called)."""
+        self.table.record_hint(peer, req.step, req.manifest_hash, held)
 
     def _peer_id(self, peer: str) -> Any:
         from .keys import parse_peer_id

@@ -6,6 +6,11 @@ that listens also serves the shards it holds at `GET /v1/p2p/shards/{step}/{inde
 an address for a holder asks it over HTTP first: on this machine a fetch over py-libp2p costs ~14 ms of CPU
 before its first byte and ~35-40 CPU-s per GB, over HTTP ~0.7 ms and ~2 (bench/transport_cost.py).
 
+Every answer about a shard (200, 404, 429) also says which shards of that step the server holds
+(`X-Prime-Have`, a bitfield as in BitTorrent): a node learns a holder's whole set with each fetch instead
+of waiting for its batched `have` gossip, which at 16 nodes on two cores arrived seconds late
+(docs/P2P.md). Like a `have`, it is a claim: a shard is verified whoever serves it.
+
 Nothing about trust changes: every shard is checked against the signed manifest by the fetcher,
 whichever plane carried it. Both sides are bounded like the libp2p shard protocol: the server takes two
 validated integers and a hex hash (never a path), serves at most `max_concurrent` transfers (more get 429
@@ -17,18 +22,20 @@ libp2p plane's ShardFetchError types.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import ipaddress
 import logging
 import re
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import aiohttp
 from aiohttp import web
 
-from node.http import ApiError, error_middleware, int_param
+from node.http import HAVE_HEADER, ApiError, error_middleware, int_param
 from node.rate_limit import AsyncRateLimiter, SharedBucket
 
-from .announce import MAX_SHARD_INDEX, MAX_STEP
+from .announce import MAX_INDICES, MAX_SHARD_INDEX, MAX_STEP
 from .errors import ShardBusy, ShardFetchError, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
 from .shard_store import ShardStore
 from .stats import P2PStats
@@ -40,6 +47,30 @@ CHUNK_BYTES = 256 * 1024
 FLOOR_RATE = 32 * 1024  # bytes/s below which a transfer counts as stalled overall (as over libp2p)
 _HASH = re.compile(r"[0-9a-f]{64}")
 _HTTP_ADDR = re.compile(r"/(ip4|ip6)/([0-9A-Fa-f.:]{2,45})/tcp/([0-9]{1,5})/http")
+
+
+HAVE_BITS = MAX_INDICES  # X-Prime-Have covers shards 0..4095 (684 base64 characters at most)
+
+
+def encode_have(indices: Iterable[int]) -> str:
+    """Shards held, as the base64 of a bitfield: shard i is bit 7 - i % 8 of byte i // 8 (indices ≥ HAVE_BITS
+    are left out)."""
+    held = [i for i in indices if 0 <= i < HAVE_BITS]
+    bits = bytearray((max(held) // 8 + 1) if held else 0)
+    for i in held:
+        bits[i // 8] |= 0x80 >> (i % 8)
+    return base64.b64encode(bits).decode()
+
+
+def decode_have(value: str) -> list[int] | None:
+    """The indices of an X-Prime-Have value, or None if it is not a bitfield of at most HAVE_BITS bits."""
+    if not isinstance(value, str) or len(value) > 4 * ((HAVE_BITS // 8 + 2) // 3):
+        return None
+    try:
+        bits = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return [8 * k + j for k, byte in enumerate(bits) if byte for j in range(8) if byte & (0x80 >> j)]
 
 
 def http_addr(host: str, port: int) -> str:
@@ -104,19 +135,21 @@ class HttpShardServer:
         if manifest_hash is None or not _HASH.fullmatch(manifest_hash):
             raise ApiError(400, "malformed", "?manifest= must be the manifest's sha256 (64 lowercase hex)")
         peer = f"http:{request.remote}"
+        held = getattr(self.store, "held", None)
+        have = {HAVE_HEADER: encode_have(held(step, manifest_hash))} if held is not None else {}
         if self.active >= self.max_concurrent:
             self.stats.count_refused("busy")
-            raise ApiError(429, "busy", f"serving {self.active} shards already; try another peer")
+            raise ApiError(429, "busy", f"serving {self.active} shards already; try another peer", headers=have)
         body = self.store.open(step, index, manifest_hash) if self.store is not None else None
         if body is None:
             self.stats.count_refused("not_found")
-            raise ApiError(404, "not_found", f"no shard {index} of step {step} here")
+            raise ApiError(404, "not_found", f"no shard {index} of step {step} here", headers=have)
         self.active += 1
         try:
             if body.size > self.max_bytes:
                 self.stats.count_refused("too_large")
                 raise ApiError(413, "too_large", f"shard is {body.size} bytes, limit {self.max_bytes}")
-            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", **have})
             resp.content_length = body.size
             await resp.prepare(request)
             sent = 0
@@ -141,8 +174,9 @@ class HttpShardServer:
 
 async def fetch_shard_http(session: aiohttp.ClientSession, base_url: str, *, peer: str, step: int, index: int,
                            manifest_hash: str, max_bytes: int, stats: P2PStats, read_timeout_s: float,
-                           connect_timeout_s: float) -> bytes:
-    """The compressed bytes of a shard from a peer's HTTP shard server (unverified: check the sha256)."""
+                           connect_timeout_s: float, on_have: Callable[[list[int]], None] | None = None) -> bytes:
+    """The compressed bytes of a shard from a peer's HTTP shard server (unverified: check the sha256).
+    `on_have` gets the shards the peer says it holds, whatever it answered (a malformed claim is ignored)."""
     where = dict(peer=peer, step=step, index=index)
     what = f"shard {index} of step {step} from peer {peer} over HTTP"
     url = f"{base_url}{PATH.format(step=int(step), index=int(index))}?manifest={manifest_hash}"
@@ -150,6 +184,8 @@ async def fetch_shard_http(session: aiohttp.ClientSession, base_url: str, *, pee
     buf = bytearray()
     try:
         async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
+            if on_have is not None and (held := decode_have(resp.headers.get(HAVE_HEADER, ""))):
+                on_have(held)
             if resp.status == 429:
                 raise ShardBusy(f"{what}: busy", **where)
             if resp.status == 404:

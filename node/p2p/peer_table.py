@@ -3,13 +3,15 @@
 Lives on the asyncio side (one thread, no locks). Bounded: only the newest `max_steps` steps are
 kept (the coordinator keeps k+1 checkpoints; anything older is useless), and at most
 `max_peers_per_step` peers per step (the oldest announcer is forgotten first).
-Holdings only grow within a step: a node announces shards as it gets them, and each `have`
-adds to what we already know. A peer that fails a fetch can be forgotten with `forget`.
+Holdings grow within a step: a node announces shards as it gets them, and each `have` adds to what we
+already know; a shard a peer then says it does not hold is dropped (`drop_shard`: a lying or stale claim
+costs one refused request), and a peer that fails a fetch can be forgotten with `forget`.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from .announce import HaveAnnouncement, ManifestAnnouncement
 
@@ -41,11 +43,12 @@ class PeerTable:
         if ann.ts_ms >= held.ts_ms:
             held.addrs, held.ts_ms = tuple(ann.addrs), ann.ts_ms
 
-    def record_hint(self, peer: str, step: int, manifest_hash: str, index: int, addr: str) -> None:
-        """Peer holds shard `index` (the origin said so): like a one-shard `have` with one address."""
+    def record_hint(self, peer: str, step: int, manifest_hash: str, indices: Iterable[int], addr: str | None = None) -> None:
+        """Peer holds these shards (the origin named it as a first holder, or its own HTTP shard server said
+        so): like a `have` with at most one address."""
         held = self._holding(peer, step, manifest_hash)
-        held.indices.add(index)
-        if addr not in held.addrs:
+        held.indices.update(indices)
+        if addr is not None and addr not in held.addrs:
             held.addrs = (*held.addrs, addr)[-8:]
 
     def _holding(self, peer: str, step: int, manifest_hash: str) -> _Holding:
@@ -92,6 +95,11 @@ class PeerTable:
             if held is not None and held.addrs:
                 return held.addrs
         return ()
+
+    def drop_shard(self, peer: str, step: int, index: int) -> None:
+        held = self._holdings.get(step, {}).get(peer)
+        if held is not None:
+            held.indices.discard(index)
 
     def forget(self, peer: str) -> None:
         for peers in self._holdings.values():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,10 @@ class ShardStore(Protocol):
         ...
 
 
+# Optional on a ShardStore: `held(step, manifest_hash) -> set[int]`, the shards `open` would serve now (the
+# HTTP shard server tells them to each requester). Stores without it tell nothing.
+
+
 ShardGetter = Callable[[int, int], Union[bytes, None]]
 
 
@@ -121,6 +126,21 @@ class DirectoryShardStore:
         self._hash_cache[path] = (key, digest)
         return digest
 
+    def held(self, step: int, manifest_hash: str) -> set[int]:
+        """The shard files present for `step` of `manifest_hash` (only verified shards get their final name)."""
+        if self._manifest_hash(step) != manifest_hash:
+            return set()
+        held = set()
+        try:
+            with os.scandir(self.root / self._step_dir(step) / SHARDS_DIR) as entries:
+                for e in entries:
+                    index = _shard_index(e.name)
+                    if index is not None:
+                        held.add(index)
+        except OSError:
+            pass
+        return held
+
     def open(self, step: int, index: int, manifest_hash: str | None) -> ShardBody | None:
         path = self._inside(self.shard_path(step, index))
         if path is None:
@@ -138,6 +158,14 @@ class DirectoryShardStore:
         return FileBody(f, st.st_size)
 
 
+_SHARD_NAME = re.compile(r"([0-9]{5})\.zst")  # shard_file_name's form; not .part, .tmp or strays
+
+
+def _shard_index(name: str) -> int | None:
+    m = _SHARD_NAME.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 class CheckpointShards:
     """A node's checkpoint directory (node/checkpoint_dir.py) as a peer shard store: the shards of its
     complete steps, then the verified shards of a step still downloading. Streaming reads, the manifest
@@ -152,6 +180,9 @@ class CheckpointShards:
             if body is not None:
                 return body
         return None
+
+    def held(self, step: int, manifest_hash: str) -> set[int]:
+        return set().union(*(store.held(step, manifest_hash) for store in self._stores))
 
 
 def as_store(source: ShardStore | ShardGetter | str | os.PathLike | None) -> ShardStore | None:

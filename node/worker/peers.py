@@ -10,7 +10,7 @@ import logging
 import random
 from collections import defaultdict
 
-from node.p2p.errors import ShardBusy
+from node.p2p.errors import ShardBusy, ShardNotFound
 from node.worker.sources import ShardDeferred, SourceError
 from protocol.errors import PrimeNodeError
 
@@ -55,6 +55,9 @@ class PeerSource:
             except ShardBusy as e:
                 busy += 1
                 errors.append(f"{peer[:12]}: {e}")
+            except ShardNotFound as e:  # its claim (gossip, or its server's bitfield) was wrong or stale
+                self.p2p.table.drop_shard(peer, step, index)
+                errors.append(f"{peer[:12]}: {e}")
             except PrimeNodeError as e:
                 errors.append(f"{peer[:12]}: {e}")
         if busy == len(errors):  # every holder is saturated: try another shard, come back shortly
@@ -74,7 +77,7 @@ class PeerSource:
         except ValueError:
             return
         if peer != self.p2p.peer_id:
-            self.p2p.table.record_hint(peer, step, manifest_hash, index, addr)
+            self.p2p.table.record_hint(peer, step, manifest_hash, (index,), addr)
 
     def report_bad(self, step: int, index: int) -> bool:
         peer = self._last.get((step, index))

@@ -12,9 +12,10 @@ from aiohttp import web
 
 from node.p2p.announce import decode_announcement, encode_have_announcement
 from node.p2p.errors import ShardBusy, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
-from node.p2p.http_shards import PATH, HttpShardServer, fetch_shard_http, http_addr, pick_url, url_of
+from node.p2p.http_shards import (HAVE_BITS, PATH, HttpShardServer, decode_have, encode_have, fetch_shard_http,
+                                  http_addr, pick_url, url_of)
 from node.p2p.peer_table import PeerTable
-from node.p2p.shard_store import manifest_hash
+from node.p2p.shard_store import CheckpointShards, DirectoryShardStore, manifest_hash
 from node.p2p.stats import P2PStats
 from tests.integration.coordinator_harness import RawNode, running_coordinator
 from tests.integration.test_p2p_shards import RUN, node, running, write_checkpoint
@@ -45,9 +46,66 @@ def test_only_literal_ip_http_addresses_are_dialled():
 
 def test_a_hint_from_the_origin_adds_one_holder():
     t = PeerTable()
-    t.record_hint("peerA", 3, "ab" * 32, 5, "/ip4/127.0.0.1/tcp/9/http")
+    t.record_hint("peerA", 3, "ab" * 32, (5,), "/ip4/127.0.0.1/tcp/9/http")
     assert t.peers_with(3, 5, "ab" * 32) == ["peerA"] and t.peers_with(3, 4, "ab" * 32) == []
     assert t.addrs_of("peerA") == ("/ip4/127.0.0.1/tcp/9/http",)
+
+
+def test_the_have_bitfield_round_trips_and_refuses_what_is_not_one():
+    for held in ([], [0], [7, 8], [0, 5, 36], list(range(100)), [HAVE_BITS - 1]):
+        assert decode_have(encode_have(held)) == held
+    assert encode_have([0, 9]) == "gEA=" and decode_have("gEA=") == [0, 9]  # shard i is bit 7 - i % 8 of byte i // 8
+    assert decode_have(encode_have([3, HAVE_BITS, 99_999])) == [3]  # past the bitfield: not told
+    too_long = encode_have([HAVE_BITS - 1]) + "AAAA"
+    for bad in ("not base64!", "gEA", " gEA=", "gEA=\n", too_long, "A" * 100_000, None, 7):
+        assert decode_have(bad) is None, bad
+
+
+def test_a_store_tells_only_the_verified_shard_files_of_that_manifest(tmp_path):
+    manifest, _ = write_checkpoint(tmp_path, 3, n_shards=4, raw_size=8 * KIB)
+    h = manifest_hash(manifest)
+    shards = tmp_path / "3" / "shards"
+    (shards / "00002.zst").rename(shards / "00002.zst.part")  # still downloading
+    for stray in ("00009.zst.tmp", "abcde.zst", "0007.zst", "000010.zst", "notes.txt"):
+        (shards / stray).write_bytes(b"x")
+    assert DirectoryShardStore(tmp_path).held(3, h) == {0, 1, 3}
+    assert DirectoryShardStore(tmp_path).held(3, "cd" * 32) == set()  # another checkpoint under step 3
+    assert DirectoryShardStore(tmp_path).held(4, h) == set()  # no such step
+    assert CheckpointShards(tmp_path).held(3, h) == {0, 1, 3}
+
+
+async def test_one_fetch_over_http_tells_the_holders_whole_set(tmp_path):
+    """A node that knew one shard of a holder (the origin's hint) learns the rest from that fetch's answer."""
+    manifest, shards = write_checkpoint(tmp_path, 3, n_shards=6, raw_size=32 * KIB)
+    h = manifest_hash(manifest)
+    async with running(node(shard_root=tmp_path, http=True), node(listen=[], http=True)) as (server, client):
+        [http] = [a for a in server.announce_addrs if a.endswith("/http")]
+        client.table.record_hint(server.peer_id, 3, h, (0,), http)
+        assert client.table.peers_with(3, 5, h) == []
+        assert await client.fetch_shard(server.peer_id, 3, 0, 1 << 20, manifest_hash=h) == shards[0]
+        assert all(client.table.peers_with(3, i, h) == [server.peer_id] for i in range(6))
+        assert client.table.peers_with(3, 6, h) == []
+
+
+async def test_a_holder_that_claims_shards_it_does_not_serve_costs_one_refusal_per_shard(tmp_path):
+    """A liar claims every shard (its bitfield, or gossip) and answers 404: the swarm source gets each shard
+    from the honest holder and stops asking the liar for the shards it refused."""
+    from node.worker.peers import PeerSource
+
+    manifest, shards = write_checkpoint(tmp_path / "honest", 3, n_shards=4, raw_size=32 * KIB)
+    h = manifest_hash(manifest)
+    async with running(node(shard_root=tmp_path / "honest", http=True), node(shard_root=tmp_path / "empty", http=True),
+                       node(listen=[], http=True)) as (honest, liar, client):
+        for holder in (honest, liar):
+            [http] = [a for a in holder.announce_addrs if a.endswith("/http")]
+            client.table.record_hint(holder.peer_id, 3, h, range(4), http)
+        source = PeerSource(client)
+        for _ in range(3):  # the holder is picked at random: the liar is asked each shard at most once
+            for i in range(4):
+                assert await source.shard(3, i, 1 << 20, manifest_hash=h) == shards[i]
+        refused = liar.stats.snapshot()["requests_refused"].get("not_found", 0)
+        still_claimed = sum(liar.peer_id in client.table.peers_with(3, i, h) for i in range(4))
+        assert refused + still_claimed == 4 and refused <= 4
 
 
 async def test_shards_travel_over_http_between_nodes_and_libp2p_takes_over_from_a_dead_address(tmp_path):
@@ -92,6 +150,10 @@ async def test_the_http_shard_server_refuses_bad_requests_without_a_500(tmp_path
             assert await status(f"/v1/p2p/shards/3/1?manifest={h}") == 200
             assert await status(f"/v1/p2p/shards/3/7?manifest={h}") == 404  # not held
             assert await status(f"/v1/p2p/shards/3/1?manifest={'cd' * 32}") == 404  # another manifest
+            for path, held in ((f"/v1/p2p/shards/3/1?manifest={h}", [0, 1]), (f"/v1/p2p/shards/3/7?manifest={h}", [0, 1]),
+                               (f"/v1/p2p/shards/3/1?manifest={'cd' * 32}", [])):
+                async with s.get(base + path) as r:  # every answer says what this server holds of that checkpoint
+                    assert decode_have(r.headers["X-Prime-Have"]) == held
             for bad in (f"/v1/p2p/shards/3/1", f"/v1/p2p/shards/3/1?manifest=../../x", f"/v1/p2p/shards/-1/1?manifest={h}",
                         f"/v1/p2p/shards/3/100000?manifest={h}", f"/v1/p2p/shards/99999999999999999999/1?manifest={h}",
                         f"/v1/p2p/shards/3/%C2%B2?manifest={h}"):
@@ -99,6 +161,8 @@ async def test_the_http_shard_server_refuses_bad_requests_without_a_500(tmp_path
             assert await status(f"/v1/p2p/shards/3/..%2f..%2fmanifest.json?manifest={h}") in (400, 404)
             server.active = 1  # every slot taken
             assert await status(f"/v1/p2p/shards/3/1?manifest={h}") == 429
+            async with s.get(base + f"/v1/p2p/shards/3/1?manifest={h}") as r:
+                assert r.status == 429 and decode_have(r.headers["X-Prime-Have"]) == [0, 1]
     finally:
         await server.stop()
 
@@ -143,6 +207,29 @@ async def test_a_hostile_http_holder_costs_a_clear_error(behaviour, error):
                                        manifest_hash="ab" * 32, max_bytes=1 << 20, stats=P2PStats(),
                                        read_timeout_s=0.5, connect_timeout_s=2)
             assert time.monotonic() - t0 < 5
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("have", ["!!", "A" * 8000, encode_have([HAVE_BITS - 1]) + "AAAA", "gEA= gEA="])
+async def test_a_malformed_have_claim_is_ignored_and_the_shard_still_arrives(have):
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 1000, headers={"X-Prime-Have": have})
+
+    app = web.Application()
+    app.router.add_get(PATH, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    heard = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            got = await fetch_shard_http(s, f"http://127.0.0.1:{port}", peer="p", step=3, index=1,
+                                         manifest_hash="ab" * 32, max_bytes=1 << 20, stats=P2PStats(),
+                                         read_timeout_s=2, connect_timeout_s=2, on_have=heard.append)
+        assert got == b"x" * 1000 and heard == []
     finally:
         await runner.cleanup()
 
