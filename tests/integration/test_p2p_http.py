@@ -3,6 +3,7 @@ holder, against real aiohttp servers and real libp2p hosts on 127.0.0.1: the hap
 address (libp2p carries the shard), hostile servers (oversize, trickle, redirect, short body, errors) and
 hostile requests (bad numbers, bad hash, not held, busy)."""
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -22,6 +23,21 @@ from tests.integration.test_p2p_shards import RUN, node, running, write_checkpoi
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 KIB = 1024
+
+
+@contextlib.asynccontextmanager
+async def holder_serving(handler):
+    """A stand-in peer HTTP shard server answering every shard request with `handler`; yields its base URL."""
+    app = web.Application()
+    app.router.add_get(PATH, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 def record_have(table: PeerTable, holder, step: int, indices: list[int], h: str, addrs: list[str]) -> None:
@@ -192,23 +208,12 @@ async def test_a_hostile_http_holder_costs_a_clear_error(behaviour, error):
             await resp.write(b"x" * 100)
         return resp
 
-    app = web.Application()
-    app.router.add_get(PATH, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as s:
-            t0 = time.monotonic()
-            with pytest.raises(error):
-                await fetch_shard_http(s, f"http://127.0.0.1:{port}", peer="p", step=3, index=1,
-                                       manifest_hash="ab" * 32, max_bytes=1 << 20, stats=P2PStats(),
-                                       read_timeout_s=0.5, connect_timeout_s=2)
-            assert time.monotonic() - t0 < 5
-    finally:
-        await runner.cleanup()
+    async with holder_serving(handler) as url, aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        with pytest.raises(error):
+            await fetch_shard_http(s, url, peer="p", step=3, index=1, manifest_hash="ab" * 32, max_bytes=1 << 20,
+                                   stats=P2PStats(), read_timeout_s=0.5, connect_timeout_s=2)
+        assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.parametrize("have", ["!!", "A" * 8000, encode_have([HAVE_BITS - 1]) + "AAAA", "gEA= gEA="])
@@ -216,22 +221,11 @@ async def test_a_malformed_have_claim_is_ignored_and_the_shard_still_arrives(hav
     async def handler(request: web.Request) -> web.Response:
         return web.Response(body=b"x" * 1000, headers={"X-Prime-Have": have})
 
-    app = web.Application()
-    app.router.add_get(PATH, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     heard = []
-    try:
-        async with aiohttp.ClientSession() as s:
-            got = await fetch_shard_http(s, f"http://127.0.0.1:{port}", peer="p", step=3, index=1,
-                                         manifest_hash="ab" * 32, max_bytes=1 << 20, stats=P2PStats(),
-                                         read_timeout_s=2, connect_timeout_s=2, on_have=heard.append)
-        assert got == b"x" * 1000 and heard == []
-    finally:
-        await runner.cleanup()
+    async with holder_serving(handler) as url, aiohttp.ClientSession() as s:
+        got = await fetch_shard_http(s, url, peer="p", step=3, index=1, manifest_hash="ab" * 32, max_bytes=1 << 20,
+                                     stats=P2PStats(), read_timeout_s=2, connect_timeout_s=2, on_have=heard.append)
+    assert got == b"x" * 1000 and heard == []
 
 
 async def test_the_origin_names_the_first_holder_to_a_deferred_node(tmp_path):
