@@ -27,6 +27,7 @@ import binascii
 import ipaddress
 import logging
 import re
+import time
 from typing import Any, Callable, Iterable
 
 import aiohttp
@@ -50,6 +51,7 @@ _HTTP_ADDR = re.compile(r"/(ip4|ip6)/([0-9A-Fa-f.:]{2,45})/tcp/([0-9]{1,5})/http
 
 
 HAVE_BITS = MAX_INDICES  # X-Prime-Have covers shards 0..4095 (684 base64 characters at most)
+HAVE_TTL_S = 0.1  # how stale the holdings a server tells may be
 
 
 def encode_have(indices: Iterable[int]) -> str:
@@ -113,6 +115,7 @@ class HttpShardServer:
         self.chunk_bytes = int(min(CHUNK_BYTES, max(1024, upload_limit // 20))) if upload_limit > 0 else CHUNK_BYTES
         self.active = 0
         self._runner: web.AppRunner | None = None
+        self._have_cache: dict[tuple[int, str], tuple[float, dict[str, str]]] = {}
 
     async def start(self, host: str, port: int = 0) -> int:
         app = web.Application(client_max_size=1024, middlewares=[error_middleware])  # JSON errors, never a bare 500
@@ -128,6 +131,20 @@ class HttpShardServer:
             await self._runner.cleanup()
             self._runner = None
 
+    def _have(self, step: int, manifest_hash: str) -> dict[str, str]:
+        """The X-Prime-Have header for this checkpoint, listed again at most every HAVE_TTL_S: a listing of a
+        2,048-shard step takes ~3 ms, and a flood of requests must not cost one each."""
+        held = getattr(self.store, "held", None)
+        if held is None:
+            return {}
+        now = time.monotonic()
+        cached = self._have_cache.get((step, manifest_hash))
+        if cached is None or now - cached[0] > HAVE_TTL_S:
+            if len(self._have_cache) >= 64:  # a few live steps; never grows with requests
+                self._have_cache.clear()
+            cached = self._have_cache[(step, manifest_hash)] = (now, {HAVE_HEADER: encode_have(held(step, manifest_hash))})
+        return cached[1]
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         step = int_param(request, "step", MAX_STEP + 1)
         index = int_param(request, "index", MAX_SHARD_INDEX + 1)
@@ -135,8 +152,7 @@ class HttpShardServer:
         if manifest_hash is None or not _HASH.fullmatch(manifest_hash):
             raise ApiError(400, "malformed", "?manifest= must be the manifest's sha256 (64 lowercase hex)")
         peer = f"http:{request.remote}"
-        held = getattr(self.store, "held", None)
-        have = {HAVE_HEADER: encode_have(held(step, manifest_hash))} if held is not None else {}
+        have = self._have(step, manifest_hash)
         if self.active >= self.max_concurrent:
             self.stats.count_refused("busy")
             raise ApiError(429, "busy", f"serving {self.active} shards already; try another peer", headers=have)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from node.p2p.announce import decode_announcement, encode_have_announcement
 from node.p2p.errors import ShardBusy, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
-from node.p2p.http_shards import (HAVE_BITS, PATH, HttpShardServer, decode_have, encode_have, fetch_shard_http,
+from node.p2p.http_shards import (HAVE_BITS, HAVE_TTL_S, PATH, HttpShardServer, decode_have, encode_have, fetch_shard_http,
                                   http_addr, pick_url, url_of)
 from node.p2p.peer_table import PeerTable
 from node.p2p.shard_store import CheckpointShards, DirectoryShardStore, manifest_hash
@@ -179,6 +179,19 @@ async def test_the_http_shard_server_refuses_bad_requests_without_a_500(tmp_path
             assert await status(f"/v1/p2p/shards/3/1?manifest={h}") == 429
             async with s.get(base + f"/v1/p2p/shards/3/1?manifest={h}") as r:
                 assert r.status == 429 and decode_have(r.headers["X-Prime-Have"]) == [0, 1]
+            listings = 0
+            real_held = server.store.held
+
+            def counted_held(*a):
+                nonlocal listings
+                listings += 1
+                return real_held(*a)
+
+            server.store.held = counted_held
+            t0 = time.monotonic()
+            for _ in range(100):  # a flood of refused requests: the directory is listed once per HAVE_TTL_S at most
+                assert await status(f"/v1/p2p/shards/3/1?manifest={h}") == 429
+            assert listings <= (time.monotonic() - t0) / HAVE_TTL_S + 1
     finally:
         await server.stop()
 
