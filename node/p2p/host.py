@@ -56,6 +56,9 @@ GOSSIP_DIALS = 8  # announcers a node dials itself (gossipsub's mesh degree is 6
 SUBSCRIBER_LOG_INTERVAL_S = 60.0  # "subscriber is behind" is logged at most this often per subscription
 
 
+WILDCARD_IPS = ("0.0.0.0", "::")  # "all interfaces" to a listener, "this machine" to a dialer
+
+
 def _ip_of(addr: str) -> str | None:
     """The IP literal of /ip4/<ip>/... or /ip6/<ip>/..., else None."""
     parts = addr.split("/")
@@ -261,8 +264,7 @@ class P2PNode:
 
         self._http_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
                                                    auto_decompress=False)
-        hosts = [_ip_of(a) for a in (self._announce_override or self.listen_addrs)]
-        host = next((h for h in hosts if h and h not in ("0.0.0.0", "::")), None)
+        host = next((h for h in map(_ip_of, self.announce_addrs) if h and h not in WILDCARD_IPS), None)
         listen_host = next((_ip_of(a) for a in self.listen), None)
         if self.store is None or not self.listen_addrs or host is None or listen_host is None:
             return
@@ -284,8 +286,7 @@ class P2PNode:
         suffix = f"/p2p/{self.peer_id}"
         if self._announce_override is not None:
             return [a if a.endswith(suffix) else a + suffix for a in self._announce_override][:8]
-        wildcard = ("/ip4/0.0.0.0/", "/ip6/::/")
-        return [a for a in self.listen_addrs if not a.startswith(wildcard)][:8]
+        return [a for a in self.listen_addrs if _ip_of(a) not in WILDCARD_IPS][:8]
 
     async def stop(self) -> None:
         """Stop the host, end every subscription, join the thread. Idempotent."""
