@@ -50,13 +50,19 @@ async def test_late_joiner_catches_up_full_then_deltas(tmp_path):
         fetched = []
         original = late_node._on_new_step
         late_node._on_new_step = lambda step, path: (fetched.append(step), original(step, path))
-        await wait_for(lambda: late_node.stats.accepted > 0, 120, "the late node's first accepted rollouts", coord)
+        # The run's last step (7) is an xor-delta (full ones are 0, 3, 6) and the late node is the only worker
+        # left, so it must fetch a delta before the run can end: wait for exactly that, not for whatever
+        # happens to come first (its first accepted rollouts may be made on the full step it began at).
+        def delta_fetched() -> bool:
+            listing.update({c["step"]: c for c in coord.checkpoints.listing()})  # steps published since (5-7)
+            return any(listing.get(s, {}).get("encoding") == "xor-delta" for s in fetched[1:])
+
+        await wait_for(lambda: late_node.stats.accepted > 0 and delta_fetched(), 180,
+                       "the late node's first accepted rollouts and its first delta", coord)
         await stop_workers((late_node, late_task))
-        listing.update({c["step"]: c for c in coord.checkpoints.listing()})  # steps published since (5-7)
         first = fetched[0]
         assert listing[first]["encoding"] == "full" and first > 0  # older steps were pruned; it began at a full one
         assert fetched == list(range(first, fetched[-1] + 1))  # then every delta in order
-        assert any(listing.get(s, {}).get("encoding") == "xor-delta" for s in fetched[1:])
 
 
 async def test_corrupting_source_is_dropped_and_download_completes(tmp_path):
