@@ -56,6 +56,12 @@ class RunConfig(_Section):
     seed: int = 0
     stream_groups: bool = False  # k = 0 periodic asynchrony: train on groups as they arrive
     max_assignments_per_node: int = Field(2, ge=1, le=1024)  # in flight at once (more: 429, wait for one to end)
+    # A batch that cannot fill says why (docs/OPERATIONS.md, "The run is not stepping"): after this many
+    # groups in a row that the trainer could not use (all rewards equal, stale, rejected, filtered), one
+    # WARNING names the likely cause, repeated at most every stall_warn_interval_s while the streak lasts.
+    # 0 = 4 x batch_prompts (four batches' worth: a hard task early in training drops many groups, and still steps).
+    stall_warn_groups: int = Field(0, ge=0, le=10_000_000)
+    stall_warn_interval_s: float = Field(60.0, ge=1, le=86_400)
 
 
 class ModelConfig(_Section):

@@ -83,7 +83,21 @@ def summarize(status: dict, wall: float) -> dict:
         "eval_by_step": {e["step"]: e["reward"] for e in status.get("eval_curve", [])},
         "eval_prompts": max((e["n"] for e in status.get("eval_curve", [])), default=0),
         "reward_last5_mean": _last_mean(rewards, 5),
+        # usable vs unusable groups of the batch being collected, and the stall warning (None: none)
+        "batch_health": status.get("batch_health", {}),
     }
+
+
+def unusable_note(status: dict) -> str | None:
+    """The batch being collected's unusable groups for the progress line, e.g. "828 (all rewards 0)"
+    (the commonest reason first); None while every group offered to it was usable."""
+    from node.coordinator.batch_health import SHORT
+
+    by_reason = {r: n for r, n in status.get("batch_health", {}).get("unusable", {}).items() if n}
+    if not by_reason:
+        return None
+    reasons = ", ".join(SHORT.get(r, r) for r, _ in sorted(by_reason.items(), key=lambda kv: -kv[1]))
+    return f"{sum(by_reason.values())} ({reasons})"
 
 
 def _last_mean(by_step: dict, n: int) -> float | None:
@@ -204,6 +218,7 @@ def _follow(url: str, steps: int, procs: list[subprocess.Popen]) -> dict:
 
     bar = tqdm(total=steps, desc="training", unit="step", file=sys.stderr)
     last = 0
+    warned_at: float | None = None
     status: dict = {}
     while True:
         if procs[0].poll() is not None:
@@ -218,12 +233,20 @@ def _follow(url: str, steps: int, procs: list[subprocess.Popen]) -> dict:
             bar.close()
             raise DemoError(f"training failed: {status['trainer']['error']}")
         step = status["step"]
-        if step > last:
+        curve = status["reward_curve"]
+        note = unusable_note(status)  # every poll: a batch that cannot fill never moves the step
+        if step > last or note:
             bar.update(step - last)
             last = step
-            curve = status["reward_curve"]
-            if curve:
-                bar.set_postfix(reward=f"{curve[-1]['reward']:.3f}", rejected=status["verification"]["rejected"])
+            postfix = {"reward": f"{curve[-1]['reward']:.3f}"} if curve else {}
+            postfix["rejected"] = status["verification"]["rejected"]
+            if note:
+                postfix["unusable"] = note
+            bar.set_postfix(postfix)
+        warning = status.get("batch_health", {}).get("warning")
+        if warning and (warned_at is None or time.monotonic() - warned_at >= 60):  # the coordinator's rate
+            bar.write(f"WARNING: {warning}", file=sys.stderr)
+            warned_at = time.monotonic()
         if step >= steps:
             bar.close()
             return status
@@ -254,6 +277,9 @@ def _report(s: dict, ratio: float | None, plot: Path, summary_path: str | None) 
         es = sorted(evals)
         print(f"  held-out eval        greedy on {s['eval_prompts']} prompts: step {es[0]}: {evals[es[0]]:.3f} -> "
               f"step {es[-1]}: {evals[es[-1]]:.3f}")
+    bh = s.get("batch_health") or {}
+    if bh.get("warning"):
+        print(f"  not stepping         {bh['warning']}")
     if plot.is_file():
         print(f"  reward curve         {plot}")
     if summary_path:

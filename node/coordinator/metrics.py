@@ -29,6 +29,17 @@ class CoordinatorMetrics:
                                  ["state"], registry=r)
         self.verify_jobs_rehanded = Counter("prime_verify_jobs_rehanded", "verifier pool jobs handed out again "
                                             "after their lease ran out (a verifier died or was too slow)", registry=r)
+        # batch health (node/coordinator/batch_health.py): groups offered to the trainer, usable or not and why
+        self.groups_usable = Counter("prime_groups_usable", "groups the trainer took into a batch", registry=r)
+        self.groups_unusable = Counter("prime_groups_unusable", "groups the trainer could not use, by reason "
+                                       "(all_rewards_zero, all_rewards_equal, stale, rejected, filtered)", ["reason"],
+                                       registry=r)
+        self.batch_usable = Gauge("prime_batch_groups_usable", "usable groups of the batch being collected", registry=r)
+        self.batch_needed = Gauge("prime_batch_groups_needed", "groups a batch needs (run.batch_prompts)", registry=r)
+        self.batch_unusable = Gauge("prime_batch_groups_unusable", "unusable groups offered to the batch being "
+                                    "collected, by reason", ["reason"], registry=r)
+        self.groups_unusable_in_a_row = Gauge("prime_groups_unusable_in_a_row", "unusable groups since the last "
+                                              "usable one (run.stall_warn_groups of them: a WARNING)", registry=r)
         self.requests = Counter("prime_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
 

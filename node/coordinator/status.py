@@ -46,6 +46,8 @@ def build_status(c) -> dict:
     for per_node in c.node_bytes.values():
         bytes_by_source.update(per_node)
     counts = c.ledger.counts()
+    verdicts = c.ledger.verdict_counts()
+    tl.health.observe_voided(verdicts.get("void", 0))  # groups verification voided count as rejected
     return {
         "run_id": c.cfg.run.run_id,
         "coordinator_key": c.identity.public_hex,
@@ -69,10 +71,13 @@ def build_status(c) -> dict:
         "nodes_with_newest": summary["with_newest"],
         "throughput": {"tokens_per_s": round(summary["tokens_per_s"], 1)},
         "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+        # the batch being collected: usable groups vs needed, the unusable ones by reason, the streak of
+        # unusable ones and, past run.stall_warn_groups, the warning with its likely cause (batch_health.py)
+        "batch_health": tl.health.snapshot(),
         "verification": {"accepted": counts["accepted_rollouts"], "rejected": counts["rejected_rollouts"],
                          "rejected_by_reason": c.ledger.rejection_counts(),
                          "undecided_submissions": c.verdicts.pending(),
-                         "groups_by_verdict": c.ledger.verdict_counts(),
+                         "groups_by_verdict": verdicts,
                          **({"pool": pool_status(c.verifier_board, t)} if c.verifier_board is not None else {})},
         "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")}
                          for r in thin([r for r in steps if r.step > 0], CURVE_POINTS)],

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
+from node.coordinator.batch_health import STALE, BatchHealth, drop_reason
 from node.coordinator.evaluation import Evaluator, warm_start_seed
 from node.coordinator.faults import crash_point
 from node.coordinator.ledger import GroupRow, Ledger, StepRow, now_ms
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from node.trainer import Rollout
 
 log = logging.getLogger("prime_node.training")
+VOID_POLL_S = 10.0  # how often the waiting loop counts groups voided by verification (batch health)
 
 
 def trainable(r: dict, policy_step: int) -> Rollout:
@@ -75,6 +77,11 @@ class TrainingLoop:
         self.last_metrics: dict = {}
         self.error: str | None = None
         self.evaluator = None  # node.coordinator.evaluation.Evaluator when eval.every_steps > 0
+        # usable / unusable groups of the batch being collected, and the stall warning (batch_health.py)
+        self._voided_polled = float("-inf")
+        self.health = BatchHealth(needed=cfg.run.batch_prompts,
+                                  warn_after=cfg.run.stall_warn_groups or 4 * cfg.run.batch_prompts,
+                                  warn_interval_s=cfg.run.stall_warn_interval_s, metrics=metrics)
 
     # -- start-up ----------------------------------------------------------------------------------
     def _make_trainer(self, resume: bool):
@@ -196,6 +203,14 @@ class TrainingLoop:
             log.exception("training loop failed")
             self.error = f"{type(e).__name__}: {e}"
 
+    def _observe_voided(self) -> None:
+        """Groups voided by verification never reach this loop: count them from the ledger, at most every
+        VOID_POLL_S while waiting (the count scans the groups table; status reads it on every build too)."""
+        t = time.monotonic()
+        if t - self._voided_polled >= VOID_POLL_S:
+            self._voided_polled = t
+            self.health.observe_voided(self.ledger.verdict_counts().get("void", 0))
+
     def _wait(self, timeout: float) -> None:
         t0 = time.monotonic()
         with self._cond:
@@ -212,11 +227,13 @@ class TrainingLoop:
         fed: list[dict] = []
         seen: set[int] = set()
         dropped: dict[str, list[dict]] = {"stale": [], "filtered": []}
+        self.health.begin_batch(n)
         while not self._stop and not self.trainer.batch_complete:
             # ids first: parsing every waiting group's JSON at every poll cost a quarter of a loaded
             # coordinator's CPU (bench/load.py)
             fresh = ledger.groups([i for i in ledger.waiting_group_ids() if i not in seen])
             if not fresh:
+                self._observe_voided()
                 self._wait(0.5)
                 continue
             just_dropped: list[dict] = []
@@ -225,6 +242,7 @@ class TrainingLoop:
                 if g.policy_step < min_m:
                     dropped["stale"].append(g)
                     just_dropped.append(g)
+                    self.health.record_unusable(STALE)
                     continue
                 t0 = time.monotonic()
                 self.busy = True
@@ -235,9 +253,11 @@ class TrainingLoop:
                 self.busy_seconds += time.monotonic() - t0
                 if kept:
                     fed.append(g)
+                    self.health.record_usable()
                 else:
                     dropped["filtered"].append(g)
                     just_dropped.append(g)
+                    self.health.record_unusable(drop_reason([r["reward"] for r in g.data["rollouts"]]))
                 if self.trainer.batch_complete:
                     break
             if just_dropped:  # the scheduler asks for replacements now
