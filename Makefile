@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-vllm test-all bench clean venv venv-vllm
+.PHONY: demo test test-vllm test-wan test-all bench clean venv venv-vllm
 
 venv: $(STAMP)
 
@@ -37,9 +37,14 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/prime-node demo --summary demo-summary.json
 
-# Everything not marked gpu or vllm. Exit code 5 ("no tests collected") is not a failure of the suite.
+# Everything not marked gpu, vllm or wan. Exit code 5 ("no tests collected") is not a failure of the suite.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not vllm" -q $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan" -q $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The WAN lab (tests/wan): network namespaces with NAT routers, shaped links and a delay line; needs root,
+# iproute2, nftables and iptables. Where a lab cannot be built, its tests skip with the reason.
+test-wan: $(STAMP)
+	$(BIN)/python -m pytest -m wan -q $(PYTEST_ARGS)
 
 # The vLLM engine on the CPU: the backend's honest and attack matrices, a node end to end, the demo.
 test-vllm: $(VLLM_STAMP)

@@ -1,0 +1,129 @@
+"""A delay line for kernels without sch_netem: every packet an iptables NFQUEUE rule hands to this process
+is held for --delay-ms, then accepted, in order.
+
+Run inside the namespace whose rules queue (the lab's core router):
+
+    iptables -t mangle -A PREROUTING  -i v-h1 -j NFQUEUE --queue-num 1 --queue-bypass   # from site h1
+    iptables -t mangle -A POSTROUTING -o v-h1 -j NFQUEUE --queue-num 1 --queue-bypass   # to site h1
+    python3 delay_line.py --queue 1 --delay-ms 20
+
+A packet is queued once on the way in (its source site's delay) and once on the way out (its destination
+site's), so the round trip between sites A and B is 2 * (delay A + delay B). Raw NETLINK_NETFILTER, no
+library: only the packet id is copied to user space (NFQNL_COPY_META) and one batch verdict releases every
+packet that is due, about one recv per packet (~30 us of CPU). The queue fails open (a full queue passes
+packets instead of dropping them) and `--queue-bypass` passes packets while no delay line runs, so a dead
+delay line shows as missing latency, never as a dead network. SIGTERM releases what is held and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import select
+import signal
+import socket
+import struct
+import time
+
+NETLINK_NETFILTER = 12
+NFNL_SUBSYS_QUEUE = 3
+MSG_PACKET, MSG_VERDICT, MSG_CONFIG, MSG_VERDICT_BATCH = 0, 1, 2, 3
+NLM_F_REQUEST, NLM_F_ACK = 1, 4
+NLMSG_ERROR = 2
+ATTR_PACKET_HDR, ATTR_VERDICT_HDR = 1, 2
+CFG_CMD, CFG_PARAMS, CFG_QUEUE_MAXLEN, CFG_MASK, CFG_FLAGS = 1, 2, 3, 4, 5
+CMD_BIND, CMD_UNBIND = 1, 2
+COPY_META = 1
+F_FAIL_OPEN = 1
+NF_ACCEPT = 1
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    raw = struct.pack("=HH", 4 + len(payload), kind) + payload
+    return raw + b"\0" * (-len(raw) % 4)
+
+
+def _message(msg: int, queue: int, attrs: bytes, flags: int = NLM_F_REQUEST) -> bytes:
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(queue)) + attrs
+    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | msg, flags, 0, 0) + body
+
+
+def _accept_upto(queue: int, packet_id: int) -> bytes:
+    return _message(MSG_VERDICT_BATCH, queue, _attr(ATTR_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, packet_id)))
+
+
+def _bind(sock: socket.socket, queue: int, maxlen: int) -> None:
+    steps = [
+        _attr(CFG_CMD, struct.pack("!BBH", CMD_UNBIND, 0, socket.AF_INET)),  # a stale binding, if any
+        _attr(CFG_CMD, struct.pack("!BBH", CMD_BIND, 0, socket.AF_INET)),
+        _attr(CFG_PARAMS, struct.pack("!IB", 0, COPY_META)) + _attr(CFG_QUEUE_MAXLEN, struct.pack("!I", maxlen))
+        + _attr(CFG_FLAGS, struct.pack("!I", F_FAIL_OPEN)) + _attr(CFG_MASK, struct.pack("!I", F_FAIL_OPEN)),
+    ]
+    for i, a in enumerate(steps):
+        sock.send(_message(MSG_CONFIG, queue, a, NLM_F_REQUEST | NLM_F_ACK))
+        data = sock.recv(65536)
+        if struct.unpack_from("=IHHII", data)[1] == NLMSG_ERROR:
+            (err,) = struct.unpack_from("=i", data, 16)
+            if err and i > 0:  # unbinding a queue nobody holds may fail; anything else is fatal
+                raise OSError(-err, f"nfqueue config step {i} failed")
+
+
+def _packet_ids(data: bytes):
+    off = 0
+    while off + 16 <= len(data):
+        length, kind = struct.unpack_from("=IH", data, off)
+        if length < 16:
+            return
+        if kind == (NFNL_SUBSYS_QUEUE << 8) | MSG_PACKET:
+            a = off + 20  # nlmsghdr (16) + nfgenmsg (4)
+            while a + 4 <= off + length:
+                alen, atype = struct.unpack_from("=HH", data, a)
+                if alen < 4:
+                    break
+                if atype & 0x3FFF == ATTR_PACKET_HDR:
+                    yield struct.unpack_from("!I", data, a + 4)[0]
+                    break
+                a += (alen + 3) & ~3
+        off += (length + 3) & ~3
+
+
+def run(queue: int, delay_s: float, maxlen: int = 8192) -> None:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.bind((0, 0))
+    _bind(sock, queue, maxlen)
+    held: collections.deque[tuple[float, int]] = collections.deque()  # (due, packet id), both ascending
+    print(f"delay_line: queue {queue}, {delay_s * 1000:.1f} ms", flush=True)
+    try:
+        while True:
+            timeout = max(0.0, held[0][0] - time.monotonic()) if held else None
+            if select.select([sock], [], [], timeout)[0]:
+                try:
+                    data = sock.recv(1 << 20)
+                except OSError:  # ENOBUFS: the kernel dropped notifications; those packets stay queued (fail open)
+                    continue
+                due = time.monotonic() + delay_s
+                held.extend((due, pid) for pid in _packet_ids(data))
+            now, last = time.monotonic(), None
+            while held and held[0][0] <= now:
+                last = held.popleft()[1]
+            if last is not None:  # one message accepts every packet up to `last`
+                sock.send(_accept_upto(queue, last))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if held:  # release what we hold rather than strand it
+            sock.send(_accept_upto(queue, held[-1][1]))
+        sock.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--queue", type=int, required=True)
+    p.add_argument("--delay-ms", type=float, required=True)
+    a = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    run(a.queue, a.delay_ms / 1000)
+
+
+if __name__ == "__main__":
+    main()
