@@ -209,7 +209,7 @@ def cmd_demo(args) -> int:
 def _write_default(out: Path) -> str:
     """No config file given or found: write the defaults so every process reads the same tree."""
     path = out / "config.toml"
-    path.write_text(dump_toml(Config()))
+    path.write_text(dump_toml(Config(p2p={"allow_private_addrs": True})))  # every demo node is on 127.0.0.1
     return str(path)
 
 

@@ -89,7 +89,7 @@ def build_app(coord) -> web.Application:
         coord.metrics.bytes_served.inc(n)
 
     gate = SeedingGate(coord.seeder, verifier, lambda node_id: (n := coord.ledger.node(node_id)) is not None
-                       and not n.banned)
+                       and not n.banned, allow_private_addrs=coord.cfg.p2p.allow_private_addrs)
     CheckpointRoutes(coord.checkpoints, servable=coord.servable_steps, throttle=throttle, on_bytes=count,
                      gate=gate).add_to(app)
 

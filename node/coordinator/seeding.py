@@ -126,17 +126,27 @@ class SeedingGate:
     node (DESIGN §4, empty body) goes through the `SuperSeeder`; an unsigned one is served like any
     HTTP client's and never holds a first copy; a signature that does not verify is a 401."""
 
-    def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000):
+    def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000,
+                 allow_private_addrs: bool = False):
         self.seeder, self.verifier, self.is_member = seeder, verifier, is_member
         # node id -> the HTTP shard server it told us about (X-Prime-Shard-Addr on its signed requests), so a
         # deferred node learns where the first copy went (X-Prime-Holder) instead of waiting for gossip
         self.shard_addrs: OrderedDict[str, str] = OrderedDict()
         self.max_addrs = max_addrs
+        # p2p.allow_private_addrs: off, an address that is loopback, private, link-local, ... is never repeated
+        # (every worker told of it would fetch from it: node/p2p/addrs.py).
+        self.allow_private_addrs = allow_private_addrs
 
     def _remember_addr(self, node_id: str, addr: str | None) -> None:
         from node.p2p.http_shards import url_of
 
-        if addr is None or url_of(addr) is None:  # only a literal-IP /http address is ever repeated
+        if addr is None:
+            return
+        if url_of(addr, allow_private=self.allow_private_addrs) is None:
+            # Only a literal-IP /http address that passed the address policy is ever repeated; a node that now
+            # claims one that does not loses the one it had (this is a claim, not an address seen working:
+            # the dial-back that checks it is the NAT issue's, #26).
+            self.shard_addrs.pop(node_id, None)
             return
         self.shard_addrs[node_id] = addr
         self.shard_addrs.move_to_end(node_id)

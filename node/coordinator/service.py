@@ -20,6 +20,7 @@ from node.config import Config
 from node.coordinator.intake import Intake
 from node.coordinator.ledger import Ledger, NodeRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator.node_bytes import NodeBytes
 from node.coordinator.publisher import Publisher
 from node.coordinator.run_model import load_run_model
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
@@ -59,7 +60,8 @@ class Coordinator:
                                    full_every=cfg.distribution.full_every)
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop, once started
         self.bytes_by_source: Counter[str] = Counter()
-        self.node_bytes: dict[str, dict[str, int]] = {}
+        # What each node says it fetched, by source: bounded per node and in nodes (node_bytes.py).
+        self.node_bytes = NodeBytes(ttl_ms=IDLE_KEY_FORGET_MS)
         self.recent_staleness: deque[int] = deque(maxlen=10_000)
         self._submitting: set[str] = set()
         self._tasks: list[asyncio.Task] = []
@@ -279,7 +281,7 @@ class Coordinator:
                                        coordinator_key=self.identity.public_hex)
         await self.p2p.start()
         self.p2p.add_listener(self._on_announcement)
-        self.metrics.watch_p2p(self.p2p.stats.snapshot)
+        self.metrics.watch_p2p(self.p2p.stats.totals)  # no per-peer tables: a scrape copies a few counters
 
     def _on_announcement(self, event) -> None:
         """A node's verified `have` announcement keeps its super-seeding claims alive."""
@@ -312,7 +314,7 @@ class Coordinator:
     def heartbeat(self, node_id: str, req: M.HeartbeatRequest) -> M.HeartbeatResponse:
         self._known_node(node_id)
         self._seen(node_id, req.policy_step, req.tokens_per_second, req.state)
-        self.node_bytes[node_id] = dict(req.bytes_by_source)
+        self.node_bytes.record(node_id, req.bytes_by_source, now_ms())
         return M.HeartbeatResponse(current_step=self.published_step)
 
     def work(self, node_id: str, req: M.WorkRequest) -> M.Assignment | None:

@@ -49,3 +49,8 @@ class P2PConfig(BaseModel):
     gossip_rate_limit: int = Field(100, ge=10, le=10_000)
     # Announcements older than this (or this far in the future) are dropped as replays.
     announce_max_age_s: float = Field(600.0, gt=0)
+    # Use peer addresses (from `have` announcements, X-Prime-Shard-Addr, X-Prime-Holder) that are loopback,
+    # private, link-local, shared or reserved. Off: a stranger could otherwise point every node (and, through
+    # the coordinator's X-Prime-Holder, every worker) at 127.0.0.1, 169.254.169.254 or the operator's LAN
+    # (node/p2p/addrs.py). Turn it on for a swarm on one machine (configs/local.toml, tests) or one LAN.
+    allow_private_addrs: bool = False

@@ -129,7 +129,7 @@ class P2PNode:
                  heartbeat_interval_s: int = 1, gossip_rate_limit: int = 100, bootstrap: Sequence[str] = (),
                  announce_addrs: Sequence[str] | None = None, name: str | None = None,
                  max_streams_per_peer: int = 4, request_timeout_s: float = 2.0, log_interval_s: float = 60.0,
-                 http: bool = False, http_port: int = 0):
+                 http: bool = False, http_port: int = 0, allow_private_addrs: bool = False):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -160,7 +160,10 @@ class P2PNode:
         self.request_timeout_s = request_timeout_s
         self.log_interval_s = log_interval_s
         self.stats = P2PStats()
-        self.table = PeerTable()
+        # Peers' addresses (announced, or hinted by the origin) that are loopback/private/link-local are
+        # dropped unless allowed (addrs.py): strangers must not steer this node at internal services.
+        self.allow_private_addrs = allow_private_addrs
+        self.table = PeerTable(allow_private_addrs=allow_private_addrs)
         self._bridge = TrioBridge(name or identity.node_id[:8])
         self._service: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,7 +204,8 @@ class P2PNode:
                    max_shard_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
                    connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s,
                    gossip_rate_limit=cfg.gossip_rate_limit, max_streams_per_peer=cfg.max_streams_per_peer,
-                   request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port, **kw)
+                   request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port,
+                   allow_private_addrs=cfg.allow_private_addrs, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -231,7 +235,8 @@ class P2PNode:
             connect_timeout_s=self.connect_timeout_s, announce_max_age_s=self.announce_max_age_s,
             heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit,
             request_timeout_s=self.request_timeout_s, max_streams_per_peer=self.max_streams_per_peer,
-            log_interval_s=self.log_interval_s, upload_bucket=self._upload_bucket)
+            log_interval_s=self.log_interval_s, upload_bucket=self._upload_bucket,
+            allow_private_addrs=self.allow_private_addrs)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
@@ -356,6 +361,7 @@ class P2PNode:
     async def announce_manifest(self, step: int, manifest_hash: str) -> None:
         """Coordinator only: "the signed manifest for `step` is available" (signed with our key)."""
         data = encode_manifest_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash)
+        self.table.note_manifest(step, manifest_hash)  # our own publishes are not delivered back to us
         await self._publish(data)
 
     async def announce_have(self, step: int, indices: Iterable[int], manifest_hash: str) -> None:
@@ -363,6 +369,11 @@ class P2PNode:
         data = encode_have_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash,
                                         indices=list(indices), addrs=self.announce_addrs)
         await self._publish(data)
+
+    def note_manifest(self, step: int, manifest_hash: str) -> None:
+        """A manifest this node verified against the coordinator's key (the fetcher calls it): peers' `have`s
+        for `step` count from now on even if the coordinator's `manifest` gossip never reached us."""
+        self.table.note_manifest(step, manifest_hash)
 
     async def _publish(self, data: bytes) -> None:
         async with self._publish_lock:  # one sliding window of PUBLISH_PER_SECOND per node
@@ -399,8 +410,11 @@ class P2PNode:
         if isinstance(ann, ManifestAnnouncement):
             self.table.record_manifest(ann)
         elif isinstance(ann, HaveAnnouncement):
-            self.table.record_have(event.peer_id, ann)
-            self._maybe_dial(event.peer_id, ann.addrs)
+            # Bounded by the signed steps we know (peer_table.py): a `have` for a step outside that window,
+            # or for a manifest the coordinator did not sign, is neither kept nor passed on.
+            if not self.table.record_have(event.peer_id, ann):
+                return
+            self._maybe_dial(event.peer_id, self.table.usable_addrs(ann.addrs))
         for sub in list(self._subscriptions):
             sub._offer(event)
         for cb in list(self._listeners):
@@ -459,7 +473,7 @@ class P2PNode:
 
         if self._http_session is None or req.manifest_hash is None or peer in self._http_failed:
             return None
-        url = pick_url(addrs)
+        url = pick_url(addrs, allow_private=self.allow_private_addrs)
         if url is None:
             return None
         try:

@@ -37,6 +37,7 @@ from node.http import HAVE_HEADER, ApiError, error_middleware, int_param
 from node.rate_limit import AsyncRateLimiter, SharedBucket
 
 from .announce import MAX_INDICES, MAX_SHARD_INDEX, MAX_STEP
+from .addrs import ip_allowed
 from .errors import ShardBusy, ShardFetchError, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
 from .shard_store import ShardStore
 from .stats import P2PStats
@@ -81,8 +82,10 @@ def http_addr(host: str, port: int) -> str:
     return f"/ip{ip.version}/{ip}/tcp/{int(port)}/http"
 
 
-def url_of(addr: str) -> str | None:
-    """http://host:port for an address of exactly that form with a literal IP and a real port, else None."""
+def url_of(addr: str, *, allow_private: bool = False) -> str | None:
+    """http://host:port for an address of exactly that form with a literal IP and a real port, else None.
+    The IP must be public (addrs.py: never loopback, private, link-local, ...) unless `allow_private`:
+    these addresses come from strangers, and the coordinator repeats them to every node."""
     m = _HTTP_ADDR.fullmatch(addr) if isinstance(addr, str) else None
     if m is None:
         return None
@@ -91,7 +94,7 @@ def url_of(addr: str) -> str | None:
     except ValueError:
         return None
     port = int(m.group(3))
-    if f"ip{ip.version}" != m.group(1) or not 0 < port < 65536 or ip.is_multicast or ip.is_unspecified:
+    if f"ip{ip.version}" != m.group(1) or not 0 < port < 65536 or not ip_allowed(str(ip), allow_private):
         return None
     return f"http://{ip}:{port}" if ip.version == 4 else f"http://[{ip}]:{port}"
 
@@ -230,6 +233,6 @@ async def fetch_shard_http(session: aiohttp.ClientSession, base_url: str, *, pee
     return bytes(buf)
 
 
-def pick_url(addrs: Any) -> str | None:
-    """The first usable HTTP shard server among a peer's announced addresses."""
-    return next((url for a in addrs or () if (url := url_of(a)) is not None), None)
+def pick_url(addrs: Any, *, allow_private: bool = False) -> str | None:
+    """The first usable HTTP shard server among a peer's announced addresses (url_of's rules)."""
+    return next((url for a in addrs or () if (url := url_of(a, allow_private=allow_private)) is not None), None)

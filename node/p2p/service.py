@@ -42,6 +42,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from protocol.identity import Identity
 
 from .announce import AnnouncementEvent, CheckedAnnouncement, precheck_announcement, topic_for_run, verify_announcement
+from .addrs import multiaddr_allowed
 from .errors import AnnouncementRejected, InvalidMultiaddr, P2PError, PeerUnavailable
 from .keys import libp2p_key_pair, node_id_for_peer
 from node.peer_log import PeerEventLog
@@ -136,6 +137,8 @@ class ServiceSettings:
     log_interval_s: float = 60.0
     # The upload cap's tokens, when the HTTP shard server serves under the same cap (rate_limit.SharedBucket).
     upload_bucket: Any = None
+    # Dial peers' loopback/private/link-local addresses (addrs.py); off on the open internet.
+    allow_private_addrs: bool = False
 
 
 def _peer_name(peer_id_bytes: bytes) -> str:
@@ -178,6 +181,15 @@ class GuardedPubsub(Pubsub):
         self._guard.settled(msg_forwarder, msg, accepted=self._is_msg_seen(msg))
 
 
+class NoPxGossipSub(GossipSub):
+    """GossipSub that ignores peer exchange. We never ask for it (do_px is off), but py-libp2p 0.8 dials every
+    peer a PRUNE's PX list names, at the addresses of a signed record the sender can make for any key of its
+    own: one hostile peer could make us dial anywhere. Peers come from verified announcements instead."""
+
+    async def _do_px(self, px_peers: Any) -> None:
+        return None
+
+
 class P2PService:
     def __init__(self, identity: Identity, settings: ServiceSettings, store: ShardStore | None, stats: P2PStats,
                  on_announcement: Callable[[AnnouncementEvent], None]):
@@ -214,7 +226,7 @@ class P2PService:
             # We announce our listen addresses ourselves; "observed" ones of a NATed node are not dialable.
             disable_identify_address_discovery=True,
         )
-        self.gossipsub = GossipSub(
+        self.gossipsub = NoPxGossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
             heartbeat_interval=self.settings.heartbeat_interval_s,
             max_messages_per_topic_per_second=float(self.settings.gossip_rate_limit * GOSSIPSUB_LIMIT_FACTOR),
@@ -268,6 +280,10 @@ class P2PService:
             raise InvalidMultiaddr(f"{addr[:80]!r} has no /p2p/<peer id> part: {e}") from None
         if info.peer_id == self.host.get_id():
             raise InvalidMultiaddr(f"{addr[:80]!r} is this node itself")
+        if not self.host.get_network().connections.get(info.peer_id):
+            # Dial the address we were given, not whatever the peerstore picked up about this peer (its
+            # signed peer record, identify): those are the peer's own claims, never filtered.
+            self.host.get_peerstore().clear_addrs(info.peer_id)
         try:
             with trio.fail_after(self.settings.connect_timeout_s):
                 await self.host.connect(info)
@@ -292,16 +308,20 @@ class P2PService:
         await self.pubsub.publish(self.topic, data)
 
     async def fetch(self, peer: ID, req: ShardRequest, addrs: tuple[str, ...], timeout_s: float | None) -> bytes:
-        if addrs and not self.host.get_network().connections.get(peer):
-            # Learned from its announcement; the peerstore entry lets new_stream dial it.
+        if not self.host.get_network().connections.get(peer):
+            # Learned from its announcement (and allowed by the address policy); the peerstore entry lets
+            # new_stream dial it, and only it: the peer's own records in the peerstore are not dialled.
             good = []
             for a in addrs:
-                if is_http_addr(a):  # the HTTP data plane's address, not a libp2p one
-                    continue
+                if is_http_addr(a) or not multiaddr_allowed(a, self.settings.allow_private_addrs):
+                    continue  # the HTTP data plane's address, or one a stranger must not make us dial
                 try:
                     good.append(parse_multiaddr(a))
                 except InvalidMultiaddr:
                     continue
+            if not good:
+                raise PeerUnavailable(f"peer {peer.to_base58()} is not connected and announced no address we may dial")
+            self.host.get_peerstore().clear_addrs(peer)
             self.host.get_peerstore().add_addrs(peer, good, 600)
         return await fetch_shard(self.host, peer, req, stats=self.stats, read_timeout_s=self.settings.read_timeout_s,
                                  open_timeout_s=self.settings.connect_timeout_s, timeout_s=timeout_s)

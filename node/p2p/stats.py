@@ -1,48 +1,83 @@
 """Per-peer transfer counters (for `checkpoint_bytes_by_source`), announcement drop counts (by reason
 and by forwarding peer) and shard-stream refusals. `snapshot()` is the JSON-ready view a caller
-exports (e.g. to /metrics or a status page).
+exports (e.g. to a status page); `totals()` is the part without per-peer counts, what /metrics reads.
 
-Written by the trio thread, read by the asyncio thread: every access holds one lock. Keys are
-peer ids (base58); the number of peers is bounded by the connections a node accepts.
+Written by the trio thread, read by the asyncio thread: every access holds one lock.
+
+Bounded: peer ids cost a stranger nothing (a fresh libp2p key, or a fresh source port over HTTP), so per-peer
+counters are kept for the `max_peers` most recently active peers; a peer pushed out is added to one
+"other" entry, so sums stay whole. Reasons are the code's own strings, so those counters are bounded by it.
+Totals are kept as running sums: a scrape copies a few reason counters, never the per-peer tables.
 """
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
+
+OTHER = "other"  # the peers pushed out of the per-peer tables, together
+MAX_PEERS = 256
+_SERVED, _FETCHED, _SHARDS_SERVED, _SHARDS_FETCHED = range(4)
+
+
+class _PeerCounters:
+    """peer -> fixed-size row of counters, least recently active first, at most `max_peers` rows + OTHER."""
+
+    def __init__(self, max_peers: int, width: int):
+        self.max_peers, self.width = max_peers, width
+        self.rows: OrderedDict[str, list[int]] = OrderedDict()
+        self.other = [0] * width
+
+    def add(self, peer: str, slot: int, n: int) -> None:
+        row = self.rows.get(peer)
+        if row is None:
+            if len(self.rows) >= self.max_peers:
+                _, old = self.rows.popitem(last=False)
+                self.other = [a + b for a, b in zip(self.other, old)]
+            row = self.rows[peer] = [0] * self.width
+        else:
+            self.rows.move_to_end(peer)
+        row[slot] += n
+
+    def column(self, slot: int) -> dict[str, int]:
+        out = {p: row[slot] for p, row in self.rows.items() if row[slot]}
+        if self.other[slot]:
+            out[OTHER] = out.get(OTHER, 0) + self.other[slot]
+        return out
 
 
 class P2PStats:
-    def __init__(self) -> None:
+    def __init__(self, max_peers: int = MAX_PEERS) -> None:
         self._lock = threading.Lock()
-        self._served: Counter[str] = Counter()
-        self._fetched: Counter[str] = Counter()
-        self._shards_served: Counter[str] = Counter()
-        self._shards_fetched: Counter[str] = Counter()
+        self._by_peer = _PeerCounters(max_peers, 4)
+        self._dropped_by_peer = _PeerCounters(max_peers, 1)
+        self._bytes_served = 0
+        self._bytes_fetched = 0
         self._dropped: Counter[str] = Counter()
         self._received: Counter[str] = Counter()
-        self._dropped_by_peer: Counter[str] = Counter()
         self._serve_refused: Counter[str] = Counter()
         self._serve_aborted: Counter[str] = Counter()
         self._undelivered = 0
 
     def add_served(self, peer: str, n: int, *, shard_done: bool = False) -> None:
         with self._lock:
-            self._served[peer] += n
+            self._bytes_served += n
+            self._by_peer.add(peer, _SERVED, n)
             if shard_done:
-                self._shards_served[peer] += 1
+                self._by_peer.add(peer, _SHARDS_SERVED, 1)
 
     def add_fetched(self, peer: str, n: int, *, shard_done: bool = False) -> None:
         with self._lock:
-            self._fetched[peer] += n
+            self._bytes_fetched += n
+            self._by_peer.add(peer, _FETCHED, n)
             if shard_done:
-                self._shards_fetched[peer] += 1
+                self._by_peer.add(peer, _SHARDS_FETCHED, 1)
 
     def count_dropped(self, reason: str, peer: str | None = None) -> None:
         """An announcement dropped for `reason`; `peer`: the forwarding peer it came from."""
         with self._lock:
             self._dropped[reason] += 1
             if peer is not None:
-                self._dropped_by_peer[peer] += 1
+                self._dropped_by_peer.add(peer, 0, 1)
 
     def count_undelivered(self, n: int = 1) -> None:
         """A valid announcement a local subscriber had no room for (it fell behind)."""
@@ -64,11 +99,11 @@ class P2PStats:
 
     def bytes_served_by_peer(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._served)
+            return self._by_peer.column(_SERVED)
 
     def bytes_fetched_by_peer(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._fetched)
+            return self._by_peer.column(_FETCHED)
 
     def dropped(self) -> dict[str, int]:
         with self._lock:
@@ -76,22 +111,30 @@ class P2PStats:
 
     def dropped_by_peer(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._dropped_by_peer)
+            return self._dropped_by_peer.column(0)
 
-    def snapshot(self) -> dict:
-        """A JSON-ready copy of every counter."""
+    def totals(self) -> dict:
+        """Every counter but the per-peer ones (a few small dicts): cheap enough for each /metrics scrape."""
         with self._lock:
             return {
-                "bytes_served_by_peer": dict(self._served),
-                "bytes_fetched_by_peer": dict(self._fetched),
-                "shards_served_by_peer": dict(self._shards_served),
-                "shards_fetched_by_peer": dict(self._shards_fetched),
-                "bytes_served": sum(self._served.values()),
-                "bytes_fetched": sum(self._fetched.values()),
+                "bytes_served": self._bytes_served,
+                "bytes_fetched": self._bytes_fetched,
                 "announcements_received": dict(self._received),
                 "announcements_dropped": dict(self._dropped),
-                "announcements_dropped_by_peer": dict(self._dropped_by_peer),
                 "announcements_undelivered": self._undelivered,
                 "requests_refused": dict(self._serve_refused),
                 "streams_aborted": dict(self._serve_aborted),
             }
+
+    def snapshot(self) -> dict:
+        """A JSON-ready copy of every counter (per peer: the `max_peers` most recently active, plus OTHER)."""
+        out = self.totals()
+        with self._lock:
+            out.update({
+                "bytes_served_by_peer": self._by_peer.column(_SERVED),
+                "bytes_fetched_by_peer": self._by_peer.column(_FETCHED),
+                "shards_served_by_peer": self._by_peer.column(_SHARDS_SERVED),
+                "shards_fetched_by_peer": self._by_peer.column(_SHARDS_FETCHED),
+                "announcements_dropped_by_peer": self._dropped_by_peer.column(0),
+            })
+        return out

@@ -140,7 +140,7 @@ class WorkerNode:
                 self.announcer = HaveAnnouncer(self.p2p)
                 sources.append(PeerSource(self.p2p))
             self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1, on_new_step=self._on_new_step,
-                                   on_shards=self.announcer.add if self.announcer else None,
+                                   on_shards=self._on_shards if self.announcer else None,
                                    progress=self.status_line)
             held = store.held_steps()
             if held:
@@ -163,6 +163,12 @@ class WorkerNode:
                 if self.p2p is not None:
                     await self.p2p.stop()
         log.info("worker stopped (accepted %d, rejected %d rollouts)", self.stats.accepted, self.stats.rejected)
+
+    def _on_shards(self, step: int, manifest_hash: str, indices: list[int]) -> None:
+        """Shards of a manifest the fetcher verified: the peer table counts peers' `have`s for that step from
+        now on (node/p2p/peer_table.py), and we announce the shards."""
+        self.p2p.note_manifest(step, manifest_hash)
+        self.announcer.add(step, manifest_hash, indices)
 
     async def _start_p2p(self, spec: M.RunSpec, key: str, shard_source):
         """Join the run's libp2p swarm; its announcements wake the fetcher."""

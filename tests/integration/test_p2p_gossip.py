@@ -24,6 +24,7 @@ H = "ab" * 32
 @contextlib.asynccontextmanager
 async def swarm(coord: Identity, n_workers: int, **kw):
     """A coordinator host and `n_workers` worker hosts, each worker dialling the coordinator only."""
+    kw.setdefault("allow_private_addrs", True)  # every host is on 127.0.0.1
     nodes = [P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, name="coord", **kw)]
     nodes += [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name=f"w{i}", **kw)
               for i in range(n_workers)]

@@ -37,7 +37,7 @@ async def running(*nodes: P2PNode):
 
 
 def node(**kw) -> P2PNode:
-    return P2PNode(Identity.generate(), run_id=RUN, **kw)
+    return P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True, **kw)  # all on 127.0.0.1
 
 
 async def wait_until(cond, timeout: float, what: str) -> None:
@@ -291,8 +291,10 @@ async def test_gossip_flood_is_cheap_counted_and_logged_once_per_peer(caplog, mo
     check, and an honest peer's announcements still get through."""
     caplog.set_level(logging.INFO, logger="node.p2p")
     coord = Identity.generate()
-    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, name="hub", gossip_rate_limit=10)
-    honest = P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name="honest")
+    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, name="hub", gossip_rate_limit=10,
+                   allow_private_addrs=True)
+    honest = P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name="honest",
+                      allow_private_addrs=True)
     # The hostile peers' own gossipsub would limit their publishing to 100/s: raise it.
     evil = [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name=f"evil{i}",
                     gossip_rate_limit=10_000) for i in range(4)]

@@ -45,23 +45,26 @@ def record_have(table: PeerTable, holder, step: int, indices: list[int], h: str,
     data = encode_have_announcement(holder.identity, run_id=RUN, step=step, manifest_hash=h, indices=indices,
                                     addrs=addrs)
     ann = decode_announcement(data, run_id=RUN, coordinator_key=None, origin_node_id=holder.node_id, max_age_s=60)
-    table.record_have(holder.peer_id, ann)
+    table.note_manifest(step, h)  # the node's fetcher verified this manifest: peers' haves for it count
+    assert table.record_have(holder.peer_id, ann)
 
 
 def test_only_literal_ip_http_addresses_are_dialled():
-    assert url_of("/ip4/127.0.0.1/tcp/8080/http") == "http://127.0.0.1:8080"
-    assert url_of("/ip6/::1/tcp/8080/http") == "http://[::1]:8080"
+    assert url_of("/ip4/127.0.0.1/tcp/8080/http", allow_private=True) == "http://127.0.0.1:8080"
+    assert url_of("/ip6/::1/tcp/8080/http", allow_private=True) == "http://[::1]:8080"
     assert http_addr("127.0.0.1", 9) == "/ip4/127.0.0.1/tcp/9/http"
     for bad in ("/dns4/example.org/tcp/80/http", "/ip4/127.0.0.1/tcp/0/http", "/ip4/127.0.0.1/tcp/70000/http",
                 "/ip4/::1/tcp/80/http", "/ip4/224.0.0.1/tcp/80/http", "/ip4/0.0.0.0/tcp/80/http",
                 "/ip4/127.0.0.1/tcp/80/http/x", "/ip4/127.0.0.1/tcp/80", "/ip4/1.2.3/tcp/80/http", 7, None):
-        assert url_of(bad) is None, bad
-    assert pick_url(["/ip4/127.0.0.1/tcp/1/p2p/x", "/dns4/a/tcp/1/http", "/ip4/127.0.0.1/tcp/2/http"]) \
-        == "http://127.0.0.1:2"
+        assert url_of(bad, allow_private=True) is None, bad
+    assert pick_url(["/ip4/127.0.0.1/tcp/1/p2p/x", "/dns4/a/tcp/1/http", "/ip4/127.0.0.1/tcp/2/http"],
+                    allow_private=True) == "http://127.0.0.1:2"
+    assert url_of("/ip4/127.0.0.1/tcp/8080/http") is None  # loopback only when allowed (test_attack_announcements)
 
 
 def test_a_hint_from_the_origin_adds_one_holder():
-    t = PeerTable()
+    t = PeerTable(allow_private_addrs=True)
+    t.note_manifest(3, "ab" * 32)
     t.record_hint("peerA", 3, "ab" * 32, (5,), "/ip4/127.0.0.1/tcp/9/http")
     assert t.peers_with(3, 5, "ab" * 32) == ["peerA"] and t.peers_with(3, 4, "ab" * 32) == []
     assert t.addrs_of("peerA") == ("/ip4/127.0.0.1/tcp/9/http",)
@@ -96,6 +99,7 @@ async def test_one_fetch_over_http_tells_the_holders_whole_set(tmp_path):
     h = manifest_hash(manifest)
     async with running(node(shard_root=tmp_path, http=True), node(listen=[], http=True)) as (server, client):
         [http] = [a for a in server.announce_addrs if a.endswith("/http")]
+        client.note_manifest(3, h)
         client.table.record_hint(server.peer_id, 3, h, (0,), http)
         assert client.table.peers_with(3, 5, h) == []
         assert await client.fetch_shard(server.peer_id, 3, 0, 1 << 20, manifest_hash=h) == shards[0]
@@ -112,6 +116,7 @@ async def test_a_holder_that_claims_shards_it_does_not_serve_costs_one_refusal_p
     h = manifest_hash(manifest)
     async with running(node(shard_root=tmp_path / "honest", http=True), node(shard_root=tmp_path / "empty", http=True),
                        node(listen=[], http=True)) as (honest, liar, client):
+        client.note_manifest(3, h)
         for holder in (honest, liar):
             [http] = [a for a in holder.announce_addrs if a.endswith("/http")]
             client.table.record_hint(holder.peer_id, 3, h, range(4), http)
@@ -129,7 +134,7 @@ async def test_shards_travel_over_http_between_nodes_and_libp2p_takes_over_from_
     h = manifest_hash(manifest)
     async with running(node(shard_root=tmp_path, http=True), node(listen=[], http=True)) as (server, client):
         http = [a for a in server.announce_addrs if a.endswith("/http")]
-        assert len(http) == 1 and url_of(http[0]) is not None
+        assert len(http) == 1 and url_of(http[0], allow_private=True) is not None
         [peer] = await client.connect(server.listen_addrs)
         record_have(client.table, server, 3, list(range(6)), h, server.announce_addrs)
         got = [await client.fetch_shard(peer, 3, i, 1 << 20, manifest_hash=h) for i in range(3)]

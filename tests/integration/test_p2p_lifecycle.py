@@ -25,8 +25,8 @@ async def test_repeated_start_stop_leaks_no_threads_or_sockets():
     payload = os.urandom(64 * 1024)
     fds = None
     for cycle in range(4):
-        server = P2PNode(Identity.generate(), run_id=RUN, shard_source=lambda s, i: payload)
-        client = P2PNode(Identity.generate(), run_id=RUN, listen=[])
+        server = P2PNode(Identity.generate(), run_id=RUN, shard_source=lambda s, i: payload, allow_private_addrs=True)
+        client = P2PNode(Identity.generate(), run_id=RUN, listen=[], allow_private_addrs=True)
         await server.start()
         await client.start()
         assert len([t for t in threading.enumerate() if t.name.startswith("prime-node-")]) == 2  # one per node
@@ -46,8 +46,9 @@ async def test_repeated_start_stop_leaks_no_threads_or_sockets():
 
 async def test_stop_during_an_in_flight_fetch_fails_it_cleanly():
     data = os.urandom(512 * 1024)
-    server = P2PNode(Identity.generate(), run_id=RUN, shard_source=lambda s, i: data, upload_limit=128 * 1024)
-    client = P2PNode(Identity.generate(), run_id=RUN)
+    server = P2PNode(Identity.generate(), run_id=RUN, shard_source=lambda s, i: data, upload_limit=128 * 1024,
+                     allow_private_addrs=True)
+    client = P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True)
     async with server, client:
         [peer] = await client.connect(server.listen_addrs)
         fetch = asyncio.ensure_future(client.fetch_shard(peer, 1, 0, max_bytes=1 << 20))

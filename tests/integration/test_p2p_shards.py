@@ -57,7 +57,7 @@ async def running(*nodes: P2PNode):
 
 
 def node(**kw) -> P2PNode:
-    return P2PNode(Identity.generate(), run_id=RUN, **kw)
+    return P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True, **kw)  # all on 127.0.0.1
 
 
 async def test_many_shards_in_parallel_byte_exact_with_manifest_check(tmp_path):
@@ -188,7 +188,7 @@ async def test_fetch_from_a_peer_learned_only_from_its_announcement(tmp_path):
     """w2 never dialled w1: it learns w1's address from w1's signed `have` (relayed by the hub)."""
     coord = Identity.generate()
     data = os.urandom(100 * KIB)
-    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex)
+    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, allow_private_addrs=True)
     w1 = node(coordinator_key=coord.public_hex, shard_source=lambda s, i: data if (s, i) == (4, 7) else None)
     w2 = node(coordinator_key=coord.public_hex, listen=[])
     async with running(hub, w1, w2):
@@ -196,6 +196,7 @@ async def test_fetch_from_a_peer_learned_only_from_its_announcement(tmp_path):
         await w2.connect(hub.listen_addrs)
         assert await w1.wait_for_mesh(hub.peer_id) and await hub.wait_for_mesh(w2.peer_id)
         sub = w2.subscribe()
+        w2.note_manifest(4, "ee" * 32)  # its fetcher verified step 4's manifest: peers' haves for it count
         await w1.announce_have(4, [7], "ee" * 32)
         await sub.get(timeout=10)
         [peer] = w2.peers_with(4, 7)
@@ -270,10 +271,11 @@ async def test_checkpoint_spreads_through_peers_not_the_coordinator(tmp_path):
     h = manifest_hash(manifest)
     total = sum(map(len, shards))
     coord = P2PNode(coord_id, run_id=RUN, coordinator_key=coord_id.public_hex, shard_root=tmp_path / "coord",
-                    upload_limit=1024 * KIB)
+                    upload_limit=1024 * KIB, allow_private_addrs=True)
     held = [dict() for _ in range(3)]
     workers = [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord_id.public_hex,
-                       shard_source=lambda s, i, mine=mine: mine.get((s, i))) for mine in held]
+                       shard_source=lambda s, i, mine=mine: mine.get((s, i)), allow_private_addrs=True)
+               for mine in held]
     async with running(coord, *workers):
         subs = [w.subscribe() for w in workers]
         for w in workers:

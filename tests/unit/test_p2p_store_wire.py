@@ -144,7 +144,8 @@ def _have(step, indices, h=H, ts=1, addrs=()):
 
 
 def test_peer_table_union_newest_first_and_bounds():
-    table = PeerTable(max_steps=2, max_peers_per_step=2)
+    table = PeerTable(max_steps=2, max_peers_per_step=2, allow_private_addrs=True)
+    table.note_manifest(5, H)  # steps count once signed (test_attack_announcements has the rules)
     table.record_have("A", _have(5, [0, 1], addrs=["/ip4/127.0.0.1/tcp/1"]))
     table.record_have("B", _have(5, [1], addrs=["/ip4/127.0.0.1/tcp/2"]))
     table.record_have("A", _have(5, [2], ts=2, addrs=["/ip4/127.0.0.1/tcp/3"]))
@@ -157,7 +158,10 @@ def test_peer_table_union_newest_first_and_bounds():
     assert table.peers_with(5, 1) == ["C", "A"]  # B was the oldest announcer: forgotten
     table.record_have("A", _have(6, [0]))
     table.record_have("A", _have(7, [0]))
-    assert table.peers_with(5, 1) == []  # only the newest 2 steps are kept
+    table.note_manifest(6, H)
+    table.note_manifest(7, H)
+    assert table.peers_with(5, 1) == []  # only the newest 2 signed steps are kept
+    assert table.peers_with(7, 0) == ["A"]
     table.forget("A")
     assert table.peers_with(7, 0) == []
 
@@ -168,6 +172,7 @@ def test_have_batches_slow_down_as_the_swarm_grows():
     from node.worker.peers import HaveAnnouncer
 
     table = PeerTable()
+    table.note_manifest(6, H)
     announcer = HaveAnnouncer(SimpleNamespace(table=table), interval=0.3)
     assert announcer.batch_seconds() == 0.3
     for i in range(16):
