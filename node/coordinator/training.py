@@ -82,6 +82,7 @@ class TrainingLoop:
         self.health = BatchHealth(needed=cfg.run.batch_prompts,
                                   warn_after=cfg.run.stall_warn_groups or 4 * cfg.run.batch_prompts,
                                   warn_interval_s=cfg.run.stall_warn_interval_s, metrics=metrics)
+        self.health.observe_voided(ledger.verdict_counts().get("void", 0))  # the baseline: voids before this start
 
     # -- start-up ----------------------------------------------------------------------------------
     def _make_trainer(self, resume: bool):

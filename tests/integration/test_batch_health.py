@@ -5,12 +5,13 @@ line must name the reason, and the warning must come once (rate-limited), not on
 from __future__ import annotations
 
 import logging
+import random
 import re
 
 import aiohttp
 import pytest
 
-from tests.integration.coordinator_harness import running_coordinator
+from tests.integration.coordinator_harness import RawNode, fake_rollouts, running_coordinator
 from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -99,3 +100,49 @@ async def test_normal_run_fills_its_batches_without_warning(tmp_path, caplog):
         assert bh["unusable_in_a_row"] < WARN_AFTER
         assert await metric(url, "prime_groups_usable_total") >= 2 * 8
         assert stall_warnings(caplog) == []
+
+
+async def test_dashboard_names_why_the_batch_cannot_fill(tmp_path):
+    """The live page (real headless Chromium; skips without one, like test_dashboard.py) shows the batch's
+    counts in the Trainer card and the warning in a line under the header, without a reload."""
+    from tests.integration.test_dashboard import chromium_page, text
+
+    async with running_coordinator(tmp_path, TASK, "task.kwargs={reward = 0.0}", *FAST) as (coord, url), \
+            chromium_page(bypass_csp=True) as (page, errors):
+        await page.goto(url + "/dashboard")
+        await page.wait_for_function("document.getElementById('conn').className === 'live'", timeout=10_000)
+        assert await page.locator("#stall").is_hidden()
+        worker = start_worker(tmp_path, "w", coord, url)
+        try:
+            await page.wait_for_function("!document.getElementById('stall').hidden", timeout=180_000, polling=200)
+        finally:
+            await stop_workers(worker)
+        assert "check the task's answer format against what the model writes" in await text(page, "#stall")
+        line = await text(page, "#batch-health")
+        assert re.search(r"batch 1: 0 of 8 groups usable · [\d,]+ unusable \(all rewards zero [\d,]+\)", line), line
+        assert errors == []
+
+
+async def test_groups_voided_by_verification_count_as_rejected(tmp_path, caplog):
+    """A node's forged submission (random tokens, commitments to random states) is acknowledged, replayed,
+    and its groups voided: they never reach the trainer, and the batch's counts say `rejected`."""
+    caplog.set_level(logging.INFO, logger="prime_node.training")
+    async with running_coordinator(tmp_path, "run.stall_warn_groups=2", "verification.fraction=1.0",
+                                   "verification.new_node_fraction=1.0") as (coord, url):
+        async with aiohttp.ClientSession() as s:
+            forger = RawNode(url, s)
+            assert (await forger.post("/v1/join", {}))[0] == 200
+            st, w = await forger.post("/v1/work", {"policy_step": 0})
+            assert st == 200, w
+            rollouts = fake_rollouts(w, coord.eos_token_id, coord.vocab_size, random.Random(7))
+            st, res = await forger.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
+                                                      "rollouts": rollouts})
+            assert st == 200 and len(res["accepted"]) == len(rollouts), res
+        groups = len(w["prompts"])
+        await wait_for(lambda: coord.status()["verification"]["groups_by_verdict"].get("void", 0) == groups, 120,
+                       "the forged groups voided", coord)
+        bh = coord.status()["batch_health"]
+        assert bh["unusable"]["rejected"] == groups and bh["usable"] == 0, bh
+        assert "verification voids the groups" in bh["warning"]
+        assert await metric(url, "prime_groups_unusable_total", reason="rejected") == groups
+        assert len(stall_warnings(caplog)) == 1
