@@ -39,6 +39,13 @@ class ServerConfig(_Section):
     # cannot hold a connection or a handler for long.
     header_timeout_s: float = Field(10.0, gt=0, le=600)
     body_timeout_s: float = Field(60.0, gt=0, le=3600)
+    # When a background task or the training thread dies (node/coordinator/supervisor.py) the coordinator
+    # stops handing out work (503 with the reason) and, with exit_on_failure, exits with status 1 so that a
+    # process manager restarts it (a restart resumes from the ledger). false: it stays up, failed, showing why.
+    exit_on_failure: bool = True
+    # On stop, how long to wait for the training thread to finish the step in progress before the trainer's
+    # other ranks (trainer.ranks > 1) are killed; a step cut short is redone after a restart.
+    stop_timeout_s: float = Field(5.0, gt=0, le=3600)
 
 
 class StorageConfig(_Section):

@@ -19,6 +19,7 @@ from protocol.signing import RequestVerifier
 # /v1/status and /metrics are built at most once per this many seconds, however many dashboards poll.
 STATUS_MAX_AGE_S = 1.0
 LARGE_BODY_BYTES = 256 * 1024
+FAILED_RETRY_AFTER_S = 60  # a failed coordinator exits and is restarted, or an operator looks: not soon
 
 
 def _json(model_or_dict, status: int = 200) -> web.Response:
@@ -42,8 +43,21 @@ def build_app(coord) -> web.Application:
         coord.metrics.requests.labels(resource.canonical if resource else "other", str(resp.status)).inc()
         return resp
 
+    @web.middleware
+    async def refuse_when_failed(request, handler):
+        """A coordinator whose training thread or a background task died (node/coordinator/supervisor.py)
+        hands out no more work: every node and verifier request (the POSTs under /v1/) is answered 503 with
+        the reason before its body is read; status, metrics, the dashboard and checkpoints stay readable."""
+        failure = coord.failure
+        if failure is not None and request.method == "POST" and request.path.startswith("/v1/"):
+            raise ApiError(503, "coordinator_failed", f"the coordinator stopped handing out work: "
+                                                      f"{failure.component} died ({failure.reason})",
+                           {"Retry-After": str(FAILED_RETRY_AFTER_S)})
+        return await handler(request)
+
     # count_requests is outermost so it also counts the JSON error responses.
-    app = web.Application(middlewares=[count_requests, error_middleware], client_max_size=cfg.max_body_bytes)
+    app = web.Application(middlewares=[count_requests, error_middleware, refuse_when_failed],
+                          client_max_size=cfg.max_body_bytes)
     app[MAX_BODY_BYTES] = cfg.max_body_bytes
     app[BODY_TIMEOUT] = cfg.body_timeout_s
     verifier = RequestVerifier(coord.cfg.run.run_id)

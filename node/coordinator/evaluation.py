@@ -7,6 +7,15 @@ simplest correct choice: the trainer thread owns the model, so nothing is copied
 demo's tiny model one evaluation costs a few tens of milliseconds. On a large model it costs a batch of
 generation on the trainer's device each time, during which the next step waits: keep it infrequent.
 
+With `trainer.ranks > 1` the trainer's model is sharded (FSDP2) over processes that execute only what
+rank 0 broadcasts, so decoding with it from rank 0 alone waited for ever in its first all-gather. There,
+every rank takes part in one GATHER command -- the one each publish already issues, so no new lockstep
+protocol -- and rank 0 decodes with a plain, unsharded copy of the same fp32 weights on the CPU
+(`model_to_evaluate`). Decoding then runs no collective at all: it cannot hang on a rank, its numbers are
+those of a single-rank run, and its variable length (early EOS, environment turns that only rank 0 can
+play) needs no agreement between ranks. Cost: one gather per evaluation and one CPU copy of the model
+on rank 0 (the verifier's PolicyStore already keeps several).
+
 Held out: training draws problems `task.sample(run.seed, i)` for i = 0, 1, 2, ... (the scheduler, and
 intake's rescoring). Evaluation draws `task.sample(eval_seed(run.seed), i)` for i < eval.prompts, a
 separate seed stream of the task's generator that the training run never reads. (Where a task's problem
@@ -32,6 +41,13 @@ EVAL_SEED_OFFSET = 1_000_003  # eval's seed stream: run.seed + this, never run.s
 WARM_START_SEED_OFFSET = 2_000_003  # the warm start's reference answers: a third stream
 EVAL_FILE = "eval.jsonl"
 CURVE_POINTS = 1000  # status lists at most this many points (thinned like the reward curve)
+
+
+def model_to_evaluate(trainer):
+    """The model whose greedy decoding is the evaluation: the trainer's own, or, for a trainer whose model
+    is sharded over ranks (node.trainer.distributed: it has `full_model()`), rank 0's unsharded copy."""
+    full = getattr(trainer, "full_model", None)
+    return full() if full is not None else trainer.model
 
 
 def eval_seed(run_seed: int) -> int:

@@ -24,7 +24,7 @@ def coordinator_identity(storage_dir: Path) -> Identity:
     return ident
 
 
-async def serve(cfg, *, ready_file: Path | None = None) -> None:
+async def serve(cfg, *, ready_file: Path | None = None) -> int:
     storage = Path(cfg.storage.dir)
     storage.mkdir(parents=True, exist_ok=True)
     identity = coordinator_identity(storage)
@@ -44,17 +44,21 @@ async def serve(cfg, *, ready_file: Path | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    failed = asyncio.create_task(coord.supervisor.wait_failed())  # a dead task or thread (supervisor.py)
+    if cfg.server.exit_on_failure:
+        failed.add_done_callback(lambda _: stop.set())
     try:
         await stop.wait()
     finally:
         log.info("stopping coordinator")
+        failed.cancel()
         await runner.cleanup()
         await coord.stop()
+    return 1 if coord.failure is not None else 0
 
 
 def cmd_coordinator(args) -> int:
     cfg = load_config(args.config, args.overrides)
     setup_logging(cfg.server.log_format)
     ready = getattr(args, "ready_file", None)
-    asyncio.run(serve(cfg, ready_file=Path(ready) if ready else None))
-    return 0
+    return asyncio.run(serve(cfg, ready_file=Path(ready) if ready else None))

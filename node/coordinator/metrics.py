@@ -42,6 +42,9 @@ class CoordinatorMetrics:
                                               "usable one (run.stall_warn_groups of them: a WARNING)", registry=r)
         self.requests = Counter("prime_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
+        self.failed = Gauge("prime_coordinator_failed", "1 when the named background task or thread died and the "
+                            "coordinator stopped handing out work (node/coordinator/supervisor.py)", ["component"],
+                            registry=r)
 
     def watch_p2p(self, snapshot: Callable[[], dict]) -> None:
         """Export the libp2p host's counters (node/p2p/stats.py `P2PStats.snapshot`), read at each scrape.

@@ -3,7 +3,8 @@ trainer loop and the publisher; the aiohttp handlers in app.py only translate HT
 
 Threads: the asyncio loop (HTTP, scheduler, intake), one training thread (TrainingLoop), one
 verification thread. The scheduler is touched only on the loop; the training thread reaches it
-through `loop.call_soon_threadsafe`.
+through `loop.call_soon_threadsafe`. Every background task and the training thread are owned by one
+Supervisor (node/coordinator/supervisor.py): the first to die marks the coordinator failed.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
+from node.coordinator.faults import fault_point
 from node.coordinator.intake import Intake
 from node.coordinator.ledger import Ledger, NodeRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
@@ -26,6 +28,7 @@ from node.coordinator.run_model import load_run_model
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.seeding import SuperSeeder
 from node.coordinator.status import build_status
+from node.coordinator.supervisor import Failure, Supervisor
 from node.coordinator.training import TrainingLoop
 from node.coordinator.verifier_jobs import JobBoard
 from node.coordinator.verification import PolicyStore, VerdictQueue
@@ -64,7 +67,7 @@ class Coordinator:
         self.node_bytes = NodeBytes(ttl_ms=IDLE_KEY_FORGET_MS)
         self.recent_staleness: deque[int] = deque(maxlen=10_000)
         self._submitting: set[str] = set()
-        self._tasks: list[asyncio.Task] = []
+        self.supervisor = Supervisor(on_failure=self._on_failure)
         self.p2p = None
         self.started_ms = now_ms()
         self._status: tuple[float, dict] | None = None
@@ -113,9 +116,10 @@ class Coordinator:
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.supervisor.bind(self.loop)
         await asyncio.to_thread(self.training.restore_or_init)
         self._restore_scheduler()
-        self.training.start()
+        self.training.start(self.supervisor.start_thread)
         if self.cfg.p2p.enabled:
             await self._start_p2p()
         self._spawn(self._expire_loop(), "expire-assignments")
@@ -131,21 +135,22 @@ class Coordinator:
         s.requeue.extend(PromptSlot.from_json(p) for p in self.ledger.requeued())
 
     async def stop(self) -> None:
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(self.training.stop)
+        await self.supervisor.stop()  # from here on a task or thread ending is expected, not a failure
+        await asyncio.to_thread(self.training.stop, self.cfg.server.stop_timeout_s)
         self._flush_liveness()
         if self.p2p is not None:
             await self.p2p.stop()
         self.verdicts.close()
-        self.ledger.close()
+        if self.training.running:  # left behind, stuck: the process exits under it (crash safety redoes its step)
+            log.warning("the ledger is left open: the training thread may still write to it")
+        else:
+            self.ledger.close()
 
     async def _expire_loop(self) -> None:
         last_forget, last_flush = 0.0, 0.0
         while True:
             await asyncio.sleep(0.5)
+            fault_point("expire-loop")
             t = now_ms()
             if t - last_flush >= LIVENESS_FLUSH_MS:
                 last_flush = t
@@ -186,19 +191,21 @@ class Coordinator:
         self.metrics.step.set(step)
         if self.p2p is not None:
             self._spawn(self.p2p.announce_manifest(step, self.checkpoints.manifest(step).canonical_hash()),
-                        f"announce-{step}")
+                        f"announce-{step}", critical=False)  # a lost announcement is repaired by the next
 
-    def _spawn(self, coro, name: str) -> None:
-        """A background task owned by the coordinator: cancelled by stop(), failures logged."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.append(task)
+    def _spawn(self, coro, name: str, *, critical: bool = True) -> None:
+        """A background task owned by the supervisor: cancelled by stop(); a critical one that dies fails
+        the coordinator, a non-critical one's failure is logged."""
+        self.supervisor.spawn(coro, name, critical=critical)
 
-        def done(t: asyncio.Task) -> None:
-            self._tasks.remove(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.warning("%s failed: %s", name, t.exception())
+    @property
+    def failure(self) -> Failure | None:
+        """Why the coordinator stopped handing out work (a background task or thread died); None: healthy."""
+        return self.supervisor.failure
 
-        task.add_done_callback(done)
+    def _on_failure(self, failure: Failure) -> None:
+        self.metrics.failed.labels(failure.component).set(1)
+        self._status = None  # the next status read shows it
 
     # -- API operations ----------------------------------------------------------------------------
     def _known_node(self, node_id: str) -> NodeRow:

@@ -53,6 +53,8 @@ def build_status(c) -> dict:
         "coordinator_key": c.identity.public_hex,
         "admission": {"mode": c.cfg.admission.mode, "pow_bits": c.cfg.admission.pow_bits},
         "step": published,
+        # null, or which background task or thread died and why: no work is handed out (supervisor.py)
+        "failed": c.failure.as_json() if c.failure is not None else None,
         "async_level": c.k,
         "window": {"training_batch": published + 1,
                    "open_batches": list(c.scheduler.open_batches()),

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
 from node.coordinator.batch_health import STALE, BatchHealth, drop_reason
-from node.coordinator.evaluation import Evaluator, warm_start_seed
-from node.coordinator.faults import crash_point
+from node.coordinator.evaluation import Evaluator, model_to_evaluate, warm_start_seed
+from node.coordinator.faults import crash_point, fault_point
 from node.coordinator.ledger import GroupRow, Ledger, StepRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.publisher import Publisher
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from node.trainer import Rollout
 
 log = logging.getLogger("prime_node.training")
+
+STOP_AFTER_ABORT_S = 2.0  # once the other ranks are killed, rank 0's collective fails within moments
 VOID_POLL_S = 10.0  # how often the waiting loop counts groups voided by verification (batch health)
 
 
@@ -165,33 +167,57 @@ class TrainingLoop:
             return
         t0 = time.monotonic()
         try:
-            ev.run(self.trainer.model, self.published_step)
+            ev.run(model_to_evaluate(self.trainer), self.published_step)
         except Exception:  # noqa: BLE001 - evaluation must not stop training
             log.exception("evaluation at step %d failed", self.published_step)
             ev.every_steps = 0  # off for the rest of this run; the curve so far stays
         self.busy_seconds += time.monotonic() - t0
 
     # -- thread ------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="trainer")
-        self._thread.start()
+    def start(self, start_thread: Callable[[Callable[[], None], str], threading.Thread] | None = None) -> None:
+        """Start the training thread, through `start_thread(target, name)` when given (the coordinator's
+        supervisor, which owns the thread and notices its death)."""
+        if start_thread is None:
+            self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+            self._thread.start()
+        else:
+            self._thread = start_thread(self._run, "trainer")
 
-    def stop(self) -> None:
-        """Stop between groups or after the step being trained (and published): never under it, so the
-        ledger is not closed while a step is being written."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop between groups or after the step being trained (and published), waiting at most `timeout`
+        seconds (None: as long as it takes). A thread still busy then -- a long step, or a collective that a
+        stuck trainer rank never answers -- is cut: the trainer's other ranks are killed (rank 0's collective
+        then fails and the thread ends), and a step cut short is redone after a restart (crash safety)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread:
-            self._thread.join()
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                log.warning("the training thread did not stop within %.1f s; stopping the trainer's ranks", timeout)
+                abort = getattr(self.trainer, "abort", None)
+                if abort is not None:
+                    abort()
+                t.join(min(timeout, STOP_AFTER_ABORT_S))
+            if t.is_alive():  # a daemon thread: it does not keep the process from exiting
+                log.warning("the training thread is still running; leaving it behind")
+                return
         if self.trainer is not None:
-            self.trainer.close()  # a distributed trainer's other ranks stop with it
+            self.trainer.close()  # a distributed trainer's other ranks stop with it (bounded)
+
+    @property
+    def running(self) -> bool:
+        """The training thread is alive (after stop(): it was left behind, stuck)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        """The thread's body. An exception ends it: the run cannot go on. It is kept in `error` for status
+        and raised on, to the thread's owner (the supervisor fails the coordinator; a plain thread logs it)."""
         try:
             while not self._stop:
                 self._evaluate_if_due()
@@ -200,9 +226,10 @@ class TrainingLoop:
                     self._wait(1.0)
                     continue
                 self._train_one_step(self.published_step + 1)
-        except Exception as e:  # the run cannot go on; say so loudly and keep serving status
-            log.exception("training loop failed")
+        except Exception as e:
+            self.busy = False
             self.error = f"{type(e).__name__}: {e}"
+            raise
 
     def _observe_voided(self) -> None:
         """Groups voided by verification never reach this loop: count them from the ledger, at most every
@@ -222,6 +249,7 @@ class TrainingLoop:
     def _train_one_step(self, n: int) -> None:
         from node.trainer import Group
 
+        fault_point("train-step")
         ledger = self.ledger
         idle0, busy0 = self.idle_seconds, self.busy_seconds
         min_m = min_policy_for_batch(n, self.k)

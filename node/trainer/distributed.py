@@ -9,7 +9,8 @@ executes together:
 
     FB      forward/backward on a list of samples      (Trainer.forward_backward)
     APPLY   divide by the batch's loss tokens, clip, optimizer step, zero grads  (Trainer._apply_gradients)
-    GATHER  full (unsharded) state dict for the broadcast checkpoint            (weights_for_broadcast)
+    GATHER  full (unsharded) state dict for the broadcast checkpoint            (weights_for_broadcast),
+            or for evaluation on rank 0's unsharded copy of the model            (full_model)
     SAVE    sharded trainer state with torch.distributed.checkpoint            (save_state)
 
 Ranks 1..N-1 are followers (`python -m node.trainer.distributed`, or `serve_follower()` inside a process
@@ -39,6 +40,7 @@ All ranks live on one machine (MASTER_ADDR 127.0.0.1): gloo on CPU, NCCL with on
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -57,6 +59,8 @@ from node.trainer.loss import loss_mask_tensor, sft_loss
 from node.trainer.packing import TrainSample, build_micro_batches
 from node.trainer.trainer import Trainer, TrainerError
 from node.trainer.types import Group
+
+log = logging.getLogger("prime_node.trainer")
 
 FSDP_FORMAT = "prime-node/trainer-state/fsdp-v1"
 LOOPBACK = "127.0.0.1"
@@ -288,6 +292,8 @@ class DistributedTrainer(Trainer):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._ready = self._sharded = False
         self._followers: list[subprocess.Popen] = []
+        self._aborted = False
+        self._full_model = None  # rank 0's unsharded copy for evaluation (full_model), made on first use
         self._extra_optimizer: torch.optim.Optimizer | None = None
         cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
         if self.rank == 0:  # tell the followers what to build (each picks its own GPU)
@@ -362,6 +368,22 @@ class DistributedTrainer(Trainer):
         self._send(OP_GATHER)
         return self._gather()
 
+    def full_model(self) -> torch.nn.Module:
+        """Rank 0: a plain (unsharded, fp32, CPU) model holding this trainer's current weights, for
+        evaluation (node/coordinator/evaluation.py). Every rank takes part in one GATHER; what rank 0 then
+        does with the copy runs no collective, so nothing it does can wait on another rank. The copy is
+        kept (one model of CPU memory) and refreshed at each call."""
+        from transformers import AutoModelForCausalLM
+
+        self._send(OP_GATHER)
+        full = self._full_state_dict()
+        if self._full_model is None:
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG alone
+                self._full_model = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+            self._full_model.eval()
+        self._full_model.load_state_dict(full)
+        return self._full_model
+
     def save_state(self) -> Path:
         if self.state_dir is None:
             raise TrainerError("this Trainer has no state_dir to save into")
@@ -375,17 +397,38 @@ class DistributedTrainer(Trainer):
 
         return distributed_state.load(cls, Path(state_dir), cfg or TrainerConfig(), **kwargs)
 
-    def close(self) -> None:
-        """Rank 0: stop the followers and leave the process group."""
-        if self.rank == 0 and dist.is_initialized():
-            self._send(OP_STOP)
-        destroy_process_group()
+    def close(self, timeout: float = 10.0) -> None:
+        """Rank 0: stop the followers and leave the process group, within about `timeout` seconds: a
+        follower that has not exited by then (stuck, or stopped) is killed. Never raises (it runs on the
+        way out, after a failure too)."""
+        deadline = time.monotonic() + timeout
+        if self.rank == 0 and dist.is_initialized() and not self._aborted and \
+                all(p.poll() is None for p in self._followers):
+            try:
+                self._send(OP_STOP)  # a few bytes per rank: the sockets' buffers take them even if none reads
+            except Exception as e:  # noqa: BLE001 - a dead rank: the kill below is the stop
+                log.warning("could not send STOP to the trainer ranks: %s", e)
         for p in self._followers:
             try:
-                p.wait(timeout=60)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("trainer rank (pid %d) did not stop within %.0f s; killed", p.pid, timeout)
                 p.kill()
+                p.wait()
         self._followers = []
+        try:  # after the followers are gone: nothing left to wait for
+            destroy_process_group()
+        except Exception as e:  # noqa: BLE001
+            log.warning("leaving the trainer's process group: %s", e)
+
+    def abort(self) -> None:
+        """Rank 0, from any thread: kill the followers now. A collective that rank 0 is blocked in then
+        fails (its peers' sockets close), so the thread driving this trainer ends; close() afterwards
+        only leaves the process group."""
+        self._aborted = True
+        for p in self._followers:
+            if p.poll() is None:
+                p.kill()
 
     # -- collective bodies (every rank) ------------------------------------------------------------
     def _fb(self, samples: list[TrainSample], loss_id: int) -> None:
@@ -473,10 +516,15 @@ class DistributedTrainer(Trainer):
             grad_norm = float(total)
         return self._apply_update(optimizer, tokens, grad_norm)
 
-    def _gather(self) -> dict[str, torch.Tensor]:
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The collective of GATHER (every rank calls it): the full state dict on rank 0's CPU, {} elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if self.rank == 0 else {}
+
+    def _gather(self) -> dict[str, torch.Tensor]:
+        full = self._full_state_dict()
         if self.rank != 0:
             return {}
         dtype = getattr(torch, self.cfg.broadcast_dtype)
