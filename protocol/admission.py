@@ -14,12 +14,11 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import os
 
 from .errors import PrimeNodeError, SignatureError
 from .identity import Identity, parse_public_key
-from .signing import canonical_json, sign_document, verify_document
+from .signing import canonical_json, sign_document, strict_json_loads, verify_document
 
 TOKEN_FORMAT = "prime-node/join-token/v1"
 MAX_POW_NONCE_HEX = 64
@@ -83,11 +82,24 @@ def make_join_token(identity: Identity, run_id: str, expires_ms: int, node_id: s
         node_id = _raw_key(node_id).hex()
     doc = sign_document(identity, {"format": TOKEN_FORMAT, "run_id": run_id, "node_id": node_id,
                                    "expires_ms": int(expires_ms)})
+    return _token_spelling(doc)
+
+
+def _token_spelling(doc: dict) -> str:
+    """The one spelling of a signed token document: base64url, no padding, of its canonical JSON."""
     return base64.urlsafe_b64encode(canonical_json(doc)).decode().rstrip("=")
 
 
-def check_join_token(token: str | None, *, coordinator_key: str, run_id: str, node_id: str, now_ms: int) -> None:
-    """Raises AdmissionError unless `token` admits `node_id` to `run_id` at `now_ms`."""
+def check_join_token(token: str | None, *, coordinator_key: str, run_id: str, node_id: str, now_ms: int) -> str:
+    """Raises AdmissionError unless `token` admits `node_id` to `run_id` at `now_ms`; returns the token's
+    identity, the key a coordinator records its use under: sha256 hex of its one spelling.
+
+    A token has one spelling only (what `make_join_token` writes: base64url without padding of the canonical
+    JSON, the signature in lower-case hex). Any other spelling of the same signed document (padding, the
+    standard alphabet, JSON whitespace, key order, escapes, upper-case hex) decodes to a document that
+    verifies, so it is refused here: otherwise each spelling would be "another token" to the ledger and one
+    token would admit any number of keys. The identity is sha256(token) of that spelling, the key ledgers
+    written before this check recorded, so their used tokens stay used."""
     if not token:
         raise AdmissionError("token_required", "this run admits nodes with a join token from its operator "
                                                "(--set worker.join_token=...)")
@@ -95,7 +107,7 @@ def check_join_token(token: str | None, *, coordinator_key: str, run_id: str, no
         raise AdmissionError("bad_token", "join token is too long")
     try:
         raw = base64.b64decode(token + "=" * (-len(token) % 4), altchars=b"-_", validate=True)
-        doc = json.loads(raw)
+        doc = strict_json_loads(raw)
     except (binascii.Error, ValueError, UnicodeDecodeError):
         raise AdmissionError("bad_token", "join token is not base64url JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != TOKEN_FORMAT:
@@ -104,6 +116,9 @@ def check_join_token(token: str | None, *, coordinator_key: str, run_id: str, no
         verify_document(doc, {coordinator_key})
     except SignatureError as e:
         raise AdmissionError("bad_token", f"join token: {e.detail}") from None
+    if doc["signature"] != doc["signature"].lower() or _token_spelling(doc) != token:
+        raise AdmissionError("bad_token", "join token is not spelled as the operator's tool wrote it (base64url "
+                                          "of canonical JSON, no padding): copy it unchanged")
     if doc.get("run_id") != run_id:
         raise AdmissionError("bad_token", "join token is for another run")
     if doc.get("node_id") not in (None, node_id):
@@ -111,3 +126,4 @@ def check_join_token(token: str | None, *, coordinator_key: str, run_id: str, no
     expires = doc.get("expires_ms")
     if not isinstance(expires, int) or isinstance(expires, bool) or expires <= now_ms:
         raise AdmissionError("token_expired", "join token has expired; ask the operator for a new one")
+    return hashlib.sha256(token.encode()).hexdigest()

@@ -87,7 +87,7 @@ CREATE TABLE IF NOT EXISTS requeued_prompts (  -- prompts to hand out again (exp
     slot TEXT NOT NULL                -- JSON PromptSlot
 );
 CREATE TABLE IF NOT EXISTS join_tokens (
-    token_hash TEXT PRIMARY KEY,     -- sha256 of the token: each admits one new key
+    token_hash TEXT PRIMARY KEY,     -- the token's identity (protocol.admission.check_join_token): one new key each
     node_id TEXT NOT NULL,
     used_ms INTEGER NOT NULL
 );

@@ -9,7 +9,6 @@ Supervisor (node/coordinator/supervisor.py): the first to die marks the coordina
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
@@ -272,9 +271,10 @@ class Coordinator:
             if a.mode == "open":
                 check_pow(node_id, self.cfg.run.run_id, req.pow, a.pow_bits)
             elif a.mode == "token":
-                check_join_token(req.token, coordinator_key=self.identity.public_hex, run_id=self.cfg.run.run_id,
-                                 node_id=node_id, now_ms=now_ms())
-                if not self.ledger.use_join_token(hashlib.sha256(req.token.encode()).hexdigest(), node_id):
+                # recorded under the token's canonical identity: another spelling is not another token
+                token_id = check_join_token(req.token, coordinator_key=self.identity.public_hex,
+                                            run_id=self.cfg.run.run_id, node_id=node_id, now_ms=now_ms())
+                if not self.ledger.use_join_token(token_id, node_id):
                     raise AdmissionError("token_used", "this join token has already admitted another key")
         except AdmissionError as e:
             raise ApiError(403, e.code, e.detail) from None
