@@ -111,6 +111,10 @@ class VerificationConfig(_Section):
     verifier_keys: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
                                                                                   max_length=256)
     job_lease_seconds: float = Field(60.0, gt=0, le=3600)  # a job not answered by then goes to another verifier
+    # A job a pool verifier answers `unavailable` (it cannot get the step) goes to another verifier; after this
+    # many refusals, or when no other verifier takes it within a lease, the coordinator replays it itself:
+    # never passed over to training (a forger cannot dodge replay by claiming a step a verifier lacks).
+    unavailable_tries: int = Field(2, ge=1, le=16)
     pool: int = Field(0, ge=0, le=8)  # demo only: how many verifier processes `prime-node demo` starts
 
 

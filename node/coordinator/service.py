@@ -86,7 +86,8 @@ class Coordinator:
                                      metrics=self.metrics, on_groups_dropped=self._on_loop(self.on_groups_dropped),
                                      on_step_published=self._on_loop(self.on_step_published))
         v = cfg.verification
-        self.verifier_board = JobBoard(v.verifier_keys, v.job_lease_seconds, metrics=self.metrics) \
+        self.verifier_board = JobBoard(v.verifier_keys, v.job_lease_seconds, refusals=v.unavailable_tries,
+                                       metrics=self.metrics) \
             if v.verifier_keys else None
         self.verdicts = VerdictQueue(cfg=v, sampling=cfg.sampling, ledger=self.ledger,
                                      scheduler=self.scheduler, policies=self.policies, metrics=self.metrics,

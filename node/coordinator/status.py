@@ -108,4 +108,6 @@ def pool_status(board, t_ms: int) -> dict:
     """The verifier pool: listed keys, those that asked for work in the last 30 s, jobs waiting and leased."""
     waiting, leased = board.pending()
     return {"verifiers": len(board.keys), "active": sum(1 for ms in board.last_seen.values() if t_ms - ms < 30_000),
-            "jobs_waiting": waiting, "jobs_leased": leased}
+            "jobs_waiting": waiting, "jobs_leased": leased,
+            # `unavailable` answers per verifier (key prefix) and jobs none could do, replayed in-process
+            "unavailable": {k[:16]: n for k, n in board.unavailable.items()}, "replayed_in_process": board.given_back}

@@ -90,6 +90,12 @@ class VerdictQueue:
     unless `fraction` is 0 (replays off).
     Replays run one at a time in their own thread, or, with a verifier pool (`board`), as jobs for the pool's
     processes, many at once; undecided submissions survive a restart (the ledger has them) and are decided again.
+
+    Whether a submission is replayed depends on the draw alone, never on the step, size or timing its node
+    chose: a job no pool verifier can do (each answered `unavailable`) is replayed here, in-process. The one
+    submission passed over without a draw is one whose step's weights this coordinator no longer holds; it
+    holds the k + 2 newest steps and every open batch takes steps >= published - k only, so such a
+    submission is stale for every batch and is dropped, never trained.
     """
     POOL_IN_FLIGHT = 256  # submissions awaiting the pool's verdicts at once
 
@@ -168,12 +174,17 @@ class VerdictQueue:
                         owner.append(len(refs))
                     refs.append((g.prompt_id, r["sample_index"]))
             answers = await self._replay(step, checks)
-            verdicts = None if answers is None else merge_turns(answers, owner, len(refs))
-            if verdicts is None:  # the pool's verifier could not get the step's weights any more
-                log.warning("no verifier could get step %d to verify %s; passed over", step, assignment_id)
+            if answers is None:  # no pool verifier could get the step: never passed over for it, replayed here
+                log.warning("no pool verifier could get step %d to verify %s; replaying it in-process",
+                            step, assignment_id)
+                answers = await self._replay_here(step, checks)
+            if answers is None:  # the step fell out of the window meanwhile: stale for every batch, never trained
+                log.warning("no weights of step %d left to verify %s against; passed over (stale)", step,
+                            assignment_id)
                 ledger.set_verdict(assignment_id, "unchecked")
                 self.on_decided()
                 return
+            verdicts = merge_turns(answers, owner, len(refs))
             node = ledger.node(node.node_id)
             if node.banned or all(g.verdict is not None for g in ledger.submission_groups(assignment_id)):
                 return  # banned and voided while its replay was out with the pool
@@ -202,10 +213,16 @@ class VerdictQueue:
             self._check_steering(node.node_id)
         self.on_decided()
 
+    async def _replay_here(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
+        """Replay in this process's verify thread; None if the step's weights are no longer held."""
+        model = self.policies.get(step)
+        if model is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: judge(model, checks))
+
     async def _replay(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
         if self.board is None:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: judge(self.policies.get(step), checks))
+            return await self._replay_here(step, checks)
         s = self.sampling
         items = [M.ReplayItem(prompt_ids=c.prompt_ids, completion_ids=c.rollout.completion_ids,
                               logprobs=c.rollout.logprobs, finish_reason=c.rollout.finish_reason,
