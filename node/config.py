@@ -39,6 +39,17 @@ class ServerConfig(_Section):
     # cannot hold a connection or a handler for long.
     header_timeout_s: float = Field(10.0, gt=0, le=600)
     body_timeout_s: float = Field(60.0, gt=0, le=3600)
+    # Connection limits (node/http.py ConnectionLimits): connections open at once from one client address
+    # (more: 429 + Retry-After before the request is read; nodes behind one NAT share it, and the demo, whose
+    # nodes all come from 127.0.0.1, raises it); a response the client takes slower than min_send_rate
+    # bytes/s, once send_grace_s of credit is used up, is cut (a never-reader: ~send_grace_s after its
+    # buffers fill; an honest 20 Mbit/s home uplink is ~150x the floor).
+    max_connections_per_address: int = Field(32, ge=1, le=1_000_000)
+    min_send_rate: int = Field(16 * 1024, ge=1024, le=1 << 30)
+    send_grace_s: float = Field(10.0, gt=0, le=600)
+    # Request body bytes read at once over all connections (a request reserves its Content-Length before
+    # its body is read, after its key, clock and rate limit passed); above it: 503 + Retry-After.
+    max_body_bytes_in_flight: int = Field(64 * 1024 * 1024, ge=1024)
     # When a background task or the training thread dies (node/coordinator/supervisor.py) the coordinator
     # stops handing out work (503 with the reason) and, with exit_on_failure, exits with status 1 so that a
     # process manager restarts it (a restart resumes from the ledger). false: it stays up, failed, showing why.

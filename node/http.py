@@ -1,6 +1,9 @@
-"""HTTP plumbing shared by the coordinator and relays: JSON errors (also for HTTP the parser refuses, via
-HardenedAppRunner, which logs such requests once per peer address per minute), signed-request guard,
-rate limits, and a shard response that honours Range and a shared upload cap.
+"""HTTP plumbing shared by the coordinator, relays and node shard servers: JSON errors (also for HTTP the
+parser refuses, via HardenedAppRunner, which logs such requests once per peer address per minute),
+connection limits (per client address, a share of the open-file limit, a minimum send rate: see
+`ConnectionLimits`), a signed-request guard that checks key, clock and rate limit from the headers before
+reading a byte of body and caps the body bytes being read at once, and a shard response that honours
+Range and a shared upload cap.
 
 No client input gives a 500 (DESIGN §5): numbers from clients are ASCII digits, bodies are bounded in
 size, time and nesting, and every refusal is `{"error": code, "detail": sentence}`."""
@@ -9,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -17,8 +23,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
 
 from node.aio import read_bounded
+from node.fdlimits import FDS_PER_CONNECTION, FdBudget, serving_budget
 from node.peer_log import PeerEventLog
-from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
+from node.rate_limit import AsyncRateLimiter, KeyedRateLimit, MinSendRate
 from protocol.errors import SignatureError
 from protocol.messages import ErrorBody
 from protocol.signing import SIGNED_HEADERS, RequestVerifier, strict_json_loads
@@ -28,6 +35,7 @@ log = logging.getLogger("prime_node.http")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 BODY_TIMEOUT = web.AppKey("body_timeout_s", float)  # a signed request's body must arrive within this
+BODY_BUDGET = web.AppKey("body_budget", object)  # a BodyBudget: body bytes being read at once, all requests
 SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from libp2p peers
 SHARD_ADDR_HEADER = "X-Prime-Shard-Addr"  # a swarm node's HTTP shard server, /ip4/<ip>/tcp/<port>/http
 HOLDER_HEADER = "X-Prime-Holder"  # on a 429 "seeded": "<node id> <its HTTP shard address>"
@@ -57,6 +65,10 @@ _HTTP_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed", 40
 _KEPT_HEADERS = ("Allow", "Content-Range", "Retry-After")
 
 
+def _body_unread(request: web.BaseRequest) -> bool:
+    return request.body_exists and not request.content.is_eof()
+
+
 def _client_gone(request: web.BaseRequest) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -68,8 +80,10 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except ApiError as e:
         resp = json_error(e.status, e.code, e.detail, e.headers)
-        if e.status == 408:
-            resp.force_close()  # the rest of that body may never come: do not wait for it
+        if e.status == 408 or _body_unread(request):
+            # The rest of that body may never come (408), or it was refused before it was read: aiohttp
+            # would otherwise keep the connection up to 10 s more to read and discard it.
+            resp.force_close()
         return resp
     except web.HTTPException as e:
         if e.status < 400:
@@ -87,14 +101,99 @@ async def error_middleware(request: web.Request, handler):
         return json_error(500, "internal", "the server failed to handle this request; it has been logged")
 
 
-# -- below the application: malformed HTTP -----------------------------------------------------------
-class _JsonErrorRequestHandler(web.RequestHandler):
-    """aiohttp's connection handler, with two changes for requests that never reach the application
-    (a bad request line, bad or oversized headers, a lying Content-Length): the answer is DESIGN §5's
-    JSON error instead of text, and the log gets one line per peer address per minute instead of a
-    traceback per request (a peer can send thousands of those a second)."""
+# -- below the application: connections and malformed HTTP -------------------------------------------
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one client may hold of a server, enforced per connection below the application.
+
+    - `max_per_address`: connections open at once from one client address; the next one is answered 429
+      with Retry-After and closed before any request is read (every client behind one NAT shares this).
+    - the process's serving share of the open-file limit (node/fdlimits.py): when full, a new connection is
+      answered 503 with Retry-After, so publishing, the ledger and the trainer always have descriptors.
+    - `min_send_rate` bytes/s after `send_grace_s` (node.rate_limit.MinSendRate): a client that keeps the
+      server waiting to take its response longer than that allows is cut (the connection is aborted: its
+      socket and the file being sent are freed). An honest 20 Mbit/s uplink is ~150x the default floor;
+      a client that never reads is cut about `send_grace_s` after its socket buffers filled.
+    """
+
+    max_per_address: int = 32
+    min_send_rate: float = 16 * 1024
+    send_grace_s: float = 10.0
+    retry_after_s: int = 5
+
+    def __post_init__(self):
+        if self.max_per_address < 1 or self.min_send_rate <= 0 or self.send_grace_s <= 0 or self.retry_after_s < 1:
+            raise ValueError("connection limits must be positive")
+
+
+REFUSAL_LINGER_S = 1.0  # a refused connection is kept this long (discarding input) so the client reads why
+
+
+class _HardenedRequestHandler(web.RequestHandler):
+    """aiohttp's connection handler, with three changes:
+    - requests that never reach the application (a bad request line, bad or oversized headers, a lying
+      Content-Length) are answered with DESIGN §5's JSON error instead of text, and logged once per peer
+      address per minute instead of a traceback per request (a peer can send thousands a second);
+    - a connection over its address's limit or the serving fd share is refused before its request is read;
+    - while the transport is paused (the client is not taking what we send), a MinSendRate clock runs, and
+      the connection is aborted when the client has used up its credit."""
 
     peer_log: PeerEventLog
+    server: "_HardenedServer"
+
+    def connection_made(self, transport) -> None:
+        self._peer = _peer_of(transport)
+        self._counted = self._fds = 0
+        self._send = MinSendRate(self.server.limits.min_send_rate, self.server.limits.send_grace_s)
+        self._stall: asyncio.TimerHandle | None = None
+        self._paused_at = 0.0
+        self._paused_size = 0
+        super().connection_made(transport)  # -> _HardenedServer.connection_made, which may refuse it
+
+    def refuse(self, status: int, code: str, detail: str) -> None:
+        """Answer `status` with Retry-After before any request is read, then close: the input is discarded
+        (no request of this connection is handled) and the socket aborted after REFUSAL_LINGER_S."""
+        self._force_close = True  # aiohttp discards what arrives, and the request loop ends at once
+        transport = self.transport
+        if transport is None:
+            return
+        body = ErrorBody.of(code, detail).model_dump_json().encode()
+        reason = {429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "Error")
+        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                f"Retry-After: {self.server.limits.retry_after_s}\r\nConnection: close\r\n\r\n").encode()
+        transport.write(head + body)
+        if transport.can_write_eof():
+            transport.write_eof()  # the client reads the answer, then closes (and we close on its EOF)
+        self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.transport is None:
+            return
+        self._paused_at = self._loop.time()
+        self._paused_size = self.transport.get_write_buffer_size()
+        self._stall = self._loop.call_later(max(0.0, self._send.allowance()), self._cut_slow_reader)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+            taken = self._paused_size - (self.transport.get_write_buffer_size() if self.transport else 0)
+            self._send.spent(max(0, taken), self._loop.time() - self._paused_at)
+
+    def _cut_slow_reader(self) -> None:
+        self._stall = None
+        self.server.slow_readers_cut += 1
+        self.peer_log.note(self._peer, "slow_reader",
+                           f"cut: took its response slower than {self.server.limits.min_send_rate:g} B/s")
+        abort_connection(self.transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        super().connection_lost(exc)
 
     def log_exception(self, *args, **kw) -> None:
         exc = kw.get("exc_info")
@@ -116,6 +215,20 @@ class _JsonErrorRequestHandler(web.RequestHandler):
         return resp
 
 
+def abort_connection(transport) -> None:
+    """Drop a connection now, with what it had left to send: a reset (SO_LINGER 0), not close(), which waits
+    for a buffer this client never reads, and not a plain abort(), which leaves the kernel to keep trying."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # already gone: abort() below is all there is to do
+            pass
+    transport.abort()
+
+
 def _peer_of(transport) -> str:
     peer = transport.get_extra_info("peername") if transport is not None else None
     return str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "unknown"
@@ -126,27 +239,87 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())[:200]
 
 
-class _JsonErrorServer(web.Server):
+class _HardenedServer(web.Server):
+    """aiohttp's Server with the connection accounting of ConnectionLimits (state set by HardenedAppRunner)."""
+
+    peer_log: PeerEventLog
+    limits: ConnectionLimits
+    fds: FdBudget
+    by_address: dict[str, int]
+    refused: dict[str, int]
+    slow_readers_cut: int
+
     def __call__(self) -> web.RequestHandler:
-        handler = _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler = _HardenedRequestHandler(self, loop=self._loop, **self._kwargs)
         handler.peer_log = self.peer_log
+        handler.server = self
         return handler
+
+    def connection_made(self, handler, transport) -> None:
+        super().connection_made(handler, transport)
+        peer = handler._peer
+        n = self.by_address.get(peer, 0)
+        self.by_address[peer] = n + 1
+        handler._counted = 1
+        if n >= self.limits.max_per_address:
+            self._refuse(handler, 429, "too_many_connections",
+                         f"at most {self.limits.max_per_address} connections at once from one address")
+        elif not self.fds.try_take(FDS_PER_CONNECTION):
+            self._refuse(handler, 503, "busy", "this server is serving all the connections it can; retry later")
+        else:
+            handler._fds = FDS_PER_CONNECTION
+
+    def _refuse(self, handler: _HardenedRequestHandler, status: int, code: str, detail: str) -> None:
+        self.refused[code] = self.refused.get(code, 0) + 1
+        self.peer_log.note(handler._peer, code, detail)
+        handler.refuse(status, code, detail)
+
+    def connection_lost(self, handler, exc=None) -> None:
+        super().connection_lost(handler, exc)
+        if getattr(handler, "_counted", 0):
+            handler._counted = 0
+            left = self.by_address.get(handler._peer, 1) - 1
+            if left > 0:
+                self.by_address[handler._peer] = left
+            else:
+                self.by_address.pop(handler._peer, None)
+        if getattr(handler, "_fds", 0):
+            self.fds.give(handler._fds)
+            handler._fds = 0
 
 
 class HardenedAppRunner(web.AppRunner):
-    """`web.AppRunner` whose connections answer malformed HTTP with JSON errors and log it at most once
-    per peer address per `log_interval_s` (see `_JsonErrorRequestHandler`). Use it like AppRunner."""
+    """`web.AppRunner` for a server that strangers reach: malformed HTTP gets JSON errors (logged at most once
+    per peer address per `log_interval_s`), and every connection is held to `limits` (ConnectionLimits;
+    `fd_budget` defaults to the process's serving share, node/fdlimits.py, whose first use raises the
+    open-file limit to the hard limit). Use it like AppRunner; `connection_stats()` says what it refused."""
 
-    def __init__(self, app: web.Application, *, log_interval_s: float = 60.0, **kwargs):
+    def __init__(self, app: web.Application, *, log_interval_s: float = 60.0,
+                 limits: ConnectionLimits | None = None, fd_budget: FdBudget | None = None, **kwargs):
         super().__init__(app, **kwargs)
-        self.peer_log = PeerEventLog(logging.getLogger("aiohttp.server"), "malformed HTTP requests",
+        self.peer_log = PeerEventLog(logging.getLogger("aiohttp.server"), "malformed or refused connections",
                                      level=logging.WARNING, interval_s=log_interval_s)
+        self.limits = limits or ConnectionLimits()
+        self.fd_budget = fd_budget
+        self._hardened: _HardenedServer | None = None
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        server.__class__ = _JsonErrorServer  # same state; only the per-connection handler class differs
+        server.__class__ = _HardenedServer  # same state; connection accounting and handler class added
         server.peer_log = self.peer_log
+        server.limits = self.limits
+        server.fds = self.fd_budget or serving_budget()
+        server.by_address, server.refused, server.slow_readers_cut = {}, {}, 0
+        self._hardened = server
         return server
+
+    def connection_stats(self) -> dict:
+        """Open connections, the most from one address, refusals by code, slow readers cut."""
+        s = self._hardened
+        if s is None:
+            return {"open": 0, "max_per_address": 0, "refused": {}, "slow_readers_cut": 0}
+        return {"open": sum(s.by_address.values()), "max_per_address": max(s.by_address.values(), default=0),
+                "refused": dict(s.refused), "slow_readers_cut": s.slow_readers_cut}
 
 
 def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -163,8 +336,65 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         raise ApiError(400, "malformed", f"invalid request: {probs}") from None
 
 
-async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: KeyedRateLimit) -> tuple[str, bytes]:
-    """Read the (size-limited) body and check its signature. Returns (signer node id, body)."""
+class BodyBudget:
+    """The request body bytes a server reads at once: at most `limit` over all connections and `per_key` for
+    one signer. A request whose body may exceed SMALL_BODY_BYTES reserves its Content-Length (or the body
+    limit when it sends none) before its body is read and gives it back after; over either limit it is
+    refused with 503 and Retry-After. Smaller bodies (heartbeats, work requests) take nothing: what they can
+    hold is aiohttp's read buffer, which every connection has anyway (bounded by the connection limits), so a
+    flood of large stalled submissions never blocks them. One event loop: no lock."""
+
+    SMALL_BODY_BYTES = 64 * 1024
+
+    def __init__(self, limit: int, per_key: int | None = None, retry_after_s: int = 1):
+        if limit < 1 or (per_key is not None and per_key < 1):
+            raise ValueError("a body budget must be positive")
+        self.limit, self.retry_after_s = int(limit), int(retry_after_s)
+        self.per_key = int(per_key) if per_key is not None else self.limit
+        self.in_flight = 0
+        self.by_key: dict[str, int] = {}
+        self.peak = 0  # the most ever reserved at once (tests, metrics)
+        self.refused = 0
+
+    def take(self, key: str, n: int) -> int:
+        """Reserve `n` bytes for `key`; returns what was reserved (0 for a small body), for `give`."""
+        if n <= self.SMALL_BODY_BYTES:
+            return 0
+        mine = self.by_key.get(key, 0)
+        if self.in_flight + n > self.limit or mine + n > self.per_key:
+            self.refused += 1
+            raise ApiError(503, "busy", f"reading {self.in_flight} bytes of request bodies already "
+                                        f"({mine} for this key); retry later", {"Retry-After": str(self.retry_after_s)})
+        self.in_flight += n
+        self.by_key[key] = mine + n
+        self.peak = max(self.peak, self.in_flight)
+        return n
+
+    def give(self, key: str, n: int) -> None:
+        if n <= 0:
+            return
+        self.in_flight = max(0, self.in_flight - n)
+        left = self.by_key.get(key, 0) - n
+        if left > 0:
+            self.by_key[key] = left
+        else:
+            self.by_key.pop(key, None)
+
+
+KeyCheck = Callable[[str], object]  # raises ApiError to refuse a signer (unknown, banned) before its body
+
+
+async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: KeyedRateLimit,
+                      check_key: KeyCheck | None = None) -> tuple[str, bytes]:
+    """Check what the headers say, then read the (size-limited) body and check its signature. Returns
+    (signer node id, body).
+
+    Before a byte of body is read: the signature headers are well-formed, the timestamp is inside the
+    clock window and the run is ours (RequestVerifier.check_headers), `check_key` accepts the key (the
+    coordinator: a joined, unbanned node; /v1/join passes one that refuses banned keys only), the key's
+    rate limit has a token, and the app's BodyBudget has room for the body (503 + Retry-After when not).
+    The token is only taken once the signature is good, so nobody can spend another node's rate limit
+    with requests they cannot sign."""
     limit = request.app[MAX_BODY_BYTES]
     for name in SIGNED_HEADERS:
         # Ambiguous: this server would check the first, a proxy in front of it might keep the last.
@@ -172,6 +402,17 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
             raise ApiError(400, "malformed", f"header {name} appears more than once")
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds {limit}")
+    try:
+        key = verifier.check_headers(request.headers)
+    except SignatureError as e:
+        raise ApiError(401, e.code, e.detail) from None
+    if check_key is not None:
+        check_key(key)
+    if not limiter.would_allow(key):
+        raise ApiError(429, "rate_limited", "too many requests from this node; slow down", {"Retry-After": "1"})
+    budget: BodyBudget | None = request.app.get(BODY_BUDGET)
+    declared = min(limit, request.content_length if request.content_length is not None else limit)
+    reserved = budget.take(key, declared) if budget is not None else 0
     timeout = request.app.get(BODY_TIMEOUT)
     try:
         async with asyncio.timeout(timeout):  # a Content-Length that promises more than is sent
@@ -180,6 +421,9 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
         raise ApiError(408, "timeout", f"the request body did not arrive within {timeout:g} s") from None
     except (web.RequestPayloadError, HttpProcessingError) as e:  # e.g. a broken chunked encoding
         raise ApiError(400, "malformed", f"the request body could not be read: {_one_line(e)}") from None
+    finally:
+        if budget is not None:
+            budget.give(key, reserved)
     if body is None:
         raise ApiError(413, "too_large", f"body exceeds {limit} bytes")
     try:
@@ -188,7 +432,7 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
         status = 429 if e.code == "nonce_store_full" else 401
         raise ApiError(status, e.code, e.detail) from None
     if not limiter.allow(verified.signer):
-        raise ApiError(429, "rate_limited", "too many requests from this node; slow down")
+        raise ApiError(429, "rate_limited", "too many requests from this node; slow down", {"Retry-After": "1"})
     return verified.signer, body
 
 

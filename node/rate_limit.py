@@ -35,6 +35,10 @@ class TokenBucket:
         self._tokens -= n
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
 
+    def peek(self, now: float) -> float:
+        """The tokens the bucket would hold at `now` (nothing changes)."""
+        return min(self.burst, self._tokens + max(0.0, now - self._last) * self.rate)
+
     def try_take(self, n: float, now: float) -> bool:
         """Take `n` tokens at time `now` if the bucket holds them; never goes into debt."""
         elapsed = max(0.0, now - self._last)
@@ -70,6 +74,12 @@ class KeyedRateLimit:
         else:
             self._buckets.move_to_end(key)
         return bucket.try_take(1, now)
+
+    def would_allow(self, key: Hashable) -> bool:
+        """Whether `allow(key)` would pass now, taking nothing and creating no bucket: a check made before
+        a request is authenticated must not let anyone spend another key's tokens."""
+        bucket = self._buckets.get(key)
+        return bucket is None or bucket.peek(self.clock()) >= 1
 
 
 class SharedBucket:
@@ -126,3 +136,28 @@ class TrioRateLimiter:
             delay = self._bucket.reserve(n, now)
         if delay > 0:
             await self._trio.sleep(delay)
+
+
+class MinSendRate:
+    """A floor on how fast a client takes what a server sends it, as the time it may keep the server waiting.
+
+    The client starts with `grace_s` seconds of credit. Time spent waiting for it to take bytes (a write
+    that blocks, a transport paused above its high-water mark) uses credit; every byte it takes earns
+    1/`min_rate` seconds, and credit never exceeds `grace_s`. Credit spent = cut. So a reader averaging at
+    least `min_rate` over any stretch is never cut (an honest 20 Mbit/s uplink is 150x a 16 KiB/s floor),
+    one that stops reading is cut about `grace_s` after its buffers filled, and a trickle just above a
+    per-write timeout cannot hold a slot for an hour. Pure arithmetic: the caller owns the clock."""
+
+    def __init__(self, min_rate: float, grace_s: float):
+        if min_rate <= 0 or grace_s <= 0:
+            raise ValueError("min_rate and grace_s must be > 0")
+        self.min_rate, self.grace_s = float(min_rate), float(grace_s)
+        self.credit = self.grace_s
+
+    def allowance(self, n: int = 0) -> float:
+        """Seconds the client may take to accept `n` more bytes (0: what it may keep us waiting now)."""
+        return self.credit + n / self.min_rate
+
+    def spent(self, n: int, elapsed: float) -> None:
+        """The client took `n` bytes in `elapsed` seconds of waiting."""
+        self.credit = min(self.grace_s, self.credit + n / self.min_rate - max(0.0, elapsed))

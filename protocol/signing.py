@@ -96,7 +96,13 @@ class RequestVerifier:
                 break
             self._seen.popitem(last=False)
 
-    def verify(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> VerifiedRequest:
+    def check_headers(self, headers: Mapping[str, str]) -> str:
+        """What can be checked before the body arrives: the five headers are present and well-formed, the
+        timestamp is inside the clock window and the run is ours. Returns the (lower-case) key; raises
+        SignatureError. Nothing is remembered: `verify` checks all of this again with the signature."""
+        return self._check_headers(headers, self._clock())[0].lower()
+
+    def _check_headers(self, headers: Mapping[str, str], now: int) -> tuple[str, str, str, str, str, int]:
         missing = [h for h in SIGNED_HEADERS if not headers.get(h)]
         if missing:
             raise SignatureError("missing_headers", f"missing signature headers: {', '.join(missing)}")
@@ -108,12 +114,16 @@ class RequestVerifier:
         ts_ms = int(ts)
         if not (2 * NONCE_MIN_BYTES <= len(nonce) <= NONCE_MAX_HEX) or not _is_hex(nonce):
             raise SignatureError("bad_nonce", "X-Prime-Nonce must be 16 to 64 random bytes in hex")
-        now = self._clock()
         if abs(now - ts_ms) > self.window_ms:
             raise SignatureError("clock_skew", f"timestamp is {abs(now - ts_ms) / 1000:.0f} s off (limit 60 s)")
         if run_id != self.run_id:
             raise SignatureError("wrong_run", f"this coordinator runs {self.run_id!r}, the request is for "
                                               f"{run_id[:64]!r}")
+        return key, ts, nonce, run_id, sig, ts_ms
+
+    def verify(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> VerifiedRequest:
+        now = self._clock()
+        key, ts, nonce, run_id, sig, ts_ms = self._check_headers(headers, now)
         if not verify_bytes(key, sig, signing_string(method, path, ts, nonce, run_id, body)):
             raise SignatureError("bad_signature", "signature does not match the request")
         self._expire(now)

@@ -10,7 +10,8 @@ from aiohttp import web
 from node.checkpoint_routes import CheckpointRoutes
 from node.coordinator.openapi import build_openapi
 from node.coordinator.seeding import SeedingGate
-from node.http import BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, HardenedAppRunner, error_middleware, parse_body, read_signed
+from node.http import (BODY_BUDGET, BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, BodyBudget, ConnectionLimits,
+                       HardenedAppRunner, error_middleware, parse_body, read_signed)
 from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
 from protocol import messages as M
 from protocol.signing import RequestVerifier
@@ -60,14 +61,23 @@ def build_app(coord) -> web.Application:
                           client_max_size=cfg.max_body_bytes)
     app[MAX_BODY_BYTES] = cfg.max_body_bytes
     app[BODY_TIMEOUT] = cfg.body_timeout_s
+    # One full body per key at a time: a key with many stalled submissions holds no more than one.
+    app[BODY_BUDGET] = BodyBudget(cfg.max_body_bytes_in_flight, per_key=cfg.max_body_bytes)
     verifier = RequestVerifier(coord.cfg.run.run_id)
     limiter = KeyedRateLimit(cfg.rate_limit_per_second, cfg.rate_limit_burst, max_keys=100_000)  # per node
     joins_per_minute = coord.cfg.admission.joins_per_address_per_minute
     join_limiter = KeyedRateLimit(joins_per_minute / 60.0, joins_per_minute, max_keys=100_000)  # per address
     throttle = AsyncRateLimiter(coord.cfg.distribution.origin_upload_limit)  # one cap for every upload
 
-    async def signed(request: web.Request, model):
-        signer, body = await read_signed(request, verifier, limiter)
+    def not_banned(key: str) -> None:  # /v1/join: a new key is welcome there, a banned one is not
+        node = coord.ledger.node(key)
+        if node is not None and node.banned:
+            raise ApiError(403, "banned", "this node is banned after repeated failed verification")
+
+    async def signed(request: web.Request, model, check_key=coord._known_node):
+        """A signed request's signer and validated body; `check_key` refuses a key from the headers alone,
+        before its body is read (default: a joined node that is not banned)."""
+        signer, body = await read_signed(request, verifier, limiter, check_key)
         if len(body) > LARGE_BODY_BYTES:  # validating a full submission takes tens of ms: not on the loop
             return signer, await asyncio.to_thread(parse_body, model, body)
         return signer, parse_body(model, body)
@@ -75,7 +85,7 @@ def build_app(coord) -> web.Application:
     async def join(request):
         if not join_limiter.allow(request.remote or "unknown"):
             raise ApiError(429, "too_many_joins", f"at most {joins_per_minute} joins per minute from one address")
-        signer, req = await signed(request, M.JoinRequest)
+        signer, req = await signed(request, M.JoinRequest, not_banned)
         return _json(coord.join(signer, req))
 
     async def heartbeat(request):
@@ -91,11 +101,11 @@ def build_app(coord) -> web.Application:
         return _json(await coord.submit(signer, req))
 
     async def verify_jobs(request):
-        signer, req = await signed(request, M.VerifyJobsRequest)
+        signer, req = await signed(request, M.VerifyJobsRequest, coord._board)
         return _json_or_204(coord.verify_jobs(signer, req))
 
     async def verify_verdicts(request):
-        signer, req = await signed(request, M.VerdictsRequest)
+        signer, req = await signed(request, M.VerdictsRequest, coord._board)
         return _json(coord.verify_verdicts(signer, req))
 
     def count(n: int) -> None:
@@ -147,7 +157,10 @@ async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]
     app = build_app(coord)
     # aiohttp's keep-alive timer runs from the connection (and from each answer) until a request's headers
     # are complete, so it bounds a slow header sender as well as an idle connection.
-    runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=coord.cfg.server.header_timeout_s)
+    cfg = coord.cfg.server
+    limits = ConnectionLimits(max_per_address=cfg.max_connections_per_address, min_send_rate=cfg.min_send_rate,
+                              send_grace_s=cfg.send_grace_s)
+    runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=cfg.header_timeout_s, limits=limits)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
-from node.http import HAVE_HEADER, ApiError, error_middleware, int_param
+from node.http import HAVE_HEADER, ApiError, ConnectionLimits, HardenedAppRunner, abort_connection, error_middleware, int_param
 from node.rate_limit import AsyncRateLimiter, SharedBucket
 
 from .announce import MAX_INDICES, MAX_SHARD_INDEX, MAX_STEP
@@ -108,10 +108,16 @@ class HttpShardServer:
     """Serves the node's shards over HTTP; `start(host, port)` returns the bound port."""
 
     def __init__(self, store: ShardStore | None, *, stats: P2PStats, max_concurrent: int, max_bytes: int,
-                 read_timeout_s: float, upload_limit: int = 0, upload_bucket: SharedBucket | None = None):
+                 read_timeout_s: float, upload_limit: int = 0, upload_bucket: SharedBucket | None = None,
+                 max_per_client: int = 4, limits: ConnectionLimits | None = None):
         self.store = store
         self.stats = stats
         self.max_concurrent = max_concurrent
+        # Transfers one client address may hold at once: one address cannot take every slot, and with the
+        # runner's minimum send rate (`limits`) a slot it holds without reading is freed within seconds.
+        self.max_per_client = max(1, min(max_per_client, max_concurrent))
+        self.limits = limits or ConnectionLimits()
+        self.active_by_client: dict[str, int] = {}
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
         self.limiter = AsyncRateLimiter(upload_limit, shared=upload_bucket if upload_limit > 0 else None)
@@ -123,7 +129,7 @@ class HttpShardServer:
     async def start(self, host: str, port: int = 0) -> int:
         app = web.Application(client_max_size=1024, middlewares=[error_middleware])  # JSON errors, never a bare 500
         app.router.add_get(PATH, self.handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = HardenedAppRunner(app, access_log=None, handle_signals=False, limits=self.limits)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -156,14 +162,18 @@ class HttpShardServer:
             raise ApiError(400, "malformed", "?manifest= must be the manifest's sha256 (64 lowercase hex)")
         peer = f"http:{request.remote}"
         have = self._have(step, manifest_hash)
-        if self.active >= self.max_concurrent:
+        client = request.remote or "unknown"
+        mine = self.active_by_client.get(client, 0)
+        if self.active >= self.max_concurrent or mine >= self.max_per_client:
             self.stats.count_refused("busy")
-            raise ApiError(429, "busy", f"serving {self.active} shards already; try another peer", headers=have)
+            raise ApiError(429, "busy", f"serving {self.active} shards already ({mine} to you); try another peer",
+                           headers=have)
         body = self.store.open(step, index, manifest_hash) if self.store is not None else None
         if body is None:
             self.stats.count_refused("not_found")
             raise ApiError(404, "not_found", f"no shard {index} of step {step} here", headers=have)
         self.active += 1
+        self.active_by_client[client] = mine + 1
         try:
             if body.size > self.max_bytes:
                 self.stats.count_refused("too_large")
@@ -181,13 +191,17 @@ class HttpShardServer:
                         self.stats.add_served(peer, len(chunk), shard_done=sent == body.size)
             except TimeoutError:
                 self.stats.count_aborted("stalled")
-                if request.transport is not None:  # the body is incomplete: the connection cannot be reused
-                    request.transport.close()
+                abort_connection(request.transport)  # the body is incomplete: the connection cannot be reused
             except (ConnectionError, OSError):
                 self.stats.count_aborted("peer_gone")
             return resp
         finally:
             self.active -= 1
+            left = self.active_by_client.get(client, 1) - 1
+            if left > 0:
+                self.active_by_client[client] = left
+            else:
+                self.active_by_client.pop(client, None)
             body.close()
 
 
