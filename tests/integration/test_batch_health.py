@@ -96,8 +96,8 @@ async def test_normal_run_fills_its_batches_without_warning(tmp_path, caplog):
         finally:
             await stop_workers(worker)
         bh = coord.status()["batch_health"]
-        assert bh["run_usable"] >= 2 * 8 and bh["warning"] is None
-        assert bh["unusable_in_a_row"] < WARN_AFTER
+        assert bh["run_usable"] >= 2 * 8 and bh["warning"] is None, bh
+        assert bh["unusable_in_a_row"] < WARN_AFTER, bh
         assert await metric(url, "prime_groups_usable_total") >= 2 * 8
         assert stall_warnings(caplog) == []
 
