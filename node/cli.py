@@ -1,6 +1,9 @@
 """The `prime-node` command. Heavy modules are imported inside each handler so `--help` is instant.
 
-Exit codes: 0 success, 1 verification failed / invalid input (one clear line why), 2 usage error.
+Exit codes: 0 success, 1 verification failed / invalid input (one clear line why), 2 usage error;
+128 + signal number: stopped by SIGTERM/SIGINT/SIGHUP without finishing (the demo), or a role's graceful
+stop did not finish in time / a second signal came (node/lifecycle.py). A role whose graceful stop
+finishes exits 0.
 """
 from __future__ import annotations
 
@@ -153,6 +156,9 @@ def cmd_keys_show(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from node.lifecycle import die_with_parent_from_env
+
+    die_with_parent_from_env()  # started by `prime-node demo`: stop when it dies, however it dies
     args = build_parser().parse_args(argv)
     name = args.command + (f" {args.sub}" if getattr(args, "sub", None) else "")
     module, func = HANDLERS[name].split(":")

@@ -11,11 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 from node.config import Config, dump_toml, load_config
+from node.lifecycle import DIE_WITH_ENV, STOP_GRACE_S, Stopper
 from protocol.errors import PrimeNodeError
 from protocol.identity import Identity
 
@@ -28,6 +30,31 @@ class DemoError(PrimeNodeError):
     pass
 
 
+class DemoStopped(Exception):
+    """A stop signal came: the demo stops its processes and exits 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Stopping:
+    """Set (from lifecycle's signal thread) by the first SIGTERM/SIGINT/SIGHUP; the demo's waits end at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum = 0
+
+    def set(self, signum: int) -> None:
+        self.signum = signum
+        self.event.set()
+
+    def pause(self, seconds: float) -> None:
+        """Sleep `seconds`; raise DemoStopped as soon as a stop signal has come."""
+        if self.event.wait(seconds):
+            raise DemoStopped(self.signum)
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "node.cli", *args]
 
@@ -37,7 +64,9 @@ def _get_json(url: str, timeout: float = 5.0) -> dict:
         return json.loads(r.read())
 
 
-def _wait_ready(ready: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> dict:
+def _wait_ready(ready: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0,
+                stopping: Stopping | None = None) -> dict:
+    stopping = stopping or Stopping()
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if ready.is_file():
@@ -45,11 +74,15 @@ def _wait_ready(ready: Path, proc: subprocess.Popen, log: Path, timeout: float =
         if proc.poll() is not None:
             raise DemoError(f"the coordinator exited with code {proc.returncode}; see {log}:\n"
                             + log.read_text()[-2000:])
-        time.sleep(0.2)
+        stopping.pause(0.2)
     raise DemoError(f"the coordinator did not start within {timeout:.0f} s; see {log}")
 
 
-def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+def _stop(procs: list[subprocess.Popen], timeout: float = STOP_GRACE_S + 2) -> None:
+    """SIGTERM each process, then SIGKILL its whole process group (each was started in a session of its
+    own: the group holds what it started, e.g. the coordinator's other trainer ranks) if it has not exited
+    `timeout` s later. A role's own stop is bounded by STOP_GRACE_S (node/lifecycle.py), so the KILL is
+    for one that is past helping."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -58,7 +91,10 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # not reaped yet, so the group id is still this one's
+            except OSError:
+                p.kill()
             p.wait()
 
 
@@ -141,6 +177,19 @@ def plot_rewards(rewards: dict[int, float], out: Path, evals: dict[int, float] |
 
 
 def cmd_demo(args) -> int:
+    # SIGTERM/SIGINT/SIGHUP: stop the swarm, exit 128 + signum. The deadline leaves _stop its grace and
+    # one status read; past it lifecycle SIGKILLs every process of the demo and exits.
+    stopping = Stopping()
+    Stopper("demo", grace_s=STOP_GRACE_S + 10).install().on_stop(stopping.set)
+    try:
+        return _run_demo(args, stopping)
+    except DemoStopped as e:
+        print(f"prime-node demo: stopped by {e} before the end; its coordinator and workers were stopped "
+              f"(logs and storage in {DEMO_DIR})", file=sys.stderr)
+        return 128 + e.signum
+
+
+def _run_demo(args, stopping: Stopping) -> int:
     config_path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
     cfg = load_config(config_path, args.overrides)
     nodes = args.nodes or cfg.demo.nodes
@@ -151,7 +200,8 @@ def cmd_demo(args) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     common = ["--config", config_path or _write_default(out)] + [f"--set={o}" for o in args.overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # DIE_WITH_ENV: each process asks Linux for SIGTERM when the demo dies, even by SIGKILL (node/lifecycle.py)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", DIE_WITH_ENV: str(os.getpid())}
     t0 = time.monotonic()
     # verification.pool: that many verifier processes replay the chosen submissions instead of the coordinator
     verifier_keys = [Identity.generate() for _ in range(cfg.verification.pool)]
@@ -168,7 +218,7 @@ def cmd_demo(args) -> int:
         stdout=open(clog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     procs = [coord]
     try:
-        info = _wait_ready(ready, coord, clog)
+        info = _wait_ready(ready, coord, clog, stopping=stopping)
         url = info["url"]
         print(f"coordinator up at {url} (logs: {clog})")
         print(f"dashboard: {url}/dashboard")
@@ -186,11 +236,14 @@ def cmd_demo(args) -> int:
                 stdout=open(vlog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
         pool = f" and {len(verifier_keys)} verifiers" if verifier_keys else ""
         print(f"started {nodes} worker nodes{pool}; training {steps} steps (async level {cfg.run.async_level})")
-        status = _follow(url, steps, procs)
-        time.sleep(1.5)  # one more heartbeat, so byte counts include the last download
+        status = _follow(url, steps, procs, stopping)
+        stopping.pause(1.5)  # one more heartbeat, so byte counts include the last download
         status = _get_json(url + "/v1/status")
+    except DemoStopped:
+        _stop(procs)  # all at once: one grace period, not one per process
+        raise
     finally:
-        _stop(procs[1:])
+        _stop(procs[1:])  # workers first, so they do not retry against a coordinator already gone
         _stop(procs[:1])
     wall = time.monotonic() - t0
     summary = summarize(status, wall)
@@ -213,7 +266,8 @@ def _write_default(out: Path) -> str:
     return str(path)
 
 
-def _follow(url: str, steps: int, procs: list[subprocess.Popen]) -> dict:
+def _follow(url: str, steps: int, procs: list[subprocess.Popen], stopping: Stopping | None = None) -> dict:
+    stopping = stopping or Stopping()
     from tqdm import tqdm
 
     bar = tqdm(total=steps, desc="training", unit="step", file=sys.stderr)
@@ -227,7 +281,7 @@ def _follow(url: str, steps: int, procs: list[subprocess.Popen]) -> dict:
         try:
             status = _get_json(url + "/v1/status")
         except OSError:
-            time.sleep(1)
+            stopping.pause(1)
             continue
         if status["trainer"]["error"]:
             bar.close()
@@ -253,7 +307,7 @@ def _follow(url: str, steps: int, procs: list[subprocess.Popen]) -> dict:
         if all(p.poll() is not None for p in procs[1:]):
             bar.close()
             raise DemoError("every worker exited; see demo-out/worker-*.log")
-        time.sleep(0.5)
+        stopping.pause(0.5)
 
 
 def _report(s: dict, ratio: float | None, plot: Path, summary_path: str | None) -> None:

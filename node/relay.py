@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 import aiohttp
@@ -20,6 +19,7 @@ from node.aio import client_session
 from node.checkpoint_dir import CheckpointDir
 from node.checkpoint_routes import CheckpointRoutes
 from node.http import HardenedAppRunner, error_middleware
+from node.lifecycle import run_async
 from node.logs import setup_logging
 from node.rate_limit import AsyncRateLimiter
 from node.worker.fetcher import Fetcher
@@ -94,10 +94,6 @@ def cmd_relay(args) -> int:
     relay = Relay(args.upstream, Path(args.dir), upstream_key=upstream_key)
 
     async def main():
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, relay.stop_event.set)
         await relay.run(args.host, args.port, on_ready=lambda url: print(f"relay serving {url}", flush=True))
 
-    asyncio.run(main())
-    return 0
+    return run_async("relay", main, relay.stop_event.set)

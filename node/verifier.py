@@ -4,16 +4,18 @@ It does what the coordinator does in-process when no pool is configured: replay 
 against the claimed step's weights (verify.rollouts.judge) and answer with one verdict per rollout. Its
 key must be listed in the run's `verification.verifier_keys`. Jobs come over the signed API
 (POST /v1/verify/jobs, POST /v1/verify/verdicts; DESIGN §5); checkpoints come with the worker's own
-fetcher, which verifies every shard against the coordinator-signed manifest, following every step as it
-is published and keeping the async window plus one. A job for a step it cannot get (published before
-the verifier started, or already pruned) is answered `unavailable` and passed over by the coordinator.
+fetcher, which verifies every shard against the coordinator-signed manifest, holding every step of the
+async window (not only the newest: a jump to a newest full checkpoint would skip the steps before it)
+plus one. A job for a step it cannot get (older than that, or not arrived within STEP_WAIT_S) is answered
+`unavailable`; the coordinator then gives the job to another verifier or replays it itself (never passes
+it over).
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from node.aio import client_session, sleep_or_stop, wait_any
 from node.backoff import Backoff
 from node.checkpoint_dir import CheckpointDir
 from node.config import load_config
+from node.lifecycle import run_async
 from node.logs import setup_logging
 from node.worker.backends import start_backend
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
@@ -50,7 +53,8 @@ class Verifier:
         self.spec: M.VerifierSpec | None = None
         self.payloads: dict[int, Path] = {}  # step -> verified payload, as the fetcher commits them
         self._arrived = asyncio.Event()
-        self._models: dict[int, object] = {}  # step -> fp32 model with that step's weights
+        self._backends: dict[int, object] = {}  # step -> fp32 transformers backend with that step's weights
+        self._spare: list = []  # backends of steps that left the window, reused for the next step
         self.jobs_done = 0
         self.rollouts_judged = 0
 
@@ -71,7 +75,8 @@ class Verifier:
             sources = [HttpSource(self.url, "coordinator", session)] + \
                 [HttpSource(r, "relay", session) for r in spec.relays]
             self.fetcher = Fetcher(CheckpointDir(self.root / "checkpoints"), sources, spec.coordinator_key,
-                                   keep=spec.async_level + 2, on_new_step=self._on_new_step)
+                                   keep=spec.async_level + 2, window=spec.async_level,
+                                   on_new_step=self._on_new_step)
             log.info("verifier %s serving run %s at %s", self.identity.node_id[:12], spec.run_id, self.url)
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.fetcher.run(self.stop_event, poll_seconds=0.25))
@@ -93,10 +98,12 @@ class Verifier:
             return answer.spec
 
     def _on_new_step(self, step: int, payload: Path) -> None:
-        self.payloads[step] = payload
-        for old in [s for s in self.payloads if s < step - self.spec.async_level - 1]:
+        self.payloads[step] = payload  # steps of the window may arrive below the newest (filled in)
+        newest = max(self.payloads)
+        for old in [s for s in self.payloads if s < newest - self.spec.async_level - 1]:
             self.payloads.pop(old, None)
-            self._models.pop(old, None)
+            if (b := self._backends.pop(old, None)) is not None and not self._spare:
+                self._spare.append(b)
         self._arrived.set()
         self._arrived.clear()
 
@@ -142,19 +149,27 @@ class Verifier:
         """The model of `step`, waiting (bounded) for the fetcher to bring it; None if it will not come."""
         deadline = time.monotonic() + STEP_WAIT_S
         while step not in self.payloads:
-            newest = self.fetcher.newest_held
-            if (newest >= 0 and step < newest) or time.monotonic() > deadline or self.stop_event.is_set():
+            newest = self.fetcher.newest_held  # the fetcher holds every step down to newest - k - 1
+            if (newest >= 0 and step < newest - self.spec.async_level - 1) or time.monotonic() > deadline \
+                    or self.stop_event.is_set():
                 return None
             self.fetcher.wake.set()
             await wait_any(self._arrived, self.stop_event, timeout=0.5)
-        if step not in self._models:
+        if step not in self._backends:
             payload = self.payloads[step]
             if not payload.is_file():
                 return None
-            backend = await asyncio.to_thread(start_backend, "transformers", self.model_dir, payload, step,
-                                              dtype="float32", device="cpu")
-            self._models[step] = backend.model
-        return self._models[step]
+            self._backends[step] = await asyncio.to_thread(self._load, step, payload)
+        return self._backends[step].model
+
+    def _load(self, step: int, payload: Path):
+        """A backend holding `step`'s weights: a spare one reloaded, else a copy of one held (no model built
+        from its config again), else the first one built."""
+        if self._spare or self._backends:
+            backend = self._spare.pop() if self._spare else copy.deepcopy(next(iter(self._backends.values())))
+            backend.load_payload(payload, step)
+            return backend
+        return start_backend("transformers", self.model_dir, payload, step, dtype="float32", device="cpu")
 
 
 def cmd_verifier(args) -> int:
@@ -164,15 +179,9 @@ def cmd_verifier(args) -> int:
     identity = Identity.load(args.key)
     verifier = Verifier(args.coordinator, identity, Path(args.dir), coordinator_key=coordinator_key)
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, verifier.stop)
-        await verifier.run()
-
     refused: list[BaseException] = []
     try:
-        asyncio.run(main())
+        run_async("verifier", verifier.run, verifier.stop)
     except* VerifierRefused as eg:  # raised in the task group: one line, exit 1
         refused = list(eg.exceptions)
     if refused:

@@ -4,13 +4,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import time
 from pathlib import Path
 
 from node.config import load_config
 from node.coordinator.app import start_server
 from node.coordinator.service import Coordinator
+from node.lifecycle import run_async
 from node.logs import setup_logging
 from protocol.identity import Identity
 
@@ -24,7 +24,10 @@ def coordinator_identity(storage_dir: Path) -> Identity:
     return ident
 
 
-async def serve(cfg, *, ready_file: Path | None = None) -> int:
+async def serve(cfg, *, ready_file: Path | None = None, stop: asyncio.Event | None = None) -> int:
+    """Run until `stop` is set (cmd_coordinator sets it on SIGTERM/SIGINT/SIGHUP, node/lifecycle.py), then
+    stop the HTTP server and the coordinator (training thread, ledger)."""
+    stop = asyncio.Event() if stop is None else stop
     storage = Path(cfg.storage.dir)
     storage.mkdir(parents=True, exist_ok=True)
     identity = coordinator_identity(storage)
@@ -40,10 +43,6 @@ async def serve(cfg, *, ready_file: Path | None = None) -> int:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"url": url, "key": identity.public_hex, "pid_time": time.time()}))
         tmp.replace(ready_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     failed = asyncio.create_task(coord.supervisor.wait_failed())  # a dead task or thread (supervisor.py)
     if cfg.server.exit_on_failure:
         failed.add_done_callback(lambda _: stop.set())
@@ -61,4 +60,8 @@ def cmd_coordinator(args) -> int:
     cfg = load_config(args.config, args.overrides)
     setup_logging(cfg.server.log_format)
     ready = getattr(args, "ready_file", None)
-    return asyncio.run(serve(cfg, ready_file=Path(ready) if ready else None))
+    stop = asyncio.Event()
+    # No cancellation: the coordinator's stop (training thread, then the ledger) runs to its end, or the
+    # deadline (lifecycle.STOP_GRACE_S) ends the process with the committed ledger on disk.
+    return run_async("coordinator", lambda: serve(cfg, ready_file=Path(ready) if ready else None, stop=stop),
+                     stop.set, cancel_after_s=None)

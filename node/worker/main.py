@@ -1,26 +1,17 @@
 """`prime-node join --coordinator URL [--coordinator-key HEX] [--key KEYFILE] [--set a.b=v ...]`."""
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
 
 from node.config import load_config
+from node.lifecycle import run_async
 from node.logs import setup_logging
 from node.worker.node import WorkerNode
 from protocol.identity import Identity, public_key_arg
 
 log = logging.getLogger("prime_node.worker")
-
-
-async def run_worker(cfg, url: str, identity: Identity, coordinator_key: str | None, status_line: bool) -> None:
-    node = WorkerNode(cfg, url, identity, coordinator_key=coordinator_key, status_line=status_line)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, node.stop)
-    await node.run()
 
 
 def cmd_join(args) -> int:
@@ -31,5 +22,8 @@ def cmd_join(args) -> int:
     identity, created = Identity.load_or_create(key_path)
     if created:
         print(f"created node key {key_path} (node id {identity.node_id[:16]}…)", file=sys.stderr)
-    asyncio.run(run_worker(cfg, args.coordinator, identity, coordinator_key, sys.stderr.isatty()))
-    return 0
+    node = WorkerNode(cfg, args.coordinator, identity, coordinator_key=coordinator_key,
+                      status_line=sys.stderr.isatty())
+    # a signal stops the node's loops; an await that watches no stop event (a read from a coordinator that
+    # never answers) is cancelled lifecycle's few seconds later
+    return run_async("join", node.run, node.stop)
