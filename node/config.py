@@ -61,6 +61,9 @@ class ServerConfig(_Section):
 
 class StorageConfig(_Section):
     dir: str = "prime-node-data"
+    # The ledger keeps this many newest rejection rows (status shows the newest 20); older ones are folded
+    # into per-reason totals, so a flood of refused work cannot grow it without bound (issue #25).
+    keep_rejections: int = Field(1000, ge=20, le=10_000_000)
 
 
 class RunConfig(_Section):
@@ -74,6 +77,10 @@ class RunConfig(_Section):
     seed: int = 0
     stream_groups: bool = False  # k = 0 periodic asynchrony: train on groups as they arrive
     max_assignments_per_node: int = Field(2, ge=1, le=1024)  # in flight at once (more: 429, wait for one to end)
+    # A declined assignment (submitted with a policy step outside the window) keeps one of the node's
+    # max_assignments_per_node slots this long (never past its own deadline): declining is not a free way to
+    # cycle work (docs/PROTOCOL.md, "Declined work"). 0 = the slot comes back at once.
+    decline_hold_seconds: float = Field(30.0, ge=0, le=86_400)
     # A batch that cannot fill says why (docs/OPERATIONS.md, "The run is not stepping"): after this many
     # groups in a row that the trainer could not use (all rewards equal, stale, rejected, filtered), one
     # WARNING names the likely cause, repeated at most every stall_warn_interval_s while the streak lasts.
@@ -111,6 +118,9 @@ class VerificationConfig(_Section):
     reputation_penalty: float = Field(0.25, ge=0, le=1e6)  # a structurally impossible rollout
     reputation_reward: float = Field(0.01, ge=0, le=1e6)  # a clean submission
     expiry_penalty: float = Field(0.05, ge=0, le=1e6)  # an assignment left to expire
+    # A submission made stale by steps published while it was generated (an honest node's mishap: two clean
+    # submissions pay it back). Claiming a step that was never published costs reputation_penalty.
+    decline_penalty: float = Field(0.02, ge=0, le=1e6)
     ban_below: float = Field(0.0, ge=-1e6, le=1e6)  # (a verified forgery bans at once)
     # Steering: a node whose replayed tokens are more often than this not the sampler's first choice by
     # more than noise (verify.rollouts.NEAR_TIE_MARGIN; honest <= 0.4 %) is banned, once it has this many

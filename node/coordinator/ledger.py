@@ -39,8 +39,8 @@ CREATE TABLE IF NOT EXISTS assignments (
     min_policy_step INTEGER NOT NULL,
     created_ms INTEGER NOT NULL,
     deadline_ms INTEGER NOT NULL,
-    state TEXT NOT NULL,             -- open | submitted | expired
-    prompts TEXT NOT NULL            -- JSON: [{prompt_id, problem_index, prompt_ids, seeds}]
+    state TEXT NOT NULL,             -- open | submitted | expired | declined
+    prompts TEXT NOT NULL            -- JSON: [{prompt_id, problem_index, prompt_ids, seeds}] ([] once declined)
 );
 CREATE INDEX IF NOT EXISTS assignments_state ON assignments(state);
 CREATE INDEX IF NOT EXISTS assignments_node ON assignments(node_id, state);
@@ -70,6 +70,10 @@ CREATE TABLE IF NOT EXISTS rejections (
     prompt_id TEXT,
     sample_index INTEGER,
     reason TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rejection_totals (  -- rejections pruned from `rejections`, still counted
+    reason TEXT PRIMARY KEY,
+    n INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY,
@@ -128,7 +132,7 @@ class AssignmentRow:
     min_policy_step: int
     created_ms: int
     deadline_ms: int
-    state: str  # open | submitted | expired
+    state: str  # open | submitted | expired | declined (until deadline_ms it still holds one of the node's slots)
     prompts: list[dict]  # [{prompt_id, problem_index, prompt_ids, seeds}] (PromptSlot.to_json)
 
     @classmethod
@@ -499,7 +503,46 @@ class Ledger:
         return bool(row and row[0])
 
     def open_assignments_of(self, node_id: str) -> int:
-        return self._exec("SELECT COUNT(*) FROM assignments WHERE node_id=? AND state='open'", (node_id,)).fetchone()[0]
+        """The node's slots in use: open assignments, and declined ones whose hold has not ended."""
+        return self._exec("SELECT COUNT(*) FROM assignments WHERE node_id=? AND (state='open' OR "
+                          "(state='declined' AND deadline_ms > ?))", (node_id, now_ms())).fetchone()[0]
+
+    def decline_assignment(self, assignment_id: str, node_id: str, slots: list[dict], *, reason: str,
+                           penalty: float, ban_below: float, hold_until_ms: int) -> bool:
+        """The node submitted outside the window: one transaction records the rejection, puts the prompts back
+        in the queue, drops them from the assignment row (the row only holds the node's slot now, until
+        `hold_until_ms` or its own deadline, whichever is first) and takes `penalty` off the node's
+        reputation. True if the node is now banned."""
+        with self.transaction() as db:
+            db.execute("UPDATE assignments SET state='declined', prompts='[]', deadline_ms=MIN(deadline_ms, ?) "
+                       "WHERE assignment_id=?", (hold_until_ms, assignment_id))
+            self._requeue(db, slots)
+            self._insert_rejections(db, node_id, assignment_id, [{"reason": reason}], now_ms())
+            db.execute("UPDATE nodes SET reputation=reputation-?, banned=MAX(banned, reputation-? < ?) "
+                       "WHERE node_id=?", (penalty, penalty, ban_below, node_id))
+            row = db.execute("SELECT banned FROM nodes WHERE node_id=?", (node_id,)).fetchone()
+        return bool(row and row[0])
+
+    def prune(self, *, oldest_batch: int, keep_rejections: int) -> dict[str, int]:
+        """Bounded history (issue #25): deletes declined assignments whose hold has ended, settled (submitted,
+        expired) ones of batches before `oldest_batch` with no submission still waiting for its verdict (the
+        replay reads the seeds from the row), and folds the rejections beyond the newest `keep_rejections`
+        into per-reason totals. Returns rows deleted per table. Indexed deletes: a few ms per thousand rows."""
+        t = now_ms()
+        with self.transaction() as db:
+            declined = db.execute("DELETE FROM assignments WHERE state='declined' AND deadline_ms <= ?", (t,)).rowcount
+            settled = db.execute(
+                "DELETE FROM assignments WHERE state IN ('submitted', 'expired') AND batch_step < ? AND NOT EXISTS "
+                "(SELECT 1 FROM groups g WHERE g.assignment_id = assignments.assignment_id AND g.verdict IS NULL)",
+                (oldest_batch,)).rowcount
+            cut = db.execute("SELECT id FROM rejections ORDER BY id DESC LIMIT 1 OFFSET ?", (keep_rejections,)).fetchone()
+            folded = 0
+            if cut is not None:
+                db.execute("INSERT INTO rejection_totals(reason, n) SELECT reason, COUNT(*) FROM rejections "
+                           "WHERE id <= ? GROUP BY reason ON CONFLICT(reason) DO UPDATE SET n = n + excluded.n",
+                           (cut[0],))
+                folded = db.execute("DELETE FROM rejections WHERE id <= ?", (cut[0],)).rowcount
+        return {"declined": declined, "settled": settled, "rejections": folded}
 
     def recent_rejections(self, limit: int = 20) -> list[RejectionRow]:
         rows = self._exec("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
@@ -511,7 +554,9 @@ class Ledger:
         return {r[0]: r[1] for r in rows}
 
     def rejection_counts(self) -> dict[str, int]:
-        rows = self._exec("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall()
+        """Rejections by reason since the run began: the rows kept and the totals of those pruned."""
+        rows = self._exec("SELECT reason, SUM(n) FROM (SELECT reason, COUNT(*) AS n FROM rejections GROUP BY reason "
+                          "UNION ALL SELECT reason, n FROM rejection_totals) GROUP BY reason").fetchall()
         return {r[0]: r[1] for r in rows}
 
     def counts(self) -> dict[str, int]:

@@ -42,6 +42,8 @@ log = logging.getLogger("prime_node.coordinator")
 
 LIVENESS_FLUSH_MS = 2_000  # heartbeats and work requests reach the ledger in one transaction this often
 IDLE_KEY_FORGET_MS = 3_600_000  # a key that joined and never submitted anything is dropped after an hour
+PRUNE_EVERY_MS = 5_000  # declined assignments past their hold, settled ones of old batches, old rejections
+PRUNE_MARGIN_STEPS = 4  # settled assignments are kept this many steps past the window (k) before deletion
 SMALL_MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "generation_config.json")
 
@@ -147,7 +149,7 @@ class Coordinator:
             self.ledger.close()
 
     async def _expire_loop(self) -> None:
-        last_forget, last_flush = 0.0, 0.0
+        last_forget, last_flush, last_prune = 0.0, 0.0, 0.0
         while True:
             await asyncio.sleep(0.5)
             fault_point("expire-loop")
@@ -161,6 +163,9 @@ class Coordinator:
                 forgotten = self.ledger.forget_idle_nodes(t - IDLE_KEY_FORGET_MS)
                 if forgotten:
                     log.info("forgot %d keys that joined and never submitted anything", forgotten)
+            if t - last_prune >= PRUNE_EVERY_MS:
+                last_prune = t
+                await self._prune_ledger()
             for a in self.ledger.open_assignments(deadline_before_ms=t):
                 if a.assignment_id not in self._submitting:
                     again = self.scheduler.expire(a.assignment_id)
@@ -170,6 +175,15 @@ class Coordinator:
                     self.metrics.assignments_expired.inc()
                     log.info("assignment %s of node %s expired; its prompts go back in the queue%s",
                              a.assignment_id, a.node_id[:12], " (node banned)" if banned else "")
+
+    async def _prune_ledger(self) -> dict[str, int]:
+        """Keeps the ledger's history bounded (Ledger.prune), off the event loop."""
+        pruned = await asyncio.to_thread(self.ledger.prune,
+                                         oldest_batch=self.published_step - self.k - PRUNE_MARGIN_STEPS,
+                                         keep_rejections=self.cfg.storage.keep_rejections)
+        if any(pruned.values()):
+            log.debug("ledger pruned: %s", pruned)
+        return pruned
 
     # -- state shared with the training thread -----------------------------------------------------
     @property
@@ -368,6 +382,22 @@ class Coordinator:
                                   env_state=self._env_state(x.problem_index)) for x in slots],
         )
 
+    def _decline(self, node_id: str, aid: str, *, never_published: bool, n_rollouts: int) -> None:
+        """A submission outside the window: its prompts go back in the queue now, and declining costs the
+        decliner (else one key cycles work -> decline as fast as it can send, issue #25): the assignment keeps
+        one of the node's slots for run.decline_hold_seconds, and its reputation pays decline_penalty, a
+        little, when steps published during generation made it stale (an honest mishap), or
+        reputation_penalty when it claims a step that was never published (no honest node holds one)."""
+        vc = self.cfg.verification
+        again = self.scheduler.expire(aid)
+        banned = self.ledger.decline_assignment(
+            aid, node_id, [x.to_json() for x in again], reason="stale_policy",
+            penalty=vc.reputation_penalty if never_published else vc.decline_penalty, ban_below=vc.ban_below,
+            hold_until_ms=now_ms() + int(self.cfg.run.decline_hold_seconds * 1000))
+        self.metrics.rejected.labels("stale_policy").inc(n_rollouts)
+        if banned:
+            log.info("node %s banned after declining work (reputation below %s)", node_id[:12], vc.ban_below)
+
     async def submit(self, node_id: str, req: M.SubmitRequest) -> M.SubmitResponse:
         node = self._known_node(node_id)
 
@@ -381,16 +411,12 @@ class Coordinator:
             raise ApiError(409, "duplicate", "this assignment was already submitted")
         if a.state == "expired":
             raise ApiError(409, "expired", "the assignment's deadline passed; its prompts were given to another node")
+        if a.state == "declined":
+            raise ApiError(409, "declined", "this assignment was already declined (submitted outside the window)")
         m = req.policy_step
         oldest_usable = max(a.min_policy_step, self.published_step - self.k)
         if m > self.published_step or m < oldest_usable:
-            self.ledger.record_rejection(node_id, "stale_policy", aid)
-            self.metrics.rejected.labels("stale_policy").inc(len(req.rollouts))
-            # its prompts go back in the queue now (the node cannot use the assignment any more, and an
-            # open one would count against its cap until the deadline); stale work is no offence
-            again = self.scheduler.expire(aid)
-            self.ledger.expire_assignment(aid, node_id, [x.to_json() for x in again], 0.0,
-                                          self.cfg.verification.ban_below)
+            self._decline(node_id, aid, never_published=m > self.published_step, n_rollouts=len(req.rollouts))
             raise ApiError(409, "stale_policy",
                            f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
         self._submitting.add(aid)
