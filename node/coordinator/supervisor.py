@@ -106,8 +106,11 @@ class Supervisor:
             try:
                 target()
             except BaseException as e:  # noqa: BLE001 - every way out of the thread is reported
-                log.error("thread %s died", name, exc_info=e)
-                self.fail(name, describe(e))
+                if self.stopping:  # cut by stop() (a trainer's ranks killed under a step): expected
+                    log.info("thread %s ended while stopping: %s", name, describe(e))
+                else:
+                    log.error("thread %s died", name, exc_info=e)
+                    self.fail(name, describe(e))
                 return
             if not self.stopping:
                 self.fail(name, "exited unexpectedly")

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("prime_node.training")
 
 STOP_AFTER_ABORT_S = 2.0  # once the other ranks are killed, rank 0's collective fails within moments
+MIN_CLOSE_S = 1.0  # the least time the other ranks get to exit after STOP before they are killed
 VOID_POLL_S = 10.0  # how often the waiting loop counts groups voided by verification (batch health)
 
 
@@ -188,6 +189,7 @@ class TrainingLoop:
         seconds (None: as long as it takes). A thread still busy then -- a long step, or a collective that a
         stuck trainer rank never answers -- is cut: the trainer's other ranks are killed (rank 0's collective
         then fails and the thread ends), and a step cut short is redone after a restart (crash safety)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -203,8 +205,12 @@ class TrainingLoop:
             if t.is_alive():  # a daemon thread: it does not keep the process from exiting
                 log.warning("the training thread is still running; leaving it behind")
                 return
-        if self.trainer is not None:
-            self.trainer.close()  # a distributed trainer's other ranks stop with it (bounded)
+        if self.trainer is None:
+            return
+        if timeout is None or getattr(self.trainer, "abort", None) is None:
+            self.trainer.close()
+        else:  # a distributed trainer: its other ranks get what is left of the deadline to stop, then are killed
+            self.trainer.close(timeout=max(MIN_CLOSE_S, deadline - time.monotonic()))
 
     @property
     def running(self) -> bool:
