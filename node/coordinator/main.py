@@ -10,7 +10,7 @@ from pathlib import Path
 from node.config import load_config
 from node.coordinator.app import start_server
 from node.coordinator.service import Coordinator
-from node.lifecycle import run_async
+from node.lifecycle import STOP_GRACE_S, run_async
 from node.logs import setup_logging
 from protocol.identity import Identity
 
@@ -62,6 +62,8 @@ def cmd_coordinator(args) -> int:
     ready = getattr(args, "ready_file", None)
     stop = asyncio.Event()
     # No cancellation: the coordinator's stop (training thread, then the ledger) runs to its end, or the
-    # deadline (lifecycle.STOP_GRACE_S) ends the process with the committed ledger on disk.
+    # deadline ends the process with the committed ledger on disk. The deadline leaves the training thread
+    # the server.stop_timeout_s it was given, and the rest of the stop a few seconds after that.
+    grace = max(STOP_GRACE_S, cfg.server.stop_timeout_s + 5.0)
     return run_async("coordinator", lambda: serve(cfg, ready_file=Path(ready) if ready else None, stop=stop),
-                     stop.set, cancel_after_s=None)
+                     stop.set, cancel_after_s=None, grace_s=grace)

@@ -22,7 +22,8 @@ from tests.integration.coordinator_harness import REPO
 
 pytestmark = [pytest.mark.timeout(180)]
 
-STOP_BOUND_S = 10.0  # what a role promises (node/lifecycle.py STOP_GRACE_S)
+STOP_BOUND_S = 10.0  # what a role promises (node/lifecycle.py STOP_GRACE_S; the coordinator's with the default
+# server.stop_timeout_s of 5 s)
 MARGIN_S = 8.0  # a loaded 2-core box: interpreter teardown, logging, the kernel reaping
 FAST_CFG = ["--set=eval.every_steps=0", "--set=trainer.warm_start_steps=0"]
 
@@ -113,10 +114,25 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
     return rc, time.monotonic() - t0
 
 
-def cli(tmp: Path, log: str, *args: str, **kw) -> subprocess.Popen:
+def cli(tmp: Path, log: str, *args: str, program: list[str] | None = None) -> subprocess.Popen:
+    """`prime-node ARGS` as a subprocess in `tmp`, output to `tmp/log` (`program`: another way to start it)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "node.cli", *args], cwd=tmp, env=env,
-                            stdout=open(tmp / log, "w"), stderr=subprocess.STDOUT, **kw)
+    return subprocess.Popen([sys.executable, *(program or ["-m", "node.cli"]), *args], cwd=tmp, env=env,
+                            stdout=open(tmp / log, "w"), stderr=subprocess.STDOUT)
+
+
+# The coordinator, with a stop that never finishes (a thread stuck where no bound of the coordinator's own
+# reaches): only node/lifecycle.py's deadline can end it.
+HANGING_STOP = [
+    "-c",
+    "import asyncio, sys, threading\n"
+    "from node.coordinator.service import Coordinator\n"
+    "async def stop(self):\n"
+    "    await asyncio.to_thread(threading.Event().wait)\n"
+    "Coordinator.stop = stop\n"
+    "from node.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n",
+]
 
 
 def ledger_intact(db_path: Path) -> int:
@@ -212,12 +228,13 @@ def test_demo_sigkilled_takes_its_swarm_and_the_second_trainer_rank_with_it(tmp_
 
 # ------------------------------------------------------------------------------- 2. every role stops in bounded time
 
-def _coordinator_with_a_stopped_rank(tmp: Path) -> tuple[subprocess.Popen, dict, int]:
+def _coordinator_with_a_stopped_rank(tmp: Path, program: list[str] | None = None) -> tuple[subprocess.Popen, dict, int]:
     """A coordinator with trainer.ranks = 2 whose rank-1 process is SIGSTOPped: every collective with it
     (the stop message, the wait for it to exit) never completes."""
     ready = tmp / "ready.json"
     coord = cli(tmp, "coord.log", "coordinator", "--config", str(REPO / "configs/local.toml"),
-                f"--set=storage.dir={tmp / 'coord'}", "--set=trainer.ranks=2", *FAST_CFG, "--ready-file", str(ready))
+                f"--set=storage.dir={tmp / 'coord'}", "--set=trainer.ranks=2", *FAST_CFG, "--ready-file", str(ready),
+                program=program)
 
     def up():
         assert coord.poll() is None, (tmp / "coord.log").read_text()[-3000:]
@@ -232,18 +249,38 @@ def _coordinator_with_a_stopped_rank(tmp: Path) -> tuple[subprocess.Popen, dict,
 
 @pytest.mark.slow
 def test_coordinator_with_a_stopped_rank_exits_on_sigterm_with_the_ledger_intact(tmp_path):
-    """SIGTERM to a coordinator whose second trainer rank will never answer: the graceful stop cannot
-    finish, so after the grace period the coordinator says which threads are stuck, kills its ranks and
-    exits 128 + SIGTERM; the ledger on disk re-opens and passes the integrity check."""
+    """SIGTERM to a coordinator whose second trainer rank will never answer (it used to wait for it for
+    ever): it exits within the bound and leaves no rank behind, either by its own bounded stop (the
+    training thread's server.stop_timeout_s, then the rank is killed: exit 0) or, on a box too loaded for
+    that, by the deadline (exit 128 + SIGTERM, with the threads' stacks); the ledger re-opens and passes
+    sqlite's integrity check."""
     coord, tree, _ = _coordinator_with_a_stopped_rank(tmp_path)
     coord.send_signal(signal.SIGTERM)
     rc, took = wait_exit(coord, STOP_BOUND_S + MARGIN_S)
     wait_gone(tree, 5)
     log = (tmp_path / "coord.log").read_text()
-    assert rc == 128 + signal.SIGTERM, (rc, log[-3000:])
-    assert "did not stop within" in log and 'File "' in log, log[-3000:]  # the stuck threads' stacks
+    assert rc in (0, 128 + signal.SIGTERM), (rc, log[-3000:])
+    if rc:
+        assert "did not stop within" in log and 'File "' in log, log[-3000:]
     ledger_intact(tmp_path / "coord" / "ledger.sqlite")
-    print(f"coordinator with a stopped rank exited {took:.1f} s after SIGTERM")
+    print(f"coordinator with a stopped rank exited {took:.1f} s after SIGTERM, code {rc}")
+
+
+@pytest.mark.slow
+def test_coordinator_whose_stop_hangs_is_ended_at_the_deadline_with_its_ranks(tmp_path):
+    """A stop that never finishes (HANGING_STOP): 10 s after SIGTERM the coordinator prints every thread's
+    stack, SIGKILLs its trainer ranks (the stopped one too) and exits 128 + SIGTERM; the ledger, never
+    closed, re-opens and passes the integrity check."""
+    coord, tree, _ = _coordinator_with_a_stopped_rank(tmp_path, program=HANGING_STOP)
+    coord.send_signal(signal.SIGTERM)
+    rc, took = wait_exit(coord, STOP_BOUND_S + MARGIN_S)
+    wait_gone(tree, 5)
+    log = (tmp_path / "coord.log").read_text()
+    assert rc == 128 + signal.SIGTERM, (rc, log[-3000:])
+    assert took >= STOP_BOUND_S - 1, took  # the deadline, not something else, ended it
+    assert "did not stop within 10 s of SIGTERM" in log and 'Thread 0x' in log, log[-3000:]  # faulthandler's dump
+    ledger_intact(tmp_path / "coord" / "ledger.sqlite")
+    print(f"coordinator whose stop hangs exited {took:.1f} s after SIGTERM")
 
 
 @pytest.mark.slow
