@@ -10,9 +10,9 @@ contract; `node/coordinator/openapi.py` publishes their JSON schemas as GET /ope
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_PROMPT_TOKENS = 32_768
 MAX_COMPLETION_TOKENS = 32_768
@@ -87,6 +87,32 @@ class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class WireError(ValueError):
+    """Bytes from a remote party that are not the document they should be. The message names the model and
+    the first broken field, never the transport (the caller adds which source sent it)."""
+
+
+def decode(model: type[_M], body: bytes, *, limit: int) -> _M:
+    """The one deserializer between remote bytes and typed objects (every answer a node reads from a
+    coordinator, relay or peer comes through here): at most `limit` bytes, refused before parsing; then
+    pydantic's JSON parser (native code: nesting is bounded there, so `"[" * 100000` is a validation error,
+    not a RecursionError) and the model (extra="forbid", every value bounded). Raises WireError and nothing
+    else: RecursionError and MemoryError are caught too, should a parser ever recurse in Python."""
+    if len(body) > limit:
+        raise WireError(f"{model.__name__}: {len(body)} bytes, more than the {limit}-byte limit")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0] if e.error_count() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())) or "document"
+        raise WireError(f"not a valid {model.__name__}: {where}: {first.get('msg', 'invalid')}"[:300]) from None
+    except (ValueError, RecursionError, MemoryError) as e:
+        raise WireError(f"not a valid {model.__name__}: {type(e).__name__}") from None
+
+
 # --- join / heartbeat ------------------------------------------------------------------------------
 class NodeInfo(Wire):
     name: Annotated[str, Field(max_length=64)] | None = None
@@ -104,7 +130,8 @@ class JoinRequest(Wire):
 class AdmissionInfo(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
     mode: Literal["open", "allowlist", "token"] = "open"
-    pow_bits: Annotated[int, Field(ge=0, le=64)] = 0
+    pow_bits: Annotated[int, Field(ge=0, le=24)] = 0  # bounded: a worker solves what the status asks for
+    pow_log2_n: Annotated[int, Field(ge=1, le=16)] = 14  # scrypt's N = 2**pow_log2_n (protocol/admission.py)
 
 
 class RunInfo(BaseModel):
@@ -330,22 +357,44 @@ MAX_LISTED_STEPS = 4096  # the coordinator keeps its async window plus a delta c
 MAX_SHARDS = 99_999
 
 
+MAX_LISTING_BYTES = 1024 * 1024  # MAX_LISTED_STEPS entries are ~1 MB at most; an honest one is a few KiB
+
+
 class CheckpointInfo(Wire):
     step: Step
-    encoding: ShortStr  # "full" | "xor-delta" (docs/PROTOCOL.md may add encodings)
+    encoding: ShortStr  # "full" | "xor-delta" | "sparse-delta" (docs/PROTOCOL.md may add encodings)
     base_step: Step | None
     num_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)]
     total_size: Counter
     compressed_size: Counter
     manifest_hash: HexKey  # sha256 hex of the canonical manifest without its signature
 
+    @model_validator(mode="after")
+    def _base_before_step(self) -> "CheckpointInfo":
+        # A fetcher follows base steps back to a full one: each must be strictly older, or it would loop.
+        if (self.encoding == "full") != (self.base_step is None):
+            raise ValueError("base_step is null exactly when encoding is 'full'")
+        if self.base_step is not None and self.base_step >= self.step:
+            raise ValueError(f"base_step {self.base_step} is not before step {self.step}")
+        return self
+
 
 class CheckpointList(Wire):
-    """GET /v1/checkpoints: the steps a node may fetch (committed to the ledger), newest first served."""
+    """GET /v1/checkpoints: the steps a node may fetch (committed to the ledger), newest first served.
+    `newest` is null while nothing is published."""
 
     steps: Annotated[list[Step], Field(max_length=MAX_LISTED_STEPS)]
-    newest: Step
+    newest: Step | None
     checkpoints: Annotated[list[CheckpointInfo], Field(max_length=MAX_LISTED_STEPS)]
+
+    @model_validator(mode="after")
+    def _one_entry_per_step(self) -> "CheckpointList":
+        if len({c.step for c in self.checkpoints}) != len(self.checkpoints):
+            raise ValueError("a step is listed twice")
+        return self
+
+    def by_step(self) -> dict[int, CheckpointInfo]:
+        return {c.step: c for c in self.checkpoints}
 
 
 class StatusResponse(RunInfo):

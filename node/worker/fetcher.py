@@ -22,9 +22,11 @@ from node.aio import sleep_or_stop, wait_any
 from node.backoff import Backoff
 from node.checkpoint_dir import CheckpointDir
 from node.worker.planner import Pick, ShardPlanner, SourceBook, SourceScore, Wait
-from node.worker.sources import ShardDeferred, ShardSource, SourceError
+from node.worker.sources import BadAnswer, ShardDeferred, ShardSource, SourceError
 from node.worker.trusted import TrustedManifests
-from protocol.checkpoint import CheckpointError, DirShardReader, Manifest, reconstruct_payload, verify_shard
+from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, reconstruct_payload,
+                                 verify_shard)
+from protocol.messages import CheckpointInfo, CheckpointList
 
 log = logging.getLogger("prime_node.fetcher")
 
@@ -33,15 +35,22 @@ class FetchError(Exception):
     pass
 
 
+class NoManifest(FetchError):
+    """No source had a valid manifest for a step a listing named."""
+
+
 class Fetcher:
     def __init__(self, store: CheckpointDir, sources: list[ShardSource], trusted_key: str, *, keep: int,
                  on_new_step: Callable[[int, Path], None],
                  on_shards: Callable[[int, str, list[int]], None] | None = None,
-                 parallel: int = 4, progress: bool = False):
+                 parallel: int = 4, progress: bool = False, window: int = 0):
         self.store = store
         self.sources = list(sources)
         self.trusted = TrustedManifests(trusted_key)
         self.keep = keep  # k + 1 versions
+        # > 0 (a verifier: the async window k): also hold every listed step down to newest - window, not only
+        # the newest and its delta chain (a jump to a newest full checkpoint would skip the steps before it)
+        self.window = window
         self.on_new_step = on_new_step
         self.on_shards = on_shards or (lambda step, manifest_hash, indices: None)  # verified: we can serve them
         self.parallel = parallel
@@ -79,29 +88,56 @@ class Fetcher:
             self.wake.clear()
             await wait_any(stop, self.wake, timeout=poll_seconds)
 
-    async def listing(self) -> dict:
+    async def listing(self) -> tuple[ShardSource, CheckpointList]:
+        """The listing of the fastest source that gives one, and that source. A source whose answer is not a
+        listing (BadAnswer: garbage, wrong types, over the size cap) is banned for the run, and the next
+        is asked: a hostile relay costs one request, never the loop."""
         errors = []
         for src in self.book.usable(self.sources):
             try:
-                return await src.listing()
+                return src, await src.listing()
+            except BadAnswer as e:
+                self._ban(src, f"bad listing: {e}")
+                errors.append(str(e))
             except SourceError as e:
                 errors.append(str(e))
         raise FetchError("no source could list checkpoints: " + "; ".join(errors or ["no sources"]))
 
     async def sync_once(self) -> int | None:
         """Bring the store up to the newest published step. Returns the new step, or None."""
-        listing = await self.listing()
-        entries = {int(c["step"]): c for c in listing.get("checkpoints", [])}
+        lister, listing = await self.listing()
+        entries = listing.by_step()
+        if self.window and entries:
+            await self.fill_window(entries)
         if not entries or max(entries) <= self.newest_held:
             return None
         target = max(entries)
-        for step in self.plan(target, entries):
-            await self.fetch_step(step)
-            self.on_new_step(step, self.store.payload_path(step))
+        try:
+            for step in self.plan(target, entries):
+                await self.fetch_step(step)
+                self.on_new_step(step, self.store.payload_path(step))
+        except NoManifest:
+            # The listing named a step no source could back with a signed manifest (a lying lister, or one
+            # that pruned it meanwhile): count it against the lister, so the next listing comes from another.
+            self.book.failed(lister.name)
+            raise
         self.prune()
         return target
 
-    def plan(self, target: int, entries: dict[int, dict]) -> list[int]:
+    async def fill_window(self, entries: dict) -> None:
+        """Fetch every listed step in [newest - window, newest] not held, oldest first, each with the delta chain
+        it needs (the coordinator keeps that chain listed for every step of its window)."""
+        newest = max(entries)
+        held = set(self.store.held_steps())
+        missing = [s for s in sorted(entries) if s >= newest - self.window and s not in held]
+        for target in missing:
+            for step in self.plan(target, entries):
+                await self.fetch_step(step)
+                self.on_new_step(step, self.store.payload_path(step))
+        if missing:
+            self.prune()
+
+    def plan(self, target: int, entries: dict[int, CheckpointInfo]) -> list[int]:
         """Steps to fetch, oldest first: follow xor-delta bases back to one we hold or a full one."""
         held = set(self.store.held_steps())
         chain, step = [], target
@@ -110,9 +146,9 @@ class Fetcher:
             e = entries.get(step)
             if e is None:
                 raise FetchError(f"step {step} is needed but no longer published; retrying from the newest full")
-            if e["encoding"] == "full" or int(e["base_step"]) in held:
+            if e.base_step is None or e.base_step in held:  # full (CheckpointList: base_step < step)
                 break
-            step = int(e["base_step"])
+            step = e.base_step
         return list(reversed(chain))
 
     def prune(self) -> None:
@@ -125,18 +161,25 @@ class Fetcher:
         self.store.prune(kept)
 
     async def _manifest(self, step: int) -> Manifest:
-        newest = self.store.manifest(self.newest_held) if self.newest_held >= 0 else None
+        # Forward from the newest step held below this one: the newest held, except when the window is filled
+        # in below a step already held; then the held child must also name this manifest as its parent.
+        below = [s for s in self.store.held_steps() if s < step]
+        newest = self.store.manifest(below[-1]) if below else None
+        child = self.store.manifest(step + 1)
         errors = []
         for src in self.book.usable(self.sources):
             try:
-                return self.trusted.accept(await src.manifest(step), step, newest_held=newest,
-                                           parent=self.store.manifest(step - 1))
+                m = self.trusted.accept(await src.manifest(step), step, newest_held=newest,
+                                        parent=self.store.manifest(step - 1))
+                if child is not None:
+                    check_parent(child, m)  # a CheckpointError: a bad manifest, as below
+                return m
             except SourceError as e:
                 errors.append(str(e))
             except CheckpointError as e:
                 self._ban(src, f"bad manifest for step {step}: {e}")
                 errors.append(str(e))
-        raise FetchError(f"no valid manifest for step {step}: " + "; ".join(errors or ["no sources"]))
+        raise NoManifest(f"no valid manifest for step {step}: " + "; ".join(errors or ["no sources"]))
 
     def _ban(self, src: ShardSource, why: str) -> None:
         if self.book.ban(src, self.sources):
@@ -236,6 +279,13 @@ class Fetcher:
                 data = await src.shard(m.step, i, entry.zsize, offset, manifest_hash=h)
             except ShardDeferred:
                 raise
+            except BadAnswer as e:  # e.g. more bytes than signed: as bad as a shard that fails its hash
+                part.unlink(missing_ok=True)
+                if not src.report_bad(m.step, i):
+                    self._ban(src, f"shard {i} of step {m.step}: {e}")
+                if attempts >= 3 * max(1, len(candidates)) + 3:  # the ban was refused: the last source left
+                    raise FetchError(f"shard {i} of step {m.step}: {e}") from None
+                continue
             except SourceError as e:
                 self.book.failed(src.name)
                 if e.data and src.kind != "peer":  # keep what arrived; the next try asks for the rest

@@ -13,6 +13,7 @@ from collections import defaultdict
 from node.p2p.errors import ShardBusy, ShardNotFound
 from node.worker.sources import ShardDeferred, SourceError
 from protocol.errors import PrimeNodeError
+from protocol.messages import CheckpointList
 
 log = logging.getLogger("prime_node.peers")
 
@@ -33,7 +34,7 @@ class PeerSource:
     def holders(self, step: int, index: int, manifest_hash: str) -> int:
         return len(self._holders(step, index, manifest_hash))
 
-    async def listing(self) -> dict:
+    async def listing(self) -> CheckpointList:
         raise SourceError("peers do not list checkpoints")
 
     async def manifest(self, step: int) -> bytes:

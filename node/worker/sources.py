@@ -1,8 +1,14 @@
 """Where checkpoint bytes come from. Every source is untrusted: the fetcher checks each shard
-against the signed manifest, so a source only ever costs a retry."""
+against the signed manifest, so a source only ever costs a retry.
+
+One boundary for untrusted bytes: a source's answers reach the fetcher typed (a listing through its wire
+model, `protocol.messages.decode`; a manifest's bytes go to `TrustedManifests`, whose strict parser is the
+manifest's one deserializer; shard bytes are checked against the signed sha256), and the only error that
+leaves a source is `SourceError`. `BadAnswer`, its subclass, says the source answered with bytes that break
+the protocol (not the wire model, over its size cap): the fetcher bans that source and goes on with the
+others, where a plain `SourceError` (unreachable, 404, busy) only costs a retry."""
 from __future__ import annotations
 
-import json
 import re
 from typing import Callable, Protocol
 
@@ -11,7 +17,7 @@ import aiohttp
 from node.aio import read_bounded
 from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER
 from node.worker.client import MAX_MANIFEST_BYTES, Unreachable, read_limited
-from protocol.messages import ErrorBody
+from protocol.messages import MAX_LISTING_BYTES, CheckpointList, ErrorBody, WireError, decode
 
 
 class SourceError(Exception):
@@ -20,6 +26,11 @@ class SourceError(Exception):
     def __init__(self, msg: str, data: bytes = b""):
         super().__init__(msg)
         self.data = data
+
+
+class BadAnswer(SourceError):
+    """The source answered with bytes that are not what the protocol says (a listing that is not a
+    CheckpointList, a body over its cap): it is hostile or broken, and the fetcher stops asking it."""
 
 
 class ShardDeferred(SourceError):
@@ -37,8 +48,9 @@ class ShardSource(Protocol):
     name: str
     kind: str  # "coordinator" | "relay" | "peer"
 
-    async def listing(self) -> dict:
-        """GET /v1/checkpoints (SourceError if this source cannot list)."""
+    async def listing(self) -> CheckpointList:
+        """GET /v1/checkpoints, parsed (SourceError if this source cannot list; BadAnswer if its answer is
+        not a listing)."""
 
     async def manifest(self, step: int) -> bytes:
         """The manifest's bytes, untrusted (SourceError if this source has none)."""
@@ -83,22 +95,23 @@ class HttpSource:
         self.shard_addr = shard_addr  # our HTTP shard server, told to the origin so it can name us as a holder
 
     async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
+        """Status and body (at most `limit` bytes: a longer body is a BadAnswer, read no further)."""
         try:
             async with self.session.get(self.base + path) as resp:
                 return resp.status, await read_limited(resp, limit)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise SourceError(f"{self.name}: {e or type(e).__name__}") from None
-        except Unreachable as e:
-            raise SourceError(str(e)) from None
+        except Unreachable:
+            raise BadAnswer(f"{self.name}: {path} sent more than the {limit}-byte limit") from None
 
-    async def listing(self) -> dict:
-        status, body = await self._get("/v1/checkpoints", 1024 * 1024)
+    async def listing(self) -> CheckpointList:
+        status, body = await self._get("/v1/checkpoints", MAX_LISTING_BYTES)
         if status != 200:
             raise SourceError(f"{self.name}: /v1/checkpoints answered {status}")
         try:
-            return json.loads(body)
-        except ValueError:
-            raise SourceError(f"{self.name}: /v1/checkpoints is not JSON") from None
+            return decode(CheckpointList, body, limit=MAX_LISTING_BYTES)
+        except WireError as e:
+            raise BadAnswer(f"{self.name}: /v1/checkpoints: {e}") from None
 
     async def manifest(self, step: int) -> bytes:
         status, body = await self._get(f"/v1/checkpoints/{int(step)}/manifest", MAX_MANIFEST_BYTES)
@@ -139,7 +152,7 @@ class HttpSource:
                 async for chunk in resp.content.iter_chunked(256 * 1024):
                     got += chunk
                     if len(got) > max_bytes - offset:
-                        raise SourceError(f"{self.name}: shard {index} of step {step} is larger than signed")
+                        raise BadAnswer(f"{self.name}: shard {index} of step {step} is larger than signed")
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise SourceError(f"{self.name}: {e or type(e).__name__}", bytes(got)) from None
         return bytes(got)
