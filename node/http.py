@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from node.aio import read_bounded
 from node.fdlimits import FDS_PER_CONNECTION, FdBudget, serving_budget
 from node.peer_log import PeerEventLog
-from node.rate_limit import AsyncRateLimiter, KeyedRateLimit, MinSendRate
+from node.rate_limit import DEFAULT_MIN_SEND_RATE, DEFAULT_SEND_GRACE_S, AsyncRateLimiter, KeyedRateLimit, MinSendRate
 from protocol.errors import SignatureError
 from protocol.messages import ErrorBody
 from protocol.signing import SIGNED_HEADERS, RequestVerifier, strict_json_loads
@@ -117,8 +117,8 @@ class ConnectionLimits:
     """
 
     max_per_address: int = 32
-    min_send_rate: float = 16 * 1024
-    send_grace_s: float = 10.0
+    min_send_rate: float = DEFAULT_MIN_SEND_RATE
+    send_grace_s: float = DEFAULT_SEND_GRACE_S
     retry_after_s: int = 5
 
     def __post_init__(self):

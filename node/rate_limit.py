@@ -138,6 +138,10 @@ class TrioRateLimiter:
             await self._trio.sleep(delay)
 
 
+DEFAULT_MIN_SEND_RATE = 16 * 1024  # bytes/s: an honest 20 Mbit/s home uplink is ~150x this
+DEFAULT_SEND_GRACE_S = 10.0
+
+
 class MinSendRate:
     """A floor on how fast a client takes what a server sends it, as the time it may keep the server waiting.
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from node.aio import client_session
 from node.checkpoint_dir import CheckpointDir
 from node.checkpoint_routes import CheckpointRoutes
-from node.http import HardenedAppRunner, error_middleware
+from node.http import ConnectionLimits, HardenedAppRunner, error_middleware
 from node.lifecycle import run_async
 from node.logs import setup_logging
 from node.rate_limit import AsyncRateLimiter
@@ -31,8 +31,11 @@ log = logging.getLogger("prime_node.relay")
 
 class Relay:
     def __init__(self, upstream: str, root: Path, *, upstream_key: str | None = None, keep: int = 16,
-                 upload_limit: int = 0):
+                 upload_limit: int = 0, limits: ConnectionLimits | None = None):
         self.upstream = upstream.rstrip("/")
+        # Per client address, the serving fd share and a minimum send rate (node/http.py): a relay serves
+        # strangers the same shards the coordinator does, so it is held to the same limits.
+        self.limits = limits or ConnectionLimits()
         self.store = CheckpointDir(Path(root))
         self.key = upstream_key.lower() if upstream_key else None
         self.keep = keep
@@ -75,7 +78,9 @@ class Relay:
             key = await self._learn_key(session)
             self.fetcher = Fetcher(self.store, [HttpSource(self.upstream, "coordinator", session)], key,
                                    keep=self.keep, on_new_step=lambda step, path: log.info("mirrored step %d", step))
-            runner = HardenedAppRunner(self.app(), access_log=None)
+            # Idle keep-alive connections are dropped after 10 s (the coordinator's header_timeout_s), not
+            # aiohttp's 75 s: a connection that says nothing should not keep its descriptor.
+            runner = HardenedAppRunner(self.app(), access_log=None, keepalive_timeout=10.0, limits=self.limits)
             await runner.setup()
             site = web.TCPSite(runner, host, port)
             await site.start()

@@ -13,8 +13,10 @@ of waiting for its batched `have` gossip, which at 16 nodes on two cores arrived
 
 Nothing about trust changes: every shard is checked against the signed manifest by the fetcher,
 whichever plane carried it. Both sides are bounded like the libp2p shard protocol: the server takes two
-validated integers and a hex hash (never a path), serves at most `max_concurrent` transfers (more get 429
-"busy") under the node's upload cap, and gives each transfer a deadline; the client dials only literal IP
+validated integers and a hex hash (never a path), serves at most `max_concurrent` transfers, at most
+`max_per_client` of them to one client address (more get 429 "busy"), under the node's upload cap, gives
+each transfer a deadline, and runs on HardenedAppRunner (node/http.py: connections per address, the fd
+share, and a minimum send rate that resets a reader who stops reading within seconds); the client dials only literal IP
 addresses from a strict pattern, follows no redirect, and refuses a body above the signed size, a stall
 longer than `read_timeout_s` or a transfer slower than a floor rate. Every failure comes out as the
 libp2p plane's ShardFetchError types.

@@ -9,8 +9,12 @@ One request per stream. Bounded everywhere:
 - at most `max_concurrent` transfers run at once, a slot being taken only for a well-formed
   request (others get BUSY at once rather than queueing, so a client can try another peer);
 - a shard above `max_bytes` (ours or the client's) is refused; each write must make progress
-  within `read_timeout_s` (a reader that stops reading cannot pin a slot forever); the optional
-  rate limiter is shared by all streams.
+  within `read_timeout_s`, and the client must take the shard at `min_send_rate` on average once
+  `send_grace_s` of credit is spent (node.rate_limit.MinSendRate: a reader that stops reading, or
+  trickles just fast enough to pass a per-write timeout, loses its slot within seconds); the optional
+  rate limiter is shared by all streams;
+- the shard's open file counts against the process's serving share of the open-file limit
+  (node/fdlimits.py): when it is spent the request gets BUSY.
 Refusals and cut streams are counted in P2PStats and logged at most once per peer per minute.
 
 py-libp2p swallows exceptions raised by stream handlers, so this handler catches and logs its own.
@@ -23,8 +27,9 @@ from typing import Any
 import trio
 from libp2p.network.stream.exceptions import StreamError
 
+from node.fdlimits import FdBudget, serving_budget
 from node.peer_log import PeerEventLog
-from node.rate_limit import TrioRateLimiter
+from node.rate_limit import DEFAULT_MIN_SEND_RATE, DEFAULT_SEND_GRACE_S, MinSendRate, TrioRateLimiter
 from .shard_store import ShardStore
 from .shard_wire import (
     BadRequest,
@@ -51,7 +56,9 @@ class NoRequest(Exception):
 class ShardServer:
     def __init__(self, store: ShardStore | None, *, stats: P2PStats, max_concurrent: int, max_bytes: int,
                  read_timeout_s: float, upload_limit: int = 0, request_timeout_s: float = 2.0,
-                 max_streams_per_peer: int = 4, log_interval_s: float = 60.0, upload_bucket: Any = None):
+                 max_streams_per_peer: int = 4, log_interval_s: float = 60.0, upload_bucket: Any = None,
+                 min_send_rate: float = DEFAULT_MIN_SEND_RATE, send_grace_s: float = DEFAULT_SEND_GRACE_S,
+                 fd_budget: FdBudget | None = None):
         self.store = store
         self.stats = stats
         self.max_concurrent = max_concurrent
@@ -59,6 +66,9 @@ class ShardServer:
         self.read_timeout_s = read_timeout_s
         self.request_timeout_s = min(request_timeout_s, read_timeout_s)
         self.max_streams_per_peer = max_streams_per_peer
+        MinSendRate(min_send_rate, send_grace_s)  # validate now
+        self.min_send_rate, self.send_grace_s = min_send_rate, send_grace_s
+        self.fds = fd_budget or serving_budget()
         self.refusal_log = PeerEventLog(log, "shard streams refused or cut", interval_s=log_interval_s)
         self.limiter = None
         self.chunk_bytes = CHUNK_BYTES
@@ -140,31 +150,44 @@ class ShardServer:
 
     async def _send_shard(self, stream: Any, peer: str, step: int, index: int, manifest_hash: str | None,
                           limit: int) -> None:
-        body = self.store.open(step, index, manifest_hash) if self.store is not None else None
-        if body is None:
-            self.stats.count_refused("not_found")
-            await self._refuse(stream, Status.NOT_FOUND, f"no shard {index} of step {step} here")
+        if not self.fds.try_take(1):
+            self.stats.count_refused("busy")
+            await self._refuse(stream, Status.BUSY, "this node is serving all the files it can; try another peer")
             return
         try:
-            if body.size > limit:
-                self.stats.count_refused("too_large")
-                await self._refuse(stream, Status.TOO_LARGE, f"shard is {body.size} bytes, limit {limit}")
+            body = self.store.open(step, index, manifest_hash) if self.store is not None else None
+            if body is None:
+                self.stats.count_refused("not_found")
+                await self._refuse(stream, Status.NOT_FOUND, f"no shard {index} of step {step} here")
                 return
-            await self._write(stream, encode_header(Status.OK, body.size))
-            sent = 0
-            for chunk in body.chunks(self.chunk_bytes):
-                if self.limiter is not None:
-                    await self.limiter.acquire(len(chunk))
-                await self._write(stream, chunk)
-                sent += len(chunk)
-                self.stats.add_served(peer, len(chunk), shard_done=sent == body.size)
+            try:
+                if body.size > limit:
+                    self.stats.count_refused("too_large")
+                    await self._refuse(stream, Status.TOO_LARGE, f"shard is {body.size} bytes, limit {limit}")
+                    return
+                rate = MinSendRate(self.min_send_rate, self.send_grace_s)
+                await self._write(stream, encode_header(Status.OK, body.size), rate)
+                sent = 0
+                for chunk in body.chunks(self.chunk_bytes):
+                    if self.limiter is not None:
+                        await self.limiter.acquire(len(chunk))  # our own cap: not the client's time
+                    await self._write(stream, chunk, rate)
+                    sent += len(chunk)
+                    self.stats.add_served(peer, len(chunk), shard_done=sent == body.size)
+            finally:
+                body.close()
         finally:
-            body.close()
+            self.fds.give(1)
         await stream.close()
 
-    async def _write(self, stream: Any, data: bytes) -> None:
-        with trio.fail_after(self.read_timeout_s):
+    async def _write(self, stream: Any, data: bytes, rate: MinSendRate | None = None) -> None:
+        """One write, bounded by `read_timeout_s` and by what is left of the client's send-rate credit."""
+        timeout = self.read_timeout_s if rate is None else min(self.read_timeout_s, rate.allowance(len(data)))
+        start = trio.current_time()
+        with trio.fail_after(timeout):
             await stream.write(data)
+        if rate is not None:
+            rate.spent(len(data), trio.current_time() - start)
 
     async def _refuse(self, stream: Any, status: Status, reason: str) -> None:
         await self._write(stream, encode_error(status, reason[:MAX_REQUEST_BYTES]))

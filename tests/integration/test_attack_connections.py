@@ -161,7 +161,9 @@ async def test_never_readers_cannot_exhaust_fds_and_publishing_still_works(tmp_p
         base = f"http://127.0.0.1:{port}"
         path, _ = await shard_path(base)
         # One kept-alive connection for the honest node, opened before the attack.
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=600)) as s:
+        # (Each request bounded: today a request can hang on a server out of descriptors.)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=600),
+                                         timeout=aiohttp.ClientTimeout(total=30)) as s:
             node = RawNode(base, s)
             st, spec = await node.post("/v1/join", {})
             assert st == 200, spec
@@ -311,3 +313,23 @@ async def test_never_readers_from_one_address_do_not_lock_the_node_shard_server(
     finally:
         close_all(attackers)
         await server.stop()
+
+
+# -- the send-rate floor itself (the libp2p shard server uses it per write) ------------------------------
+def test_min_send_rate_cuts_a_trickle_that_passes_a_per_write_timeout_but_not_an_honest_reader():
+    """The arithmetic of node.rate_limit.MinSendRate (no clock, no sleeps). A trickle that takes each 64 KiB
+    write in 9 s (under the old 10 s per-write timeout: it could hold a libp2p slot for 32 MiB / 7 KiB/s,
+    over an hour) runs out of credit within a minute at a 16 KiB/s floor; a reader at 20 Mbit/s never does."""
+    from node.rate_limit import MinSendRate
+
+    trickle, honest = MinSendRate(16 * 1024, 10.0), MinSendRate(16 * 1024, 10.0)
+    chunk = 64 * 1024
+    waited = 0.0
+    while trickle.allowance(chunk) >= 9.0:  # each write would finish before its deadline
+        trickle.spent(chunk, 9.0)
+        waited += 9.0
+    assert waited <= 60.0, waited
+    for _ in range(10_000):  # 640 MB at 2.5 MB/s
+        assert honest.allowance(chunk) >= chunk / 2.5e6
+        honest.spent(chunk, chunk / 2.5e6)
+    assert honest.credit == 10.0
