@@ -84,9 +84,9 @@ class CoordinatorClient:
     def _parse(self, r: HttpResult, model):
         if r.status != 200:
             raise self._error(r)
-        try:
-            return model.model_validate_json(r.body)
-        except ValueError as e:
+        try:  # the one deserializer (size cap, bounded nesting, the wire model)
+            return M.decode(model, r.body, limit=MAX_RESPONSE_BYTES)
+        except M.WireError as e:
             raise Unreachable(f"coordinator sent an invalid {model.__name__}: {e}") from None
 
     async def join(self, info: M.NodeInfo | None = None, *, token: str | None = None) -> M.RunSpec:
