@@ -23,7 +23,9 @@ from node.lifecycle import run_async
 from node.logs import setup_logging
 from node.rate_limit import AsyncRateLimiter
 from node.worker.fetcher import Fetcher
+from node.worker.client import MAX_RESPONSE_BYTES, Unreachable, read_limited
 from node.worker.sources import HttpSource
+from protocol import messages as M
 from protocol.identity import parse_public_key, public_key_arg
 
 log = logging.getLogger("prime_node.relay")
@@ -55,8 +57,12 @@ class Relay:
             return self.key
         if pin.is_file():
             return pin.read_text().strip()
-        async with session.get(self.upstream + "/v1/status") as r:
-            key = str((await r.json())["coordinator_key"]).lower()
+        async with session.get(self.upstream + "/v1/status") as r:  # untrusted bytes: bounded, then the wire model
+            body = await read_limited(r, MAX_RESPONSE_BYTES)
+        try:
+            key = M.decode(M.RunInfo, body, limit=MAX_RESPONSE_BYTES).coordinator_key
+        except M.WireError as e:
+            raise Unreachable(f"{self.upstream}/v1/status is not a coordinator's status: {e}") from None
         parse_public_key(key)
         pin.write_text(key + "\n")
         log.warning("pinned upstream coordinator key %s on first sight; pass --upstream-key to be strict", key)
