@@ -155,3 +155,129 @@ async def test_hostile_relay_does_not_stop_the_worker(tmp_path, garbage):
         assert evil.garbage_served >= 1
         await stop_workers((node, task))
         assert node.stats.rejected == 0
+
+
+# --- fuzz: whatever a server answers, only SourceError leaves a source --------------------------------------
+
+
+def _answers():
+    """Hypothesis strategy of one server answer: ("web", status, headers, body) served by aiohttp as given, or
+    ("raw", bytes) written as the whole response on the socket (broken framing, lying lengths, cut bodies)."""
+    from hypothesis import strategies as st
+
+    printable = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=200)
+    header_names = st.sampled_from(["X-Prime-Holder", "X-Prime-Have", "Content-Type", "Retry-After", "X-Extra"])
+    json_value = st.recursive(
+        st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | printable,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(printable, inner, max_size=4), max_leaves=20)
+    entry = st.fixed_dictionaries({}, optional={
+        "step": json_value | st.integers(-5, 10**10), "encoding": st.sampled_from(["full", "xor-delta", "?"]) | json_value,
+        "base_step": st.none() | st.integers(-5, 10**10) | json_value, "num_shards": st.integers(-1, 10**6),
+        "total_size": st.integers(-1, 2**64), "compressed_size": st.integers(-1, 2**64),
+        "manifest_hash": st.sampled_from(["0" * 64, "zz", ""]) | printable})
+    listing = st.fixed_dictionaries({}, optional={
+        "steps": st.lists(st.integers(-3, 10**10), max_size=5) | json_value,
+        "newest": st.none() | st.integers(-3, 10**10) | json_value,
+        "checkpoints": st.lists(entry, max_size=4) | json_value, "extra": json_value})
+    documents = (json_value | listing).map(lambda d: json.dumps(d).encode())
+    deep = st.integers(1, 200_000).map(lambda n: b"[" * n) | st.integers(1, 50_000).map(lambda n: b'{"a":' * n)
+    seeded = st.just(b'{"error":"seeded","detail":"ask peers"}')
+    body = st.binary(max_size=4096) | documents | deep | seeded
+    headers = st.dictionaries(header_names, printable | st.sampled_from(["0" * 64 + " /ip4/127.0.0.1/tcp/1/http"]),
+                              max_size=3)
+    web_answer = st.tuples(st.just("web"), st.sampled_from([200, 206, 204, 404, 429, 500, 302]), headers, body)
+    head = st.tuples(st.sampled_from([b"HTTP/1.1 200 OK", b"HTTP/1.1 206 Partial", b"HTTP/1.1 429 x", b"HTTP/9 2",
+                                      b"", b"garbage"]),
+                     st.lists(st.sampled_from([b"Content-Length: 5", b"Content-Length: -1", b"Content-Length: 99999",
+                                               b"Content-Length: x", b"Transfer-Encoding: chunked",
+                                               b"Content-Encoding: gzip", b"Content-Type: application/json",
+                                               b"X-Prime-Holder: \xff\xfe", b"Bad header line"]), max_size=4),
+                     st.binary(max_size=512))
+    raw = head.map(lambda h: (h[0] + b"\r\n" + b"".join(x + b"\r\n" for x in h[1]) + b"\r\n" + h[2]))
+    return web_answer | st.tuples(st.just("raw"), raw | st.binary(max_size=512))
+
+
+def test_fuzzed_answers_raise_only_source_errors_from_the_worker_sources(tmp_path):
+    """Listings, manifests, headers, shard bodies and HTTP framing chosen by hypothesis, served from a real
+    aiohttp server (and a raw socket server for broken framing) on 127.0.0.1 to the real `HttpSource` (as a
+    relay and as a swarm-enabled coordinator source): each call returns a typed answer or raises SourceError,
+    never anything else; a manifest's bytes then meet `TrustedManifests`, which raises only CheckpointError."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from node.aio import client_session
+    from node.worker.sources import HttpSource, SourceError
+    from node.worker.trusted import TrustedManifests
+    from protocol.checkpoint import CheckpointError
+    from protocol.messages import CheckpointList
+
+    loop = asyncio.new_event_loop()
+    now: dict = {}
+
+    async def web_handler(request: web.Request) -> web.StreamResponse:
+        _, status, headers, body = now["answer"]
+        return web.Response(status=status, headers=headers, body=body)
+
+    async def raw_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(now["answer"][1])
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def start():
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", web_handler)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        raw = await asyncio.start_server(raw_handler, "127.0.0.1", 0)
+        session = client_session(sock_connect=2, sock_read=2)
+        return runner, raw, session, site._server.sockets[0].getsockname()[1], raw.sockets[0].getsockname()[1]
+
+    runner, raw, session, web_port, raw_port = loop.run_until_complete(start())
+    trusted = TrustedManifests("ab" * 32)
+    calls = {"ok": 0, "source_error": 0}
+
+    async def one(answer, op: str, swarm: bool, max_bytes: int, offset: int) -> None:
+        now["answer"] = answer
+        port = web_port if answer[0] == "web" else raw_port
+        src = HttpSource(f"http://127.0.0.1:{port}", "coordinator" if swarm else "relay", session, swarm=swarm,
+                         shard_addr=lambda: "/ip4/127.0.0.1/tcp/9/http")
+        try:
+            if op == "listing":
+                assert isinstance(await src.listing(), CheckpointList)
+            elif op == "manifest":
+                data = await src.manifest(3)
+                try:
+                    trusted.accept(data, 3, newest_held=None, parent=None)
+                except CheckpointError:
+                    pass
+            else:
+                data = await src.shard(3, 0, max_bytes, offset, manifest_hash="0" * 64)
+                assert isinstance(data, bytes) and len(data) <= max_bytes - offset
+            calls["ok"] += 1
+        except SourceError:
+            calls["source_error"] += 1
+
+    @settings(max_examples=150, deadline=5000, suppress_health_check=list(HealthCheck), database=None)
+    @given(answer=_answers(), op=st.sampled_from(["listing", "manifest", "shard"]), swarm=st.booleans(),
+           max_bytes=st.integers(1, 8192), offset=st.sampled_from([0, 0, 1, 100]))
+    def check(answer, op, swarm, max_bytes, offset):
+        loop.run_until_complete(asyncio.wait_for(one(answer, op, swarm, max_bytes, offset), 10))
+
+    try:
+        check()
+    finally:
+        async def stop():
+            await session.close()
+            raw.close()
+            await raw.wait_closed()
+            await runner.cleanup()
+        loop.run_until_complete(stop())
+        loop.close()
+    assert calls["source_error"] > 0  # the garbage was seen and refused, not skipped
