@@ -155,7 +155,11 @@ class AdmissionConfig(_Section):
     address (429 above it)."""
 
     mode: str = Field("open", pattern="^(open|allowlist|token)$")
-    pow_bits: int = Field(19, ge=0, le=40)  # open: a new key's proof of work (19 bits: ~1 s on one core)
+    # open: a new key's proof of work (protocol/admission.py), memory-hard: 2**pow_bits scrypt tries on average,
+    # each of N = 2**pow_log2_n (r = 8: 128 KiB x 2**(pow_log2_n - 7)). Defaults: ~1.3 s of one core to join,
+    # one ~40 ms, 16 MiB scrypt for the coordinator to check (at most 2 checks at once). 0 bits = no proof.
+    pow_bits: int = Field(5, ge=0, le=24)
+    pow_log2_n: int = Field(14, ge=1, le=16)
     joins_per_address_per_minute: int = Field(10, ge=1, le=1_000_000)
     allowlist: list[str] = Field(default_factory=list)  # allowlist: node ids (hex public keys)
 

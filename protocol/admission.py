@@ -1,8 +1,14 @@
 """Admission to a run (DESIGN §4): proof of work for new keys of open runs, join tokens for token runs.
 
-Proof of work: the join body carries `"pow": "<hex nonce>"` such that
-sha256(raw public key ‖ run_id bytes ‖ nonce bytes) starts with `pow_bits` zero bits. It is bound to
-the key and the run, so a solution is worth one key in one run; 20 bits cost about a second of one core.
+Proof of work (memory-hard): the join body carries `"pow": "<hex nonce>"` such that
+    scrypt(password = raw public key ‖ run_id bytes ‖ nonce bytes, salt = POW_SALT,
+           N = 2**pow_log2_n, r = 8, p = 1, dklen = 32)
+starts with `pow_bits` zero bits. It is bound to the key and the run, so a solution is worth one key in one
+run. A solver tries 2**pow_bits nonces on average; the coordinator checks one. Each try fills and reads
+128 · r · N bytes (16 MiB at the default N = 2**14) in a data-dependent order, so it is bound by memory
+bandwidth and latency rather than by arithmetic: a GPU gains ~350x over one CPU core here, where it gains
+~1,400x on SHA-256 (docs/SECURITY.md, "Admission", has the measurements). Defaults: N = 2**14, 5 bits,
+~1.5 s of one core here to join, ~46 ms and 16 MiB for the coordinator to check.
 
 Join token: a document signed by the coordinator key (`sign_document`), base64url-encoded:
     {"format": "prime-node/join-token/v1", "run_id", "node_id" (hex key or null = any key),
@@ -23,6 +29,12 @@ from .signing import canonical_json, sign_document, strict_json_loads, verify_do
 TOKEN_FORMAT = "prime-node/join-token/v1"
 MAX_POW_NONCE_HEX = 64
 MAX_TOKEN_CHARS = 2048
+POW_SALT = b"prime-node/join-pow/scrypt-v1"
+POW_SCRYPT_R = 8  # scrypt's block size: 128 · r bytes per block (r = 8: 1 KiB)
+POW_SCRYPT_P = 1  # no parallel lanes: a lane is one more try, not a faster one
+MIN_POW_LOG2_N = 1
+MAX_POW_LOG2_N = 16  # 64 MiB and ~0.2 s per scrypt: the most a coordinator (or a worker) is asked to spend
+MAX_POW_BITS = 24  # 2**24 tries is months of one core: a config or a status asking more is a mistake
 
 
 class AdmissionError(PrimeNodeError):
@@ -36,8 +48,17 @@ def _raw_key(public_hex: str) -> bytes:
     return bytes.fromhex(public_hex)
 
 
-def pow_digest(public_hex: str, run_id: str, nonce: bytes) -> bytes:
-    return hashlib.sha256(_raw_key(public_hex) + run_id.encode() + nonce).digest()
+def pow_memory_bytes(log2_n: int) -> int:
+    """What one scrypt evaluation of the proof of work holds: 128 · r · N bytes."""
+    return 128 * POW_SCRYPT_R * (1 << log2_n)
+
+
+def pow_digest(public_hex: str, run_id: str, nonce: bytes, log2_n: int) -> bytes:
+    """One try: scrypt of key ‖ run ‖ nonce (memory: `pow_memory_bytes(log2_n)`, freed on return)."""
+    if not MIN_POW_LOG2_N <= log2_n <= MAX_POW_LOG2_N:
+        raise ValueError(f"pow log2(N) {log2_n} outside [{MIN_POW_LOG2_N}, {MAX_POW_LOG2_N}]")
+    return hashlib.scrypt(_raw_key(public_hex) + run_id.encode() + nonce, salt=POW_SALT, n=1 << log2_n,
+                          r=POW_SCRYPT_R, p=POW_SCRYPT_P, maxmem=2 * pow_memory_bytes(log2_n) + (1 << 20), dklen=32)
 
 
 def leading_zero_bits(digest: bytes) -> int:
@@ -45,8 +66,10 @@ def leading_zero_bits(digest: bytes) -> int:
     return len(digest) * 8 - value.bit_length()
 
 
-def check_pow(public_hex: str, run_id: str, nonce_hex: str | None, bits: int) -> None:
-    """Raises AdmissionError unless `nonce_hex` is a valid proof of `bits` zero bits."""
+def check_pow(public_hex: str, run_id: str, nonce_hex: str | None, bits: int, log2_n: int) -> None:
+    """Raises AdmissionError unless `nonce_hex` is a valid proof of `bits` zero bits. Costs one scrypt
+    evaluation (`pow_memory_bytes(log2_n)` of memory) once the nonce's form is checked; the caller bounds how
+    many run at once."""
     if bits <= 0:
         return
     if not nonce_hex:
@@ -58,21 +81,18 @@ def check_pow(public_hex: str, run_id: str, nonce_hex: str | None, bits: int) ->
         nonce = bytes.fromhex(nonce_hex)
     except ValueError:
         raise AdmissionError("bad_pow", "pow nonce is not hex") from None
-    if leading_zero_bits(pow_digest(public_hex, run_id, nonce)) < bits:
+    if leading_zero_bits(pow_digest(public_hex, run_id, nonce, log2_n)) < bits:
         raise AdmissionError("bad_pow", f"proof of work has fewer than {bits} leading zero bits")
 
 
-def solve_pow(public_hex: str, run_id: str, bits: int) -> str:
-    """A nonce (hex) for `check_pow`: about 2**bits hashes."""
-    prefix = hashlib.sha256(_raw_key(public_hex) + run_id.encode())
-    start = int.from_bytes(os.urandom(4), "big") << 32  # two solvers never walk the same nonces
-    target = 1 << (256 - bits)
-    counter = start
+def solve_pow(public_hex: str, run_id: str, bits: int, log2_n: int) -> str:
+    """A nonce (hex) for `check_pow`: about 2**bits scrypt evaluations (run it off the event loop)."""
+    if not 0 <= bits <= MAX_POW_BITS:
+        raise ValueError(f"pow bits {bits} outside [0, {MAX_POW_BITS}]")
+    counter = int.from_bytes(os.urandom(4), "big") << 32  # two solvers never walk the same nonces
     while True:
         nonce = counter.to_bytes(8, "big")
-        h = prefix.copy()
-        h.update(nonce)
-        if int.from_bytes(h.digest(), "big") < target:
+        if leading_zero_bits(pow_digest(public_hex, run_id, nonce, log2_n)) >= bits:
             return nonce.hex()
         counter += 1
 

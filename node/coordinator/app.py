@@ -86,7 +86,7 @@ def build_app(coord) -> web.Application:
         if not join_limiter.allow(request.remote or "unknown"):
             raise ApiError(429, "too_many_joins", f"at most {joins_per_minute} joins per minute from one address")
         signer, req = await signed(request, M.JoinRequest, not_banned)
-        return _json(coord.join(signer, req))
+        return _json(await coord.join(signer, req))
 
     async def heartbeat(request):
         signer, req = await signed(request, M.HeartbeatRequest)

@@ -42,6 +42,8 @@ log = logging.getLogger("prime_node.coordinator")
 
 LIVENESS_FLUSH_MS = 2_000  # heartbeats and work requests reach the ledger in one transaction this often
 IDLE_KEY_FORGET_MS = 3_600_000  # a key that joined and never submitted anything is dropped after an hour
+POW_CHECKS_AT_ONCE = 2  # proof-of-work checks (one scrypt each) running at once, off the event loop
+POW_MAX_WAITING = 64  # joins waiting for a check; more are refused with 503 (the per-address join limit is first)
 PRUNE_EVERY_MS = 5_000  # declined assignments past their hold, settled ones of old batches, old rejections
 PRUNE_MARGIN_STEPS = 4  # settled assignments are kept this many steps past the window (k) before deletion
 SMALL_MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -68,6 +70,8 @@ class Coordinator:
         self.node_bytes = NodeBytes(ttl_ms=IDLE_KEY_FORGET_MS)
         self.recent_staleness: deque[int] = deque(maxlen=10_000)
         self._submitting: set[str] = set()
+        self._pow_checks = asyncio.Semaphore(POW_CHECKS_AT_ONCE)
+        self._pow_waiting = 0
         self.supervisor = Supervisor(on_failure=self._on_failure)
         self.p2p = None
         self.started_ms = now_ms()
@@ -230,11 +234,11 @@ class Coordinator:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
         return node
 
-    def join(self, node_id: str, req: M.JoinRequest) -> M.RunSpec:
+    async def join(self, node_id: str, req: M.JoinRequest) -> M.RunSpec:
         existing = self.ledger.node(node_id)
         if existing and existing.banned:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
-        self._admit(node_id, req, known=existing is not None)
+        await self._admit(node_id, req, known=existing is not None)
         info = req.node.model_dump() if req.node else {}
         self.ledger.upsert_node(node_id, self.cfg.verification.reputation_start, info)
         files = {}
@@ -274,7 +278,25 @@ class Coordinator:
         self._board(key).complete(key, req)
         return M.VerdictsResponse(accepted=True)
 
-    def _admit(self, node_id: str, req: M.JoinRequest, *, known: bool) -> None:
+    async def _check_pow(self, node_id: str, nonce_hex: str | None) -> None:
+        """The proof of work of a new key, checked off the event loop, POW_CHECKS_AT_ONCE at a time: a
+        stranger's join costs the coordinator at most one scrypt (~40 ms of one core, 16 MiB at the defaults),
+        and strangers together at most POW_CHECKS_AT_ONCE cores and as many scrypt buffers; above
+        POW_MAX_WAITING waiting joins a join is refused (503, Retry-After) instead of queued."""
+        a = self.cfg.admission
+        if a.pow_bits <= 0:
+            return
+        if self._pow_waiting >= POW_MAX_WAITING:
+            raise ApiError(503, "busy", "too many joins are being checked; try again in a moment",
+                           headers={"Retry-After": "1"})
+        self._pow_waiting += 1
+        try:
+            async with self._pow_checks:
+                await asyncio.to_thread(check_pow, node_id, self.cfg.run.run_id, nonce_hex, a.pow_bits, a.pow_log2_n)
+        finally:
+            self._pow_waiting -= 1
+
+    async def _admit(self, node_id: str, req: M.JoinRequest, *, known: bool) -> None:
         """DESIGN §4 admission: a new key of an open run pays a proof of work; an allowlist run admits
         its listed keys only (checked at every join); a token run admits a new key with a join token."""
         a = self.cfg.admission
@@ -284,7 +306,7 @@ class Coordinator:
             if known:
                 return
             if a.mode == "open":
-                check_pow(node_id, self.cfg.run.run_id, req.pow, a.pow_bits)
+                await self._check_pow(node_id, req.pow)
             elif a.mode == "token":
                 # recorded under the token's canonical identity: another spelling is not another token
                 token_id = check_join_token(req.token, coordinator_key=self.identity.public_hex,

@@ -51,7 +51,8 @@ def build_status(c) -> dict:
     return {
         "run_id": c.cfg.run.run_id,
         "coordinator_key": c.identity.public_hex,
-        "admission": {"mode": c.cfg.admission.mode, "pow_bits": c.cfg.admission.pow_bits},
+        "admission": {"mode": c.cfg.admission.mode, "pow_bits": c.cfg.admission.pow_bits,
+                      "pow_log2_n": c.cfg.admission.pow_log2_n},
         "step": published,
         # null, or which background task or thread died and why: no work is handed out (supervisor.py)
         "failed": c.failure.as_json() if c.failure is not None else None,

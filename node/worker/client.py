@@ -100,7 +100,7 @@ class CoordinatorClient:
             payload["token"] = token
         if run.admission.mode == "open" and run.admission.pow_bits > 0:
             payload["pow"] = await asyncio.to_thread(solve_pow, self.identity.public_hex, run.run_id,
-                                                     run.admission.pow_bits)
+                                                     run.admission.pow_bits, run.admission.pow_log2_n)
         return self._parse(await self._signed("/v1/join", payload), M.RunSpec)
 
     async def heartbeat(self, hb: M.HeartbeatRequest) -> M.HeartbeatResponse:

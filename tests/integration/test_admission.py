@@ -16,33 +16,43 @@ from tests.integration.coordinator_harness import RawNode, running_coordinator
 pytestmark = pytest.mark.timeout(120)
 
 
+POW_LOG2_N = 4  # a tiny scrypt N: the rules are under test here, the cost in bench/pow_cost.py
+
+
+def pow_digest(public_hex: str, run_id: str, nonce: bytes) -> bytes:
+    """Written from DESIGN §4: scrypt(raw public key || run_id bytes || nonce bytes, salt, N, r = 8, p = 1)."""
+    return hashlib.scrypt(bytes.fromhex(public_hex) + run_id.encode() + nonce, salt=b"prime-node/join-pow/scrypt-v1",
+                          n=2**POW_LOG2_N, r=8, p=1, dklen=32)
+
+
 def pow_nonce(public_hex: str, run_id: str, bits: int) -> str:
-    """Written from DESIGN §4: sha256(raw public key || run_id bytes || nonce bytes) has `bits` leading zeros."""
+    """A nonce whose digest has `bits` leading zero bits."""
     for i in itertools.count():
         nonce = i.to_bytes(8, "big")
-        digest = hashlib.sha256(bytes.fromhex(public_hex) + run_id.encode() + nonce).digest()
-        if int.from_bytes(digest, "big") >> (256 - bits) == 0:
+        if int.from_bytes(pow_digest(public_hex, run_id, nonce), "big") >> (256 - bits) == 0:
             return nonce.hex()
 
 
 async def test_open_run_new_key_pays_a_proof_of_work(tmp_path):
-    async with running_coordinator(tmp_path, "admission.pow_bits=12") as (coord, base):
+    async with running_coordinator(tmp_path, "admission.pow_bits=10", f"admission.pow_log2_n={POW_LOG2_N}") \
+            as (coord, base):
         async with aiohttp.ClientSession() as s:
             async with s.get(base + "/v1/status") as r:
                 status = await r.json()
-            assert status["run_id"] == "local-demo" and status["admission"] == {"mode": "open", "pow_bits": 12}
+            assert status["run_id"] == "local-demo" and status["admission"] == {"mode": "open", "pow_bits": 10,
+                                                                                  "pow_log2_n": POW_LOG2_N}
             node = RawNode(base, s)
             st, body = await node.post("/v1/join", {})
             assert (st, body["error"]) == (403, "pow_required")
             wrong = next(n for n in (f"{i:016x}" for i in itertools.count())
-                         if hashlib.sha256(bytes.fromhex(node.pub) + b"local-demo" + bytes.fromhex(n)).digest()[0] != 0)
+                         if pow_digest(node.pub, "local-demo", bytes.fromhex(n))[0] != 0)
             st, body = await node.post("/v1/join", {"pow": wrong})
             assert (st, body["error"]) == (403, "bad_pow")
             # another key's solution is worth nothing
             other = RawNode(base, s)
-            st, body = await other.post("/v1/join", {"pow": pow_nonce(node.pub, "local-demo", 12)})
+            st, body = await other.post("/v1/join", {"pow": pow_nonce(node.pub, "local-demo", 10)})
             assert st == 403
-            st, _ = await node.post("/v1/join", {"pow": pow_nonce(node.pub, "local-demo", 12)})
+            st, _ = await node.post("/v1/join", {"pow": pow_nonce(node.pub, "local-demo", 10)})
             assert st == 200
             st, _ = await node.post("/v1/join", {})  # a known key re-joins without paying again
             assert st == 200
@@ -115,7 +125,8 @@ async def test_worker_nodes_join_with_a_proof_of_work_and_with_a_token(tmp_path)
     from protocol.admission import make_join_token
     from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
 
-    async with running_coordinator(tmp_path / "open", "admission.pow_bits=14", "run.max_steps=1") as (coord, url):
+    async with running_coordinator(tmp_path / "open", "admission.pow_bits=4", "admission.pow_log2_n=10",
+                                   "run.max_steps=1") as (coord, url):
         node = start_worker(tmp_path, "pow", coord, url)
         await wait_for(lambda: node[0].stats.accepted > 0, 120, "the node's first accepted rollouts", coord)
         await stop_workers(node)
