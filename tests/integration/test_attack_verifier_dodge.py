@@ -62,7 +62,9 @@ async def train_to(coord, honest: RawNode, target: int) -> None:
             await asyncio.sleep(0.1)
             continue
         assert st == 200, (st, w)
-        b = backends.setdefault(step, backend_at(coord, step))
+        if step not in backends:  # built once per step: transformers' loading is not thread-safe with the
+            backends[step] = backend_at(coord, step)  # verifier's own model loading in this process
+        b = backends[step]
         st, res = await honest.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": step,
                                                    "rollouts": honest_rollouts(b, w, coord.eos_token_id)})
         assert st == 200 and not res["rejected"], res["rejected"]
