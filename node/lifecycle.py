@@ -99,9 +99,9 @@ class Stopper:
         """From the main thread, before the role starts threads or child processes."""
         r, w = os.pipe()
         os.set_blocking(w, False)  # the C handler must never block; a full pipe drops bytes, not signals we need
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)  # first: a signal between the two is not lost
         for s in STOP_SIGNALS:
             signal.signal(s, _noop)  # a Python-level handler, so the C handler writes the wakeup fd
-        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         threading.Thread(target=self._read, args=(r,), name="stop-signals", daemon=True).start()
         return self
 
