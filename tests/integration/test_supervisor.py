@@ -139,3 +139,20 @@ async def test_healthy_coordinator_is_not_failed_and_exits_zero(tmp_path):
         rc = stop(proc)
     assert rc == 0, log.read_text()[-3000:]
     assert os.path.exists(tmp_path / "coord" / "ledger.sqlite")
+
+
+async def test_dashboard_shows_the_failure_in_a_banner(tmp_path, monkeypatch):
+    """The dashboard in real Chromium (skipped where none is installed), its CSP in force: a red banner naming
+    the dead component and its reason once the training thread died (an in-process coordinator here)."""
+    from tests.integration.coordinator_harness import running_coordinator
+    from tests.integration.test_dashboard import chromium_page, text
+
+    monkeypatch.setenv("PRIME_NODE_FAULT", "train-step")
+    async with running_coordinator(tmp_path) as (coord, url), chromium_page(bypass_csp=False) as (page, errors):
+        await page.goto(url + "/dashboard")
+        await page.wait_for_selector("#conn.live", timeout=10_000)
+        await page.wait_for_selector("#failed:not([hidden])", timeout=FAILED_S * 1000)
+        banner = await text(page, "#failed")
+        assert "trainer died" in banner and "InjectedFault" in banner, banner
+        assert coord.failure is not None and coord.failure.component == "trainer"
+        assert not errors, errors
