@@ -14,8 +14,8 @@ from tests.integration.coordinator_harness import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# A healthy run of this test took ~95-200 s on 2 shared cores (40 SFT warm-start steps and 5 RL steps on two
-# ranks, and two evaluations); the old code never finishes.
+# A healthy run of this test (40 SFT warm-start steps and 5 RL steps on two ranks, two evaluations) took 39 s
+# on 2 cores shared with other work and 126 s when they were heavily loaded; the old code never finishes.
 DEADLINE_S = 420
 
 
