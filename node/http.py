@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import socket
 import struct
@@ -126,7 +127,6 @@ class ConnectionLimits:
             raise ValueError("connection limits must be positive")
 
 
-REFUSAL_LINGER_S = 1.0  # a refused connection is kept this long (discarding input) so the client reads why
 
 
 class _HardenedRequestHandler(web.RequestHandler):
@@ -151,20 +151,23 @@ class _HardenedRequestHandler(web.RequestHandler):
         super().connection_made(transport)  # -> _HardenedServer.connection_made, which may refuse it
 
     def refuse(self, status: int, code: str, detail: str) -> None:
-        """Answer `status` with Retry-After before any request is read, then close: the input is discarded
-        (no request of this connection is handled) and the socket aborted after REFUSAL_LINGER_S."""
+        """Answer `status` with Retry-After before any request is read, and close at once: a refused
+        connection must not keep its descriptor (a flood of them is what the limits are for). What the
+        client already sent is read and dropped first, so the close is a FIN after the answer rather than a
+        reset that could destroy it."""
         self._force_close = True  # aiohttp discards what arrives, and the request loop ends at once
         transport = self.transport
         if transport is None:
             return
+        _discard_input(transport)
         body = ErrorBody.of(code, detail).model_dump_json().encode()
         reason = {429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "Error")
         head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 f"Retry-After: {self.server.limits.retry_after_s}\r\nConnection: close\r\n\r\n").encode()
         transport.write(head + body)
-        if transport.can_write_eof():
-            transport.write_eof()  # the client reads the answer, then closes (and we close on its EOF)
-        self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
+        # The answer is in the socket's buffer: the kernel sends it, then a FIN. Closed on the next turn of
+        # the loop, after aiohttp's request task has started (and, seeing _force_close, ended).
+        self._loop.call_soon(transport.close)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -213,6 +216,22 @@ class _HardenedRequestHandler(web.RequestHandler):
         resp = json_error(status, _HTTP_CODES.get(status, "http_error"), detail)
         resp.force_close()
         return resp
+
+
+def _discard_input(transport, limit: int = 64 * 1024) -> None:
+    """Read and drop what has arrived on the transport's socket (at most `limit` bytes; never blocks)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    left = limit
+    try:
+        while left > 0:
+            data = os.read(sock.fileno(), min(left, 16 * 1024))  # a non-blocking socket: raises when empty
+            if not data:
+                return
+            left -= len(data)
+    except (BlockingIOError, OSError):
+        return
 
 
 def abort_connection(transport) -> None:

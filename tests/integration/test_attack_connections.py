@@ -156,6 +156,7 @@ async def test_never_readers_cannot_exhaust_fds_and_publishing_still_works(tmp_p
     proc = subprocess.Popen([sys.executable, str(script), str(REPO), str(tmp_path), *overrides],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     attackers: list[socket.socket] = []
+    failure: BaseException | None = None
     try:
         port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120))
         base = f"http://127.0.0.1:{port}"
@@ -189,6 +190,8 @@ async def test_never_readers_cannot_exhaust_fds_and_publishing_still_works(tmp_p
                     step = (await r.json())["step"]
                 await asyncio.sleep(0.5)
             assert step >= 1, "the step was not published under the attack"
+    except (AssertionError, OSError, TimeoutError, aiohttp.ClientError) as e:
+        failure = e
     finally:
         close_all(attackers)
         try:  # communicate() closes its stdin: the coordinator stops
@@ -196,6 +199,7 @@ async def test_never_readers_cannot_exhaust_fds_and_publishing_still_works(tmp_p
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()
+    assert failure is None, f"{failure!r}; the coordinator's log ends: {err[-3000:]}"
     assert "Too many open files" not in err, err[-3000:]
 
 
