@@ -14,7 +14,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("verify",),
     # shared by several roles, so beside the roles and below all of them; the roles' config sections are
     # plain pydantic models that import nothing of the roles
-    ("node.aio", "node.backoff", "node.lifecycle", "node.logs", "node.rate_limit", "node.peer_log", "node.plugins",
+    ("node.aio", "node.backoff", "node.fdlimits", "node.lifecycle", "node.logs", "node.rate_limit", "node.peer_log",
+     "node.plugins",
      "node.http",
      "node.checkpoint_dir", "node.checkpoint_routes",
      "node.p2p.config", "node.trainer.config", "node.worker.config"),
