@@ -103,7 +103,8 @@ class TrainerConfig(_Strict):
     # machine: 1 = the plain single-process Trainer.
     ranks: int = Field(1, ge=1, le=64)
     # Where the coordinator trains: "cpu", or "cuda" (one GPU per rank: rank r takes GPU r; NCCL between
-    # ranks). Verification replays and evaluation stay where they are (CPU replays, the trainer's model).
+    # ranks). Verification replays stay on the CPU; evaluation uses the trainer's model with one rank, and
+    # with ranks > 1 an unsharded fp32 CPU copy gathered from every rank (no collective while decoding).
     device: Literal["cpu", "cuda"] = "cpu"
     # Short supervised warm start on the task's reference answers, done before RL step 1 (0 = off).
     warm_start_steps: int = Field(0, ge=0)
