@@ -82,6 +82,12 @@ async def main(args) -> None:
             print(f"prompt payload an assignment row held for ever before the fix: {payload / done:.0f} bytes "
                   f"({payload:,} bytes for {done} declines)")
             print("rejections by reason:", coord.ledger.rejection_counts())
+            res = Path(__file__).resolve().parent / "results" / "decline_flood.json"
+            res.write_text(json.dumps({"declines": done, "keys": args.keys, "seconds": round(dt, 1),
+                                       "prune_ms": round(prune_s * 1000, 1), "start": before, "after_flood": flooded,
+                                       "after_prune": after, "payload_bytes_per_decline_before_fix": round(payload / done)},
+                                      indent=2, default=str))
+            print(f"wrote {res}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import statistics
 import sys
@@ -36,7 +37,9 @@ def sha256_rate(seconds: float = 2.0) -> float:
 
 
 def main(args) -> None:
-    print(f"hashlib SHA-256 (Python loop), one core: {sha256_rate() / 1e6:.2f} M/s")
+    sha = sha256_rate()
+    print(f"hashlib SHA-256 (Python loop), one core: {sha / 1e6:.2f} M/s")
+    out = {"sha256_python_loop_per_s": round(sha), "scrypt_ms_per_evaluation": {}}
     key = Identity.generate().public_hex
     for log2_n in range(10, 17):
         ts = []
@@ -46,6 +49,7 @@ def main(args) -> None:
             ts.append(time.perf_counter() - t0)
         print(f"scrypt N=2^{log2_n} r=8 p=1 ({pow_memory_bytes(log2_n) >> 20} MiB): "
               f"median {statistics.median(ts) * 1000:.1f} ms per evaluation")
+        out["scrypt_ms_per_evaluation"][f"2^{log2_n}"] = round(statistics.median(ts) * 1000, 2)
     solves, checks = [], []
     for _ in range(args.solves):
         key = Identity.generate().public_hex
@@ -58,6 +62,11 @@ def main(args) -> None:
     print(f"puzzle bits={args.bits} N=2^{args.log2_n}: solve median {statistics.median(solves):.2f} s "
           f"(min {min(solves):.2f}, max {max(solves):.2f}, n={len(solves)}); check median "
           f"{statistics.median(checks) * 1000:.1f} ms")
+    out.update(bits=args.bits, log2_n=args.log2_n, solve_s=[round(x, 3) for x in solves],
+               solve_median_s=round(statistics.median(solves), 3), check_median_ms=round(statistics.median(checks) * 1000, 2))
+    res = Path(__file__).resolve().parent / "results" / "pow_cost.json"
+    res.write_text(json.dumps(out, indent=2))
+    print(f"wrote {res}")
 
 
 if __name__ == "__main__":
