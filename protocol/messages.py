@@ -114,11 +114,31 @@ def decode(model: type[_M], body: bytes, *, limit: int) -> _M:
 
 
 # --- join / heartbeat ------------------------------------------------------------------------------
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class ListenPorts(Wire):
+    """The TCP ports a node listens on, for the coordinator's dial-back at join (docs/P2P.md "Reachability").
+    Ports only: the coordinator dials the address it saw the join come from, never one a node names."""
+    libp2p: Port | None = None
+    http: Port | None = None  # the HTTP shard server (p2p.http)
+
+
 class NodeInfo(Wire):
     name: Annotated[str, Field(max_length=64)] | None = None
     backend: Annotated[str, Field(max_length=32)] | None = None
     device: Annotated[str, Field(max_length=64)] | None = None
     p2p_addrs: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=8)] = []
+    listen_ports: ListenPorts | None = None
+
+
+class Reachability(Wire):
+    """What the coordinator found at join: the address the join came from, and per listed port whether a
+    fresh TCP connection to that address and port succeeded (null: not tried, e.g. no port listed, the
+    per-address dial-back limit, or an address the coordinator's policy does not dial)."""
+    observed_ip: Annotated[str, Field(max_length=45)]  # an IPv4 or IPv6 literal (45 = longest IPv6 text)
+    libp2p: bool | None = None
+    http: bool | None = None
 
 
 class JoinRequest(Wire):
@@ -162,6 +182,7 @@ class RunSpec(Wire):
     # Multi-turn tasks (max_turns > 1): the worker runs the task's environment, built from these
     task_kwargs: BoundedJson = {}
     max_turns: Annotated[int, Field(ge=1, le=MAX_TURNS)] = 1
+    reachability: Reachability | None = None  # the join's dial-back (NodeInfo.listen_ports)
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, protected_namespaces=())
 

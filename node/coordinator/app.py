@@ -86,7 +86,8 @@ def build_app(coord) -> web.Application:
         if not join_limiter.allow(request.remote or "unknown"):
             raise ApiError(429, "too_many_joins", f"at most {joins_per_minute} joins per minute from one address")
         signer, req = await signed(request, M.JoinRequest, not_banned)
-        return _json(await coord.join(signer, req))
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        return _json(await coord.join(signer, req, remote=request.remote, local_ip=sock[0] if sock else None))
 
     async def heartbeat(request):
         signer, req = await signed(request, M.HeartbeatRequest)
@@ -113,7 +114,8 @@ def build_app(coord) -> web.Application:
         coord.metrics.bytes_served.inc(n)
 
     gate = SeedingGate(coord.seeder, verifier, lambda node_id: (n := coord.ledger.node(node_id)) is not None
-                       and not n.banned, allow_private_addrs=coord.cfg.p2p.allow_private_addrs)
+                       and not n.banned, allow_private_addrs=coord.cfg.p2p.allow_private_addrs,
+                       verified=coord.dialback.http_addr_verified)
     CheckpointRoutes(coord.checkpoints, servable=coord.servable_steps, throttle=throttle, on_bytes=count,
                      gate=gate).add_to(app)
 

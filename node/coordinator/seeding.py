@@ -9,6 +9,10 @@ fed back through `announced`) within `announce_grace_s` of receiving it, or the 
 shard reopens. A node whose claim died is never counted again for that shard. A node deferred
 `max_deferrals` times for a shard is served anyway, so a claim can delay an honest node, not starve it.
 
+First copies go only to nodes others can dial: a node the join's dial-back found unreachable (NATed,
+node/coordinator/reachability.py) is served but never holds a claim, so nobody is deferred to a holder they
+cannot connect to. With no reachable node asking, every node is served by the origin, as without seeding.
+
 Timing: the window counts from the end of the first copy (under a thin uplink one copy can take longer
 than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` windows stops counting.
 """
@@ -35,8 +39,10 @@ class _Claim:
 
 class SuperSeeder:
     def __init__(self, window_s: float, *, announce_grace_s: float | None = None, max_deferrals: int = 3,
-                 clock: Callable[[], float] = time.monotonic, max_keys: int = 100_000):
+                 clock: Callable[[], float] = time.monotonic, max_keys: int = 100_000,
+                 reachable: Callable[[str], bool | None] = lambda node_id: None):
         self.window = window_s
+        self.reachable = reachable  # False: dialled back and not reachable; None (unknown) counts as reachable
         self.grace = window_s if announce_grace_s is None else announce_grace_s
         self.max_deferrals = max_deferrals
         self.clock = clock
@@ -89,6 +95,8 @@ class SuperSeeder:
         """The origin begins sending `key` to `node_id`: the first copy, if none is spreading."""
         if not self.enabled or node_id is None or (key, node_id) in self._broken or self._claim(key) is not None:
             return
+        if self.reachable(node_id) is False:
+            return
         if len(self._claims) >= self.max_keys:
             self._expire_all()
         self._claims[key] = _Claim(node_id, self.clock())
@@ -127,7 +135,7 @@ class SeedingGate:
     HTTP client's and never holds a first copy; a signature that does not verify is a 401."""
 
     def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000,
-                 allow_private_addrs: bool = False):
+                 allow_private_addrs: bool = False, verified: Callable[[str, str], bool] | None = None):
         self.seeder, self.verifier, self.is_member = seeder, verifier, is_member
         # node id -> the HTTP shard server it told us about (X-Prime-Shard-Addr on its signed requests), so a
         # deferred node learns where the first copy went (X-Prime-Holder) instead of waiting for gossip
@@ -136,16 +144,19 @@ class SeedingGate:
         # p2p.allow_private_addrs: off, an address that is loopback, private, link-local, ... is never repeated
         # (every worker told of it would fetch from it: node/p2p/addrs.py).
         self.allow_private_addrs = allow_private_addrs
+        # (node id, address) -> the join's dial-back reached exactly that address (reachability.py); None: no
+        # dial-back to consult (addresses are then repeated on the policy check alone)
+        self.verified = verified
 
     def _remember_addr(self, node_id: str, addr: str | None) -> None:
         from node.p2p.http_shards import url_of
 
         if addr is None:
             return
-        if url_of(addr, allow_private=self.allow_private_addrs) is None:
-            # Only a literal-IP /http address that passed the address policy is ever repeated; a node that now
-            # claims one that does not loses the one it had (this is a claim, not an address seen working:
-            # the dial-back that checks it is the NAT issue's, #26).
+        if url_of(addr, allow_private=self.allow_private_addrs) is None or (
+                self.verified is not None and not self.verified(node_id, addr)):
+            # Only a literal-IP /http address that passed the address policy and that the join's dial-back
+            # reached is ever repeated; a node that now claims one that does not loses the one it had.
             self.shard_addrs.pop(node_id, None)
             return
         self.shard_addrs[node_id] = addr

@@ -23,6 +23,7 @@ from node.coordinator.ledger import Ledger, NodeRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.node_bytes import NodeBytes
 from node.coordinator.publisher import Publisher
+from node.coordinator.reachability import DialBack
 from node.coordinator.run_model import load_run_model
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.seeding import SuperSeeder
@@ -48,6 +49,10 @@ PRUNE_EVERY_MS = 5_000  # declined assignments past their hold, settled ones of 
 PRUNE_MARGIN_STEPS = 4  # settled assignments are kept this many steps past the window (k) before deletion
 SMALL_MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "generation_config.json")
+
+
+def _dialled(ok: bool | None) -> str:
+    return {True: "dialled back", False: "NOT reachable", None: "not tried"}[ok]
 
 
 class Coordinator:
@@ -77,7 +82,12 @@ class Coordinator:
         self.started_ms = now_ms()
         self._status: tuple[float, dict] | None = None
         self._liveness: dict[str, tuple] = {}  # node id -> (node id, last seen ms, step, tokens/s, state)
-        self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds)
+        # The join's dial-back (reachability.py): at most one dial per listed port per join the address may make.
+        self.dialback = DialBack(timeout_s=cfg.p2p.dialback_timeout_s,
+                                 per_minute=2 * cfg.admission.joins_per_address_per_minute,
+                                 allow_private=cfg.p2p.allow_private_addrs)
+        # First copies go to nodes that others can dial (a NATed holder cannot serve those deferred to it).
+        self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds, reachable=self.dialback.reachable)
         # The run's model, then every collaborator, built here and handed what it uses (by keyword).
         self.model = load_run_model(cfg, self.root)
         self.model_dir, self.tokenizer, self.task = self.model.model_dir, self.model.tokenizer, self.model.task
@@ -234,13 +244,21 @@ class Coordinator:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
         return node
 
-    async def join(self, node_id: str, req: M.JoinRequest) -> M.RunSpec:
+    async def join(self, node_id: str, req: M.JoinRequest, *, remote: str | None = None,
+                   local_ip: str | None = None) -> M.RunSpec:
+        """`remote`: the address the request came from (dialled back at the node's listed ports, never an
+        address the node names); `local_ip`: ours it came in on (the p2p bootstrap address when we listen on
+        a wildcard)."""
         existing = self.ledger.node(node_id)
         if existing and existing.banned:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
         await self._admit(node_id, req, known=existing is not None)
         info = req.node.model_dump() if req.node else {}
         self.ledger.upsert_node(node_id, self.cfg.verification.reputation_start, info)
+        reach = await self.dialback.check(node_id, remote, req.node.listen_ports if req.node else None)
+        if reach is not None:
+            log.info("join of %s from %s: libp2p port %s, HTTP port %s", node_id[:12], reach.observed_ip,
+                     _dialled(reach.libp2p), _dialled(reach.http))
         files = {}
         for name in SMALL_MODEL_FILES:
             p = self.model_dir / name
@@ -251,8 +269,8 @@ class Coordinator:
             task=self.cfg.task.name, async_level=self.k, current_step=self.published_step,
             group_size=self.cfg.run.group_size, model_config_json=self.model.model_config, tokenizer_files=files,
             eos_token_id=self.eos_token_id, checkpoint_dtype=self.cfg.trainer.broadcast_dtype,
-            p2p_bootstrap=list(self.p2p_bootstrap()), relays=list(self.cfg.distribution.relays),
-            task_kwargs=dict(self.cfg.task.kwargs), max_turns=max_turns_of(self.model.task),
+            p2p_bootstrap=list(self.p2p_bootstrap(local_ip)), relays=list(self.cfg.distribution.relays),
+            task_kwargs=dict(self.cfg.task.kwargs), max_turns=max_turns_of(self.model.task), reachability=reach,
         )
 
     # -- the verifier pool (DESIGN §5: verifier keys only) -------------------------------------------
@@ -333,8 +351,14 @@ class Coordinator:
         if a.kind == "have":
             self.seeder.announced(a.signer, [(a.step, i) for i in a.indices])
 
-    def p2p_bootstrap(self) -> list[str]:
-        return list(self.p2p.announce_addrs) if self.p2p is not None else []
+    def p2p_bootstrap(self, local_ip: str | None = None) -> list[str]:
+        """Our libp2p address for nodes to dial: the announced ones, else (listening on a wildcard) the address
+        the node's request reached us at, with our libp2p port."""
+        if self.p2p is None:
+            return []
+        if self.p2p.announce_addrs:
+            return list(self.p2p.announce_addrs)
+        return self.p2p.addrs_at(local_ip or "127.0.0.1")
 
     def _seen(self, node_id: str, policy_step: int | None = None, tokens_per_s: float | None = None,
               state: str | None = None) -> None:

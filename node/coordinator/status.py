@@ -68,6 +68,8 @@ def build_status(c) -> dict:
             "policy_step": n.policy_step, "tokens_per_s": round(n.tokens_per_s, 1),
             "accepted": n.accepted, "rejected": n.rejected, "reputation": round(n.reputation, 3),
             "last_seen_ms": n.last_seen_ms,
+            # the join's dial-back of its libp2p port (reachability.py): null = not tried or not since we started
+            "reachable": c.dialback.reachable(n.node_id),
         } for n in nodes],
         "nodes_total": summary["total"],
         "nodes_by_state": summary["by_state"],

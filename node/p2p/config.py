@@ -10,8 +10,9 @@ class P2PConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    # Loopback by default: a node only listens publicly when the operator says so.
-    listen_host: str = "127.0.0.1"
+    # All interfaces: what peers may dial is decided by the coordinator's dial-back at join (docs/P2P.md
+    # "Reachability"), which announces only an address it reached (a node it cannot reach announces none).
+    listen_host: str = "0.0.0.0"
     listen_port: int = Field(0, ge=0, le=65535)
     # False = outbound-only (behind NAT): the node dials peers but accepts no connections.
     listen: bool = True
@@ -44,6 +45,13 @@ class P2PConfig(BaseModel):
     # Seconds a single read may stall before the transfer is abandoned (not the whole transfer).
     read_timeout_s: float = Field(10.0, gt=0, le=600)
     connect_timeout_s: float = Field(10.0, gt=0, le=600)
+    # Seconds to connect to a peer that is not connected yet (libp2p dial or its HTTP shard server): short, since
+    # another holder or the origin can serve instead; a peer whose dial failed is not dialled again for
+    # `dial_retry_s` (it may still serve over a connection it opens to us).
+    dial_timeout_s: float = Field(3.0, gt=0, le=600)
+    dial_retry_s: float = Field(60.0, ge=0, le=3600)
+    # The coordinator's dial-back at join (node/coordinator/reachability.py): the limit for each fresh connect.
+    dialback_timeout_s: float = Field(3.0, gt=0, le=30)
     # Gossip messages/s accepted from one forwarding peer (a hub relays everyone's announcements);
     # checked before any signature, excess is dropped and counted.
     gossip_rate_limit: int = Field(100, ge=10, le=10_000)

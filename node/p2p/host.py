@@ -38,7 +38,7 @@ from .announce import (
 )
 from .bridge import TrioBridge
 from .config import P2PConfig
-from .errors import P2PError, P2PNotRunning, PeerUnavailable
+from .errors import P2PError, P2PNotRunning, PeerUnavailable, ShardPeerGone
 from .peer_table import PeerTable
 from .shard_store import ShardGetter, ShardStore, as_store
 from .stats import P2PStats
@@ -129,7 +129,8 @@ class P2PNode:
                  heartbeat_interval_s: int = 1, gossip_rate_limit: int = 100, bootstrap: Sequence[str] = (),
                  announce_addrs: Sequence[str] | None = None, name: str | None = None,
                  max_streams_per_peer: int = 4, request_timeout_s: float = 2.0, log_interval_s: float = 60.0,
-                 http: bool = False, http_port: int = 0, allow_private_addrs: bool = False):
+                 http: bool = False, http_port: int = 0, allow_private_addrs: bool = False,
+                 dial_timeout_s: float = 3.0, dial_retry_s: float = 60.0):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -151,6 +152,11 @@ class P2PNode:
         self.max_shard_bytes = max_shard_bytes
         self.read_timeout_s = read_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.dial_timeout_s, self.dial_retry_s = dial_timeout_s, dial_retry_s
+        # peer -> when our last dial to it failed (bounded): not dialled again for dial_retry_s, and ranked last
+        self._dial_failed: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # The join's dial-back verdict on our libp2p port (apply_reachability): None until told.
+        self.reachable: bool | None = None
         self.announce_max_age_s = announce_max_age_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.gossip_rate_limit = gossip_rate_limit
@@ -179,6 +185,7 @@ class P2PNode:
         # peer that announces it, until it fails for that peer (then libp2p carries its shards).
         self.http, self.http_port = http, http_port
         self._http_server: Any = None
+        self._http_port_bound: int | None = None
         self._http_session: Any = None
         self._http_failed: set[str] = set()
         # One upload cap for both planes: libp2p's streams and the HTTP server take from the same tokens.
@@ -205,7 +212,8 @@ class P2PNode:
                    connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s,
                    gossip_rate_limit=cfg.gossip_rate_limit, max_streams_per_peer=cfg.max_streams_per_peer,
                    request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port,
-                   allow_private_addrs=cfg.allow_private_addrs, **kw)
+                   allow_private_addrs=cfg.allow_private_addrs, dial_timeout_s=cfg.dial_timeout_s,
+                   dial_retry_s=cfg.dial_retry_s, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -236,7 +244,7 @@ class P2PNode:
             heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit,
             request_timeout_s=self.request_timeout_s, max_streams_per_peer=self.max_streams_per_peer,
             log_interval_s=self.log_interval_s, upload_bucket=self._upload_bucket,
-            allow_private_addrs=self.allow_private_addrs)
+            allow_private_addrs=self.allow_private_addrs, dial_timeout_s=self.dial_timeout_s)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
@@ -261,8 +269,9 @@ class P2PNode:
         return next(filter(is_http_addr, self.announce_addrs), None) if self._http_server else None
 
     async def _start_http(self) -> None:
-        """Fetch over HTTP from peers that offer it; serve ours if we listen, hold shards and know an
-        address peers can dial (an announce override's, or a listen address that is not a wildcard)."""
+        """Fetch over HTTP from peers that offer it; serve ours if we listen and hold shards. It is announced
+        with an address peers can dial: an announce override's host, a listen host that is not a wildcard,
+        or (apply_reachability) the address the coordinator dialled it back at."""
         import aiohttp
 
         from .http_shards import HttpShardServer, http_addr
@@ -271,7 +280,7 @@ class P2PNode:
                                                    auto_decompress=False)
         host = next((h for h in map(_ip_of, self.announce_addrs) if h and h not in WILDCARD_IPS), None)
         listen_host = next((_ip_of(a) for a in self.listen), None)
-        if self.store is None or not self.listen_addrs or host is None or listen_host is None:
+        if self.store is None or not self.listen_addrs or listen_host is None:
             return
         self._http_server = HttpShardServer(self.store, stats=self.stats, max_concurrent=self.max_concurrent_streams,
                                             max_bytes=self.max_shard_bytes, read_timeout_s=self.read_timeout_s,
@@ -283,7 +292,46 @@ class P2PNode:
                         listen_host, self.http_port, e)
             self._http_server = None
             return
-        self.announce_addrs = [*self.announce_addrs[:7], http_addr(host, port)]
+        self._http_port_bound = port
+        if host is not None:
+            self.announce_addrs = [*self.announce_addrs[:7], http_addr(host, port)]
+
+    def listen_ports(self) -> dict[str, int | None]:
+        """The TCP ports we accept connections on, for the coordinator's dial-back (messages.ListenPorts)."""
+        tcp = next((a.split("/")[4] for a in self.listen_addrs if a.split("/")[3:4] == ["tcp"]), None)
+        return {"libp2p": int(tcp) if tcp else None,
+                "http": self._http_port_bound if self._http_server is not None else None}
+
+    def apply_reachability(self, observed_ip: str, libp2p: bool | None, http: bool | None) -> list[str]:
+        """The join's dial-back (docs/P2P.md "Reachability"): announce exactly what the coordinator reached, the
+        address it saw us at with the ports it dialled back (and only if our address policy would let a peer
+        dial it), or nothing if it reached neither. A port not tried (None) keeps what we announced; so does
+        an operator's `announce_addrs` (port forwarding to other ports: the operator's word). Returns what we
+        announce from now on."""
+        from .addrs import multiaddr_allowed
+        from .http_shards import http_addr, is_http_addr
+
+        self.reachable = libp2p
+        if self._announce_override is not None or (libp2p is None and http is None):
+            return self.announce_addrs
+        proto = "ip6" if ":" in observed_ip else "ip4"
+        ports = self.listen_ports()
+        addrs = [a for a in self.announce_addrs if (is_http_addr(a) and http is None)
+                 or (not is_http_addr(a) and libp2p is None)]
+        if libp2p and ports["libp2p"]:
+            addrs.insert(0, f"/{proto}/{observed_ip}/tcp/{ports['libp2p']}/p2p/{self.peer_id}")
+        if http and ports["http"]:
+            addrs.append(http_addr(observed_ip, ports["http"]))
+        self.announce_addrs = [a for a in addrs if multiaddr_allowed(a, self.allow_private_addrs)][:8]
+        return self.announce_addrs
+
+    def addrs_at(self, ip: str) -> list[str]:
+        """Our libp2p address at `ip` (one of this machine's, e.g. where a request reached us) for a wildcard
+        listener: [] if we do not listen."""
+        ports = self.listen_ports()
+        if not ports["libp2p"]:
+            return []
+        return [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{ports['libp2p']}/p2p/{self.peer_id}"]
 
     def _addrs_to_announce(self) -> list[str]:
         """What peers should dial: the operator's public addresses if given, else our listen addresses
@@ -317,13 +365,14 @@ class P2PNode:
         await self.stop()
 
     # --- peers ---------------------------------------------------------------------------------
-    async def connect(self, addrs: Iterable[str]) -> list[str]:
-        """Dial every multiaddr (each ending in /p2p/<peer id>) at once; return the peer ids reached.
-        Raises PeerUnavailable only if addresses were given and none could be reached."""
+    async def connect(self, addrs: Iterable[str], timeout_s: float | None = None) -> list[str]:
+        """Dial every multiaddr (each ending in /p2p/<peer id>) at once (each within `timeout_s`, default
+        connect_timeout_s); return the peer ids reached. Raises PeerUnavailable only if addresses were given
+        and none could be reached."""
         addrs = list(addrs)
         if not self.running:
             raise P2PNotRunning("start the p2p node before connecting")
-        results = await asyncio.gather(*(self._bridge.call(self._service.connect, a) for a in addrs),
+        results = await asyncio.gather(*(self._bridge.call(self._service.connect, a, timeout_s) for a in addrs),
                                        return_exceptions=True)
         reached, errors = [], []
         for addr, r in zip(addrs, results):
@@ -386,7 +435,24 @@ class P2PNode:
             self._published.append(time.monotonic())
 
     def peers_with(self, step: int, index: int, manifest_hash: str | None = None) -> list[str]:
-        return self.table.peers_with(step, index, manifest_hash)
+        """Holders, newest announcer first within each rank: those that announced an address (reachable: since
+        #26 a node announces only what the coordinator dialled back), then those that announced none (they
+        serve only over connections already open), then those whose dial failed lately."""
+        peers = self.table.peers_with(step, index, manifest_hash)
+        now = time.monotonic()
+
+        def rank(peer: str) -> int:
+            failed = self._dial_failed.get(peer)
+            if failed is not None and now - failed < self.dial_retry_s:
+                return 2
+            return 0 if self.table.addrs_of(peer) else 1
+        return sorted(peers, key=rank)
+
+    def _note_dial_failed(self, peer: str) -> None:
+        self._dial_failed[peer] = time.monotonic()
+        self._dial_failed.move_to_end(peer)
+        while len(self._dial_failed) > 4096:
+            self._dial_failed.popitem(last=False)
 
     def manifest_hash(self, step: int) -> str | None:
         """The manifest hash the coordinator announced for `step`, if any."""
@@ -442,7 +508,7 @@ class P2PNode:
 
     async def _dial(self, addrs: list[str]) -> None:
         try:
-            await self.connect(addrs[:2])
+            await self.connect(addrs[:2], self.dial_timeout_s)
         except P2PError as e:  # best effort: gossip still reaches us through the others
             log.debug("p2p: dialling an announcer failed: %s", e)
 
@@ -462,7 +528,18 @@ class P2PNode:
         data = await self._fetch_http(name, req, addrs)
         if data is not None:
             return data
-        return await self._bridge.call(self._service.fetch, pid, req, addrs, timeout_s)
+        failed = self._dial_failed.get(name)
+        if failed is not None and time.monotonic() - failed < self.dial_retry_s:
+            # Remembered: not dialled again for a while, unless it has since connected to us (a NATed peer can).
+            if not await self._bridge.call(self._async(lambda: self._service.is_connected(pid))):
+                raise PeerUnavailable(f"peer {name} could not be dialled {time.monotonic() - failed:.0f} s ago")
+        try:
+            return await self._bridge.call(self._service.fetch, pid, req, addrs, timeout_s)
+        except ShardPeerGone:
+            raise
+        except PeerUnavailable:
+            self._note_dial_failed(name)
+            raise
 
     async def _fetch_http(self, peer: str, req: Any, addrs: tuple[str, ...]) -> bytes | None:
         """The shard over the peer's HTTP shard server, or None to use libp2p (it offers none, or its
@@ -480,7 +557,7 @@ class P2PNode:
             return await fetch_shard_http(self._http_session, url, peer=peer, step=req.step, index=req.index,
                                           manifest_hash=req.manifest_hash, max_bytes=req.max_bytes, stats=self.stats,
                                           read_timeout_s=self.read_timeout_s,
-                                          connect_timeout_s=self.connect_timeout_s,
+                                          connect_timeout_s=self.dial_timeout_s,
                                           on_have=lambda held: self._heard_have(peer, req, held))
         except (ShardPeerGone, ShardFetchTimeout, ShardProtocolError) as e:
             self._http_failed.add(peer)

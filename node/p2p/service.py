@@ -30,7 +30,7 @@ from libp2p import new_host
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -137,6 +137,8 @@ class ServiceSettings:
     log_interval_s: float = 60.0
     # The upload cap's tokens, when the HTTP shard server serves under the same cap (rate_limit.SharedBucket).
     upload_bucket: Any = None
+    # Connecting to a peer not yet connected (fetch targets, announcers): short, another source can serve.
+    dial_timeout_s: float = 3.0
     # Dial peers' loopback/private/link-local addresses (addrs.py); off on the open internet.
     allow_private_addrs: bool = False
 
@@ -268,11 +270,15 @@ class P2PService:
     def peer_id(self) -> str:
         return self.host.get_id().to_base58()
 
+    def is_connected(self, peer: ID) -> bool:
+        return bool(self.host.get_network().connections.get(peer))
+
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]
 
-    async def connect(self, addr: str) -> str:
+    async def connect(self, addr: str, timeout_s: float | None = None) -> str:
         """Dial `addr` (ending in /p2p/<peer id>); return the peer id once its pubsub stream is up."""
+        limit = timeout_s or self.settings.connect_timeout_s
         maddr = parse_multiaddr(addr)
         try:
             info = info_from_p2p_addr(maddr)
@@ -285,10 +291,10 @@ class P2PService:
             # signed peer record, identify): those are the peer's own claims, never filtered.
             self.host.get_peerstore().clear_addrs(info.peer_id)
         try:
-            with trio.fail_after(self.settings.connect_timeout_s):
+            with trio.fail_after(limit):
                 await self.host.connect(info)
         except trio.TooSlowError:
-            raise PeerUnavailable(f"could not connect to {addr[:120]} within {self.settings.connect_timeout_s:.0f} s") from None
+            raise PeerUnavailable(f"could not connect to {addr[:120]} within {limit:.1f} s") from None
         except Exception as e:
             raise PeerUnavailable(f"could not connect to {addr[:120]}: {type(e).__name__}: {e}"[:300]) from None
         # Best effort: announcements flow once the peer's pubsub stream exists (usually ms).
@@ -323,6 +329,16 @@ class P2PService:
                 raise PeerUnavailable(f"peer {peer.to_base58()} is not connected and announced no address we may dial")
             self.host.get_peerstore().clear_addrs(peer)
             self.host.get_peerstore().add_addrs(peer, good, 600)
+            # The dial under its own short limit (not the stream-open one): an address nobody answers at
+            # (NAT, an unforwarded port) used to cost connect_timeout_s (10 s) per fetch attempt.
+            limit = self.settings.dial_timeout_s
+            try:
+                with trio.fail_after(limit):
+                    await self.host.connect(PeerInfo(peer, good))
+            except trio.TooSlowError:
+                raise PeerUnavailable(f"could not dial {peer.to_base58()} within {limit:.1f} s") from None
+            except Exception as e:
+                raise PeerUnavailable(f"could not dial {peer.to_base58()}: {type(e).__name__}: {e}"[:300]) from None
         return await fetch_shard(self.host, peer, req, stats=self.stats, read_timeout_s=self.settings.read_timeout_s,
                                  open_timeout_s=self.settings.connect_timeout_s, timeout_s=timeout_s)
 

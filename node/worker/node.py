@@ -119,10 +119,30 @@ class WorkerNode:
 
     # -- main --------------------------------------------------------------------------------------
     async def run(self) -> None:
+        self.p2p, self.announcer = None, None
+        try:
+            await self._run()
+        finally:
+            if self.p2p is not None:
+                await self.p2p.stop()
+        log.info("worker stopped (accepted %d, rejected %d rollouts)", self.stats.accepted, self.stats.rejected)
+
+    async def _run(self) -> None:
         async with client_session() as session:
             self.client = CoordinatorClient(self.url, self.identity, session)
-            self.spec = spec = await self._join()
+            store = CheckpointDir(self.root)
+            if self.cfg.p2p.enabled:
+                # Listening before the join, so that the join can list our ports and the coordinator dial them
+                # back (docs/P2P.md "Reachability"); the run and its key come from GET /v1/status.
+                from node.p2p.shard_store import CheckpointShards
+
+                run = await self._until_reached(self.client.run_info)
+                self.p2p = await self._start_p2p(run.run_id, self._pin(run.coordinator_key),
+                                                 CheckpointShards(store.ckpt_dir))
+            self.spec = spec = await self._until_reached(self._join)
             key = self._pin(spec.coordinator_key)
+            if self.p2p is not None and (spec.run_id, key) != (self.p2p.run_id, self.p2p.coordinator_key):
+                raise KeyPinError("the coordinator's join answer names another run or key than its status did")
             self.model_dir = self._write_model_dir(spec)
             self.episodes = EpisodePlayer(spec, self.model_dir) if spec.max_turns > 1 else None
             run_id = spec.run_id
@@ -131,12 +151,8 @@ class WorkerNode:
                                                                            run_id=run_id),
                                   shard_addr=lambda: self.p2p.http_shard_addr if self.p2p is not None else None)]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
-            store = CheckpointDir(self.root)
-            self.p2p, self.announcer = None, None
-            if self.cfg.p2p.enabled:  # peers become one more shard source, and we serve ours
-                from node.p2p.shard_store import CheckpointShards
-
-                self.p2p = await self._start_p2p(spec, key, CheckpointShards(store.ckpt_dir))
+            if self.p2p is not None:  # peers become one more shard source, and we serve ours
+                self._reachability(spec.reachability)
                 self.announcer = HaveAnnouncer(self.p2p)
                 sources.append(PeerSource(self.p2p))
             self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1, on_new_step=self._on_new_step,
@@ -145,6 +161,13 @@ class WorkerNode:
             held = store.held_steps()
             if held:
                 self._on_new_step(held[-1], store.payload_path(held[-1]))
+            if self.p2p is not None:
+                self.p2p.add_listener(self._on_announcement)
+                if spec.p2p_bootstrap:
+                    try:
+                        await self.p2p.connect(spec.p2p_bootstrap)
+                    except PrimeNodeError as e:  # the node can run without peers (origin, relays)
+                        log.warning("p2p bootstrap: %s", e)
             try:
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self.fetcher.run(self.stop_event), name="fetch")
@@ -159,10 +182,6 @@ class WorkerNode:
                 if fatal:
                     raise fatal[0] from None
                 raise
-            finally:
-                if self.p2p is not None:
-                    await self.p2p.stop()
-        log.info("worker stopped (accepted %d, rejected %d rollouts)", self.stats.accepted, self.stats.rejected)
 
     def _on_shards(self, step: int, manifest_hash: str, indices: list[int]) -> None:
         """Shards of a manifest the fetcher verified: the peer table counts peers' `have`s for that step from
@@ -170,39 +189,56 @@ class WorkerNode:
         self.p2p.note_manifest(step, manifest_hash)
         self.announcer.add(step, manifest_hash, indices)
 
-    async def _start_p2p(self, spec: M.RunSpec, key: str, shard_source):
-        """Join the run's libp2p swarm; its announcements wake the fetcher."""
+    async def _start_p2p(self, run_id: str, key: str, shard_source):
+        """Our libp2p host (and HTTP shard server), listening; the run's bootstrap is dialled after the join."""
         from node.p2p import P2PNode
 
-        p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=spec.run_id, coordinator_key=key,
-                                  shard_source=shard_source,
-                                  bootstrap=[*self.cfg.p2p.bootstrap, *spec.p2p_bootstrap])
+        p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=run_id, coordinator_key=key,
+                                  shard_source=shard_source, bootstrap=self.cfg.p2p.bootstrap)
         await p2p.start()
-
-        def on_announcement(event) -> None:
-            if event.announcement.kind == "manifest":  # a new step: fetch now, not at the next poll
-                self.fetcher.wake.set()
-            else:  # a peer holds new shards: wake download slots waiting for one
-                self.fetcher.announce_change()
-
-        p2p.add_listener(on_announcement)
         return p2p
 
-    async def _join(self) -> M.RunSpec:
+    def _on_announcement(self, event) -> None:
+        """Announcements wake the fetcher."""
+        if event.announcement.kind == "manifest":  # a new step: fetch now, not at the next poll
+            self.fetcher.wake.set()
+        else:  # a peer holds new shards: wake download slots waiting for one
+            self.fetcher.announce_change()
+
+    def _reachability(self, reach: M.Reachability | None) -> None:
+        """What the join's dial-back found decides what we announce (P2PNode.apply_reachability)."""
+        if reach is None:
+            log.info("p2p: the coordinator did not dial us back; announcing %s", self.p2p.announce_addrs or "nothing")
+            return
+        addrs = self.p2p.apply_reachability(reach.observed_ip, reach.libp2p, reach.http)
+        if reach.libp2p is False and not reach.http:
+            log.warning("p2p: NOT reachable at %s (the coordinator could not connect back: NAT or firewall?); "
+                        "announcing no address: fetching from and serving over connections this node opens. "
+                        "Forward the p2p port(s) to be reachable.", reach.observed_ip)
+        else:
+            log.info("p2p: reachable at %s (libp2p %s, HTTP %s); announcing %s", reach.observed_ip, reach.libp2p,
+                     reach.http, addrs or "nothing")
+
+    async def _until_reached(self, call):
+        """`await call()`, retried with backoff while the coordinator cannot be reached."""
         backoff = Backoff(1.0, 30.0)
         while True:
             try:
-                info = M.NodeInfo(backend=self.cfg.worker.backend, device=self.cfg.worker.device)
-                spec = await self.client.join(info, token=self.cfg.worker.join_token)
-                log.info("joined run %s as %s (step %d, k=%d)", spec.run_id, spec.node_id[:12], spec.current_step,
-                         spec.async_level)
-                return spec
+                return await call()
             except Unreachable as e:
                 if self.stop_event.is_set():
                     raise
                 delay = backoff.next()
                 log.warning("%s; retrying in %.1f s", e, delay)
                 await sleep_or_stop(self.stop_event, delay)
+
+    async def _join(self) -> M.RunSpec:
+        ports = M.ListenPorts(**self.p2p.listen_ports()) if self.p2p is not None else None
+        info = M.NodeInfo(backend=self.cfg.worker.backend, device=self.cfg.worker.device, listen_ports=ports)
+        spec = await self.client.join(info, token=self.cfg.worker.join_token)
+        log.info("joined run %s as %s (step %d, k=%d)", spec.run_id, spec.node_id[:12], spec.current_step,
+                 spec.async_level)
+        return spec
 
     def _on_new_step(self, step: int, payload: Path) -> None:
         self._pending_step = (step, payload)
@@ -372,7 +408,8 @@ class WorkerNode:
     async def _status_loop(self) -> None:
         while not self.stop_event.is_set():
             s = self.stats
-            line = (f"\rstep {self.policy_step} | {self.state:<10} | "
+            reach = {True: "reachable", False: "NATed", None: "reach ?"}[self.p2p.reachable] if self.p2p else "no p2p"
+            line = (f"\rstep {self.policy_step} | {self.state:<10} | {reach} | "
                     f"{s.tokens_per_s:7.1f} tok/s | accepted {s.accepted} rejected {s.rejected}   ")
             sys.stderr.write(line)
             sys.stderr.flush()

@@ -249,12 +249,16 @@ async def test_a_malformed_have_claim_is_ignored_and_the_shard_still_arrives(hav
 async def test_the_origin_names_the_first_holder_to_a_deferred_node(tmp_path):
     """The node that got a shard's first copy sent its HTTP shard address with its signed request; a node
     deferred afterwards learns who holds the shard and where (X-Prime-Holder), and nothing else does: an
-    address that is not a literal-IP /http one is never repeated."""
+    address that is not a literal-IP /http one, or that the join's dial-back did not reach, is never repeated."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)  # a's HTTP shard server's port
+    port = server.sockets[0].getsockname()[1]
     async with running_coordinator(tmp_path, "distribution.super_seed_seconds=5.0") as (coord, base):
         path = "/v1/checkpoints/0/shards/0"
         async with aiohttp.ClientSession() as s:
             a, b, c = RawNode(base, s), RawNode(base, s), RawNode(base, s)
-            for n in (a, b, c):
+            status, spec = await a.post("/v1/join", {"node": {"listen_ports": {"http": port}}})
+            assert status == 200 and spec["reachability"] == {"observed_ip": "127.0.0.1", "libp2p": None, "http": True}
+            for n in (b, c):
                 assert (await n.post("/v1/join", {}))[0] == 200
 
             def signed(n, **extra):
@@ -262,12 +266,20 @@ async def test_the_origin_names_the_first_holder_to_a_deferred_node(tmp_path):
                 del h["Content-Type"]
                 return {**h, "X-Prime-Swarm": "1", **extra}
 
-            async with s.get(base + path, headers=signed(a, **{"X-Prime-Shard-Addr": "/ip4/127.0.0.1/tcp/4242/http"})) as r:
+            async with s.get(base + path, headers=signed(a, **{"X-Prime-Shard-Addr": f"/ip4/127.0.0.1/tcp/{port}/http"})) as r:
                 assert r.status == 200
                 await r.read()
             async with s.get(base + path, headers=signed(b)) as r:
                 assert r.status == 429 and (await r.json())["error"] == "seeded"
-                assert r.headers["X-Prime-Holder"] == f"{a.pub} /ip4/127.0.0.1/tcp/4242/http"
+                assert r.headers["X-Prime-Holder"] == f"{a.pub} /ip4/127.0.0.1/tcp/{port}/http"
+            # a claims a port the dial-back never reached: forgotten, not repeated
+            async with s.get(base + path, headers=signed(a, **{"X-Prime-Shard-Addr": "/ip4/127.0.0.1/tcp/4242/http"})) as r:
+                assert r.status == 200
+                await r.read()
+            async with s.get(base + path, headers=signed(c)) as r:
+                assert r.status == 429 and "X-Prime-Holder" not in r.headers
+    server.close()
+    await server.wait_closed()
     async with running_coordinator(tmp_path / "2", "distribution.super_seed_seconds=5.0") as (coord, base):
         async with aiohttp.ClientSession() as s:
             a, b = RawNode(base, s), RawNode(base, s)
