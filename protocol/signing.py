@@ -107,7 +107,7 @@ class RequestVerifier:
         if missing:
             raise SignatureError("missing_headers", f"missing signature headers: {', '.join(missing)}")
         key, ts, nonce, run_id, sig = (headers[h] for h in SIGNED_HEADERS)
-        if len(key) != PUBLIC_KEY_HEX_LEN:
+        if len(key) != PUBLIC_KEY_HEX_LEN or not _is_hex(key):  # checked before the key is looked up
             raise SignatureError("bad_key", "X-Prime-Key must be 64 hex characters")
         if not (ts.isascii() and ts.isdigit() and len(ts) <= 16):  # int() would take "١٢", "1_0", " 12"
             raise SignatureError("bad_timestamp", "X-Prime-Timestamp must be Unix milliseconds (ASCII digits)")
