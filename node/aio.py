@@ -4,6 +4,8 @@ response bodies."""
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections import Counter
 
 import aiohttp
 
@@ -14,12 +16,38 @@ import aiohttp
 CLIENT_KEEPALIVE_S = 4.0
 
 
+# Requests sent and TCP connections opened by each client session (round trips are what a node far from the
+# origin pays for: a request on a kept-alive connection costs one, a new connection one more). Read with
+# `client_counts`; the fetcher logs them per sync.
+_COUNTS: "weakref.WeakKeyDictionary[aiohttp.ClientSession, Counter[str]]" = weakref.WeakKeyDictionary()
+
+
 def client_session(*, sock_connect: float = 10, sock_read: float = 60) -> aiohttp.ClientSession:
     """The HTTP client of a worker or relay: no overall timeout (shards are large), bounded connect and
-    read waits, and idle connections dropped before the server drops them."""
-    return aiohttp.ClientSession(
+    read waits, and idle connections kept alive (a node fetches every step over the same few connections),
+    but dropped before the server drops them. No cap per host beyond the connector's 100: the fetcher
+    bounds what it has in flight itself."""
+    counts: Counter[str] = Counter()
+    trace = aiohttp.TraceConfig()
+
+    async def _request(session, ctx, params) -> None:
+        counts["requests"] += 1
+
+    async def _connect(session, ctx, params) -> None:
+        counts["connects"] += 1
+
+    trace.on_request_start.append(_request)
+    trace.on_connection_create_end.append(_connect)
+    session = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=sock_connect, sock_read=sock_read),
-        connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S))
+        connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S), trace_configs=[trace])
+    _COUNTS[session] = counts
+    return session
+
+
+def client_counts(session) -> Counter[str]:
+    """Requests sent and connections opened so far by a session made by `client_session` (empty otherwise)."""
+    return _COUNTS.get(session, Counter())
 
 
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

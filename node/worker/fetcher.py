@@ -18,10 +18,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from node.aio import sleep_or_stop, wait_any
+from node.aio import client_counts, sleep_or_stop, wait_any
 from node.backoff import Backoff
 from node.checkpoint_dir import CheckpointDir
-from node.worker.planner import Pick, ShardPlanner, SourceBook, SourceScore, Wait
+from node.worker.planner import MissingBase, Pick, ShardPlanner, SourceBook, SourceScore, Wait, steps_to_fetch
 from node.worker.sources import BadAnswer, ShardDeferred, ShardSource, SourceError
 from node.worker.trusted import TrustedManifests
 from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, reconstruct_payload,
@@ -29,6 +29,8 @@ from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, chec
 from protocol.messages import CheckpointInfo, CheckpointList
 
 log = logging.getLogger("prime_node.fetcher")
+
+MANIFESTS_IN_FLIGHT = 16  # manifests are small (a few KB): a node 16 steps behind asks for all in one round trip
 
 
 class FetchError(Exception):
@@ -43,7 +45,7 @@ class Fetcher:
     def __init__(self, store: CheckpointDir, sources: list[ShardSource], trusted_key: str, *, keep: int,
                  on_new_step: Callable[[int, Path], None],
                  on_shards: Callable[[int, str, list[int]], None] | None = None,
-                 parallel: int = 4, progress: bool = False, window: int = 0):
+                 parallel: int = 4, progress: bool = False, window: int = 0, small_step_bytes: int = 4 << 20):
         self.store = store
         self.sources = list(sources)
         self.trusted = TrustedManifests(trusted_key)
@@ -54,6 +56,10 @@ class Fetcher:
         self.on_new_step = on_new_step
         self.on_shards = on_shards or (lambda step, manifest_hash, indices: None)  # verified: we can serve them
         self.parallel = parallel
+        self._slots = asyncio.Semaphore(parallel)  # shard requests in flight, across every step being fetched
+        self.small_step_bytes = small_step_bytes  # a step this small is asked of the origin all at once
+        self.requests = 0  # listings, manifests and shards asked for (the log line of each sync says per step)
+        self.steps_fetched = 0
         self.progress = progress
         self.book = SourceBook()
         self.bytes_by_kind: Counter[str] = Counter()
@@ -104,52 +110,62 @@ class Fetcher:
         raise FetchError("no source could list checkpoints: " + "; ".join(errors or ["no sources"]))
 
     async def sync_once(self) -> int | None:
-        """Bring the store up to the newest published step. Returns the new step, or None."""
+        """Bring the store up to the newest published step (and, for a verifier, fill its window) in one go:
+        the listing, then every needed manifest at once, then the shards of every needed step in flight
+        together, each step rebuilt in order. Returns the newest step fetched, or None."""
+        t0, sent0, conns0 = time.monotonic(), self.requests, self._connects()
         lister, listing = await self.listing()
-        entries = listing.by_step()
-        if self.window and entries:
-            await self.fill_window(entries)
-        if not entries or max(entries) <= self.newest_held:
-            return None
-        target = max(entries)
+        self.requests += 1
         try:
-            for step in self.plan(target, entries):
-                await self.fetch_step(step)
-                self.on_new_step(step, self.store.payload_path(step))
+            steps = steps_to_fetch(self.store.held_steps(), listing.by_step(), window=self.window)
+        except MissingBase as e:
+            raise FetchError(f"{e}; retrying from the newest full") from None
+        if not steps:
+            return None
+        try:
+            await self.fetch_steps(steps)
         except NoManifest:
             # The listing named a step no source could back with a signed manifest (a lying lister, or one
             # that pruned it meanwhile): count it against the lister, so the next listing comes from another.
             self.book.failed(lister.name)
             raise
         self.prune()
-        return target
+        self.steps_fetched += len(steps)
+        log.info("fetched steps %s in %.3f s: %d requests, %d new connections", _span(steps),
+                 time.monotonic() - t0, self.requests - sent0, self._connects() - conns0)
+        return steps[-1]
 
-    async def fill_window(self, entries: dict) -> None:
-        """Fetch every listed step in [newest - window, newest] not held, oldest first, each with the delta chain
-        it needs (the coordinator keeps that chain listed for every step of its window)."""
-        newest = max(entries)
-        held = set(self.store.held_steps())
-        missing = [s for s in sorted(entries) if s >= newest - self.window and s not in held]
-        for target in missing:
-            for step in self.plan(target, entries):
-                await self.fetch_step(step)
-                self.on_new_step(step, self.store.payload_path(step))
-        if missing:
-            self.prune()
+    def _connects(self) -> int:
+        """TCP connections opened so far by the HTTP sources' sessions."""
+        sessions = {id(s.session): s.session for s in self.sources if getattr(s, "session", None) is not None}
+        return sum(client_counts(x)["connects"] for x in sessions.values())
 
-    def plan(self, target: int, entries: dict[int, CheckpointInfo]) -> list[int]:
-        """Steps to fetch, oldest first: follow xor-delta bases back to one we hold or a full one."""
-        held = set(self.store.held_steps())
-        chain, step = [], target
-        while True:
-            chain.append(step)
-            e = entries.get(step)
-            if e is None:
-                raise FetchError(f"step {step} is needed but no longer published; retrying from the newest full")
-            if e.base_step is None or e.base_step in held:  # full (CheckpointList: base_step < step)
-                break
-            step = e.base_step
-        return list(reversed(chain))
+    async def fetch_steps(self, steps: list[int]) -> None:
+        """Fetch `steps` (oldest first, each after its base) together: their manifests asked for at once, their
+        shards downloaded at once (at most `parallel` requests in flight across all of them), each step
+        rebuilt, committed and handed on in order as soon as it and the step before it are complete (a delta
+        needs its base). A failure stops the rest; whatever was committed stays, partial shards are kept."""
+        manifests = await self._manifests(steps)
+        done = {s: asyncio.Event() for s in steps}
+
+        async def one(i: int, step: int) -> None:
+            await self._download(manifests[step])
+            if i:
+                await done[steps[i - 1]].wait()
+            await self._commit(manifests[step])
+            self.on_new_step(step, self.store.payload_path(step))
+            done[step].set()
+
+        try:
+            async with asyncio.TaskGroup() as tg:  # one step failing stops the others before a retry
+                for i, step in enumerate(steps):
+                    tg.create_task(one(i, step))
+        except ExceptionGroup as eg:
+            errors = _leaves(eg)
+            known = [e for e in errors if isinstance(e, (FetchError, SourceError, CheckpointError))]
+            if len(known) == len(errors):
+                raise known[0] from None
+            raise
 
     def prune(self) -> None:
         """Keep the newest `keep` steps plus the delta chain back to a full checkpoint (so peers and relays
@@ -160,20 +176,56 @@ class Fetcher:
             kept.update(self.store.chain_to_full(s, set(held)))
         self.store.prune(kept)
 
-    async def _manifest(self, step: int) -> Manifest:
-        # Forward from the newest step held below this one: the newest held, except when the window is filled
-        # in below a step already held; then the held child must also name this manifest as its parent.
-        below = [s for s in self.store.held_steps() if s < step]
-        newest = self.store.manifest(below[-1]) if below else None
-        child = self.store.manifest(step + 1)
+    async def _manifests(self, steps: list[int]) -> dict[int, Manifest]:
+        """The verified manifests of `steps` (oldest first). All are asked of the fastest source at once (one
+        round trip), then accepted in order, each against the one before it (no rollback, parent chain); a
+        step whose manifest that source cannot give, or gives bad, is asked of the others one by one."""
+        accepted: dict[int, Manifest] = {}
+        usable = self.book.usable(self.sources)
+        raws: list = [None] * len(steps)
+        if usable:
+            src, gate = usable[0], asyncio.Semaphore(MANIFESTS_IN_FLIGHT)
+
+            async def ask(step: int) -> bytes:
+                async with gate:
+                    self.requests += 1
+                    return await src.manifest(step)
+
+            raws = await asyncio.gather(*(ask(s) for s in steps), return_exceptions=True)
+            for r in raws:
+                if isinstance(r, BaseException) and not isinstance(r, Exception):
+                    raise r  # cancellation
+                if isinstance(r, Exception) and not isinstance(r, SourceError):
+                    raise r  # a bug, not a source's fault
+        for step, raw in zip(steps, raws):
+            if isinstance(raw, bytes) and not self.score(src).banned:
+                try:
+                    accepted[step] = self._accept(raw, step, accepted)
+                    continue
+                except CheckpointError as e:
+                    self._ban(src, f"bad manifest for step {step}: {e}")
+            accepted[step] = await self._manifest(step, accepted)
+        return accepted
+
+    def _accept(self, raw: bytes, step: int, pending: dict[int, Manifest]) -> Manifest:
+        """`raw` as the manifest of `step`, moving forward from the newest step held or accepted below it; when
+        the window is filled in below a step already held, the held child must also name it as its parent."""
+        def known(s: int) -> Manifest | None:
+            return pending.get(s) or self.store.manifest(s)
+
+        below = [s for s in (*self.store.held_steps(), *pending) if s < step]
+        m = self.trusted.accept(raw, step, newest_held=known(max(below)) if below else None, parent=known(step - 1))
+        if (child := known(step + 1)) is not None:
+            check_parent(child, m)  # a CheckpointError: a bad manifest
+        return m
+
+    async def _manifest(self, step: int, pending: dict[int, Manifest]) -> Manifest:
+        """The manifest of `step`, asked of each usable source in turn."""
         errors = []
         for src in self.book.usable(self.sources):
             try:
-                m = self.trusted.accept(await src.manifest(step), step, newest_held=newest,
-                                        parent=self.store.manifest(step - 1))
-                if child is not None:
-                    check_parent(child, m)  # a CheckpointError: a bad manifest, as below
-                return m
+                self.requests += 1
+                return self._accept(await src.manifest(step), step, pending)
             except SourceError as e:
                 errors.append(str(e))
             except CheckpointError as e:
@@ -187,58 +239,66 @@ class Fetcher:
         else:
             log.warning("%s: %s (it is the only source; not banned)", src.name, why)
 
-    async def fetch_step(self, step: int) -> None:
-        m = await self._manifest(step)
-        h = m.canonical_hash()
-        partial = self.store.begin(step, m)
+    async def _download(self, m: Manifest) -> None:
+        """Every shard of `m` into its partial directory, verified; download slots share the fetcher's
+        `parallel` request slots with the other steps in flight."""
+        step, h = m.step, m.canonical_hash()
+        self.store.begin(step, m)
         have = [i for i in range(m.num_shards) if await asyncio.to_thread(self._have_shard, m, i)]
         self.on_shards(step, h, have)
         swarm = any(s.kind == "peer" for s in self.sources)
-        planner = ShardPlanner(m.num_shards, (i for i in range(m.num_shards) if i not in have), swarm=swarm)
+        # In a swarm a node asks the origin for one shard at a time and trades for the rest; a step of a few
+        # shards (a delta) costs more in round trips than in origin bytes, so it is asked for all at once
+        # (the origin still defers what is already spreading).
+        small = m.compressed_size <= self.small_step_bytes
+        planner = ShardPlanner(m.num_shards, (i for i in range(m.num_shards) if i not in have), swarm=swarm,
+                               origin_slots=self.parallel if small else 1)
         bar = _bar(self.progress, m.compressed_size, f"step {step}")
         bar.update(sum(m.shards[i].zsize for i in have))
 
         async def slot() -> None:
             while not planner.finished:
-                holders = {i: self._holders(step, i, h) for i in planner.remaining}
-                pick = planner.take(time.monotonic(), holders)
-                if isinstance(pick, Wait):  # wait for a peer's news, or for a deferral to run out
-                    timeout = 0.25 if pick.until is None else max(0.01, pick.until - time.monotonic())
-                    await wait_any(self._news, timeout=min(timeout, 0.25))
-                    continue
-                try:
-                    await self._fetch_shard(m, pick)
-                except ShardDeferred as e:  # the origin or every holding peer said "not now"
-                    planner.deferred(pick, time.monotonic())
-                    if e.holder is not None:  # the origin named who got the first copy: ask it now
-                        for src in self.sources:
-                            src.hint(step, h, pick.index, *e.holder)
+                async with self._slots:
+                    holders = {i: self._holders(step, i, h) for i in planner.remaining}
+                    pick = planner.take(time.monotonic(), holders)
+                    if not isinstance(pick, Wait):
+                        try:
+                            self.requests += 1
+                            await self._fetch_shard(m, pick)
+                        except ShardDeferred as e:  # the origin or every holding peer said "not now"
+                            planner.deferred(pick, time.monotonic())
+                            if e.holder is not None:  # the origin named who got the first copy: ask it now
+                                for src in self.sources:
+                                    src.hint(step, h, pick.index, *e.holder)
+                                self.announce_change()
+                            continue
+                        except BaseException:
+                            planner.failed(pick)
+                            raise
+                        planner.done(pick)
+                        bar.update(m.shards[pick.index].zsize)
+                        self.on_shards(step, h, [pick.index])
                         self.announce_change()
-                    continue
-                except BaseException:
-                    planner.failed(pick)
-                    raise
-                planner.done(pick)
-                bar.update(m.shards[pick.index].zsize)
-                self.on_shards(step, h, [pick.index])
-                self.announce_change()
+                        continue
+                # wait (not holding a slot) for a peer's news, or for a deferral to run out
+                timeout = 0.25 if pick.until is None else max(0.01, pick.until - time.monotonic())
+                await wait_any(self._news, timeout=min(timeout, 0.25))
 
         try:
             async with asyncio.TaskGroup() as tg:  # one slot failing stops the others before a retry
                 for _ in range(min(self.parallel, len(planner.remaining))):
                     tg.create_task(slot())
-        except ExceptionGroup as eg:
-            known = [e for e in eg.exceptions if isinstance(e, (FetchError, SourceError, CheckpointError))]
-            if len(known) == len(eg.exceptions):
-                raise known[0] from None
-            raise
         finally:
             bar.close()
-        base = None
+
+    async def _commit(self, m: Manifest) -> None:
+        """Rebuild the payload of a downloaded step (on its base, for a delta) and make it visible."""
+        step, base = m.step, None
         if m.encoding == "xor-delta":
             base = self.store.payload_path(m.base_step)
             if not base.is_file():
                 raise FetchError(f"step {step} is a delta against step {m.base_step}, which is not held")
+        partial = self.store.partial_dir(step)
         tmp = partial / "payload.tmp"
         await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), tmp, base_payload=base)
         self.store.commit(step, m, tmp)
@@ -310,6 +370,18 @@ class Fetcher:
             os.replace(tmp, final)
             part.unlink(missing_ok=True)
             return
+
+
+def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions in a (nested) exception group."""
+    out: list[BaseException] = []
+    for e in eg.exceptions:
+        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
+    return out
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
 class _NoBar:

@@ -9,6 +9,11 @@ shards and trades the rest. A shard the origin deferred ("fetch it from a peer")
 origin again for `origin_defer_s`, and it may still be fetched from peers; a shard whose every holder
 was busy waits `peers_busy_s`.
 
+Steps. A node that is behind fetches every step it needs in one go (`steps_to_fetch`): the newest listed
+step and the xor-delta bases it needs, back to a step it holds or to a full checkpoint, whichever comes
+first walking back (so a node far behind goes straight to the newest full checkpoint and its deltas,
+skipping everything before it), plus, for a verifier's window, every listed step down to newest - window.
+
 Sources. Peers first, then relays, then the coordinator (the origin's uplink is the scarce resource);
 a source that served a bad shard is banned for the run, except the coordinator when it is the only
 source left (a transient fault there would otherwise end the run).
@@ -17,9 +22,49 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
 
 SOURCE_RANK = {"peer": 0, "relay": 1, "coordinator": 2}
+
+
+class Listed(Protocol):
+    """What the step plan reads of a listing entry (protocol.messages.CheckpointInfo)."""
+
+    base_step: int | None  # None: a full checkpoint; else strictly older (the wire model checks it)
+
+
+class MissingBase(ValueError):
+    """A step needed by the plan is not listed (pruned meanwhile, or a listing that lies)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"step {step} is needed but no longer published")
+        self.step = step
+
+
+def steps_to_fetch(held: Iterable[int], listed: Mapping[int, Listed], *, window: int = 0) -> list[int]:
+    """The steps to download, oldest first, so that the newest listed step is held (and, with `window` > 0,
+    every listed step in [newest - window, newest]): each target with the bases it needs, back to a step
+    held or a full one. Nothing held is fetched again; every step comes after its base. Pure: `held` and
+`listed` in, the plan out."""
+    held = set(held)
+    if not listed:
+        return []
+    newest = max(listed)
+    if window > 0:
+        targets = {s for s in listed if s >= newest - window}
+    else:  # a listing older than what we hold (a lagging relay) asks for nothing
+        targets = {newest} if newest > max(held, default=-1) else set()
+    plan: set[int] = set()
+    for step in targets - held:
+        while step not in plan:
+            entry = listed.get(step)
+            if entry is None:
+                raise MissingBase(step)
+            plan.add(step)
+            if entry.base_step is None or entry.base_step in held:
+                break
+            step = entry.base_step
+    return sorted(plan)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ deferrals, failures, bans and resumption play out."""
 import random
 from dataclasses import dataclass
 
-from node.worker.planner import Pick, ShardPlanner, SourceBook, Wait
+import pytest
+
+from node.worker.planner import MissingBase, Pick, ShardPlanner, SourceBook, Wait, steps_to_fetch
 
 
 def planner(n=6, todo=None, swarm=False, start=2):
@@ -87,3 +89,46 @@ def test_source_order_bans_and_the_last_coordinator():
     assert book.for_shard(sources) == [coord]
     book.failed("coordinator:c")
     assert book.score("coordinator:c").failures == 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    base_step: int | None
+
+
+def listing(full_every=5, newest=12, oldest=0):
+    """Steps oldest..newest; every `full_every`-th is full, the others xor-deltas on the step before."""
+    return {s: Entry(None if s % full_every == 0 else s - 1) for s in range(oldest, newest + 1)}
+
+
+def test_step_plan_one_step_behind_fetches_only_the_newest_delta():
+    assert steps_to_fetch([10, 11], listing()) == [12]
+
+
+def test_step_plan_far_behind_goes_straight_to_the_newest_full_and_its_deltas():
+    assert steps_to_fetch([3], listing()) == [10, 11, 12]
+    assert steps_to_fetch([], listing()) == [10, 11, 12]
+
+
+def test_step_plan_a_few_behind_follows_the_deltas_from_what_is_held():
+    assert steps_to_fetch([7], listing(full_every=20)) == [8, 9, 10, 11, 12]
+
+
+def test_step_plan_asks_nothing_when_up_to_date_or_the_listing_is_older():
+    assert steps_to_fetch([12], listing()) == []
+    assert steps_to_fetch([14], listing()) == []
+    assert steps_to_fetch([3], {}) == []
+
+
+def test_step_plan_window_fills_every_listed_step_with_its_chain():
+    # a verifier holding 12 and 8: the window [9, 12] also needs 9 (on 8, held), 10 is full, 11 on 10
+    assert steps_to_fetch([8, 12], listing(), window=3) == [9, 10, 11]
+    # nothing held: every window step, each with its bases back to a full one
+    assert steps_to_fetch([], listing(), window=3) == [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_step_plan_a_base_no_longer_listed_is_an_error():
+    gone = {s: e for s, e in listing(full_every=20).items() if s >= 9}
+    with pytest.raises(MissingBase) as e:
+        steps_to_fetch([3], gone)
+    assert e.value.step == 8
