@@ -255,10 +255,11 @@ class Coordinator:
         await self._admit(node_id, req, known=existing is not None)
         info = req.node.model_dump() if req.node else {}
         self.ledger.upsert_node(node_id, self.cfg.verification.reputation_start, info)
+        t0 = time.monotonic()
         reach = await self.dialback.check(node_id, remote, req.node.listen_ports if req.node else None)
         if reach is not None:
-            log.info("join of %s from %s: libp2p port %s, HTTP port %s", node_id[:12], reach.observed_ip,
-                     _dialled(reach.libp2p), _dialled(reach.http))
+            log.info("join of %s from %s: libp2p port %s, HTTP port %s (dial-back %.0f ms)", node_id[:12],
+                     reach.observed_ip, _dialled(reach.libp2p), _dialled(reach.http), 1000 * (time.monotonic() - t0))
         files = {}
         for name in SMALL_MODEL_FILES:
             p = self.model_dir / name
