@@ -1,0 +1,28 @@
+"""Round trips per step on a long link: a node at home behind NAT, 50 ms one way from the datacenter (a 100 ms
+round trip), follows the real CLI coordinator's steps, and the packets on its line (sniffed in its namespace, not
+counted by the code under test) show what each step cost it (bench/wan.py measures the same at 20-200 ms).
+
+p2p is off: the node's only source is the origin, so what is measured is the fetcher's own round trips. With p2p on
+and every node behind NAT, the origin's super-seeding defers shards to nodes that cannot serve them (up to 3
+deferrals a shard), which costs more than everything measured here (bench/wan.py without --no-p2p shows it)."""
+from pathlib import Path
+
+import pytest
+
+from bench.wan import run_loop
+
+pytestmark = pytest.mark.timeout(240)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_delta_step_costs_at_most_three_round_trips_plus_its_transfer(tmp_path):
+    r = run_loop(REPO, [50.0], steps=10, workdir=tmp_path / "run", timeout_s=150, extra=("--set=p2p.enabled=false",))
+    node = r["nodes"]["50"]
+    print("round trips at 100 ms:", node)
+    assert r["trainer_steps"] >= 10, r
+    assert node["delta_fetches"] >= 3, node  # the steady state was seen, not only the catch-up
+    # The issue's target: a delta step costs at most 3 round trips plus its transfer time (the median fetch of one
+    # delta, from the listing's request to the shards' last byte, server time included)
+    assert node["delta_rtts_beyond_transfer"] <= 3.0, node
+    # kept-alive connections: not a new TCP connection for every step
+    assert node["connects_per_step"] < 1.0, node
