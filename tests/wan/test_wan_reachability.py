@@ -7,7 +7,9 @@ after the dial-back nothing tries to connect into the home; the run completes.
 `python -m tests.wan.test_wan_reachability measure` (as root) runs the same lab three ways and prints the seconds
 from "step n published" to "public node holds step n": the home announcing nothing (the default), the home
 announcing its router's address at a port nobody forwards (what an unverified address used to cost), and that
-again with the old peer dial limits (10 s, failed dials not remembered)."""
+again with the old peer dial limits (10 s, failed dials not remembered); then, from the public node, the cost of
+three fetch attempts at a holder announced at the home router's unforwarded ports (HTTP and libp2p), with the
+old limits and the new ones."""
 from __future__ import annotations
 
 import json
@@ -145,8 +147,51 @@ def test_public_node_is_told_reachable_the_home_is_not_and_nothing_dials_into_th
     assert r["status"]["verification"]["rejected"] == 0 and r["status"]["verification"]["accepted"] > 0
 
 
+async def _attempts(dial_timeout_s: float, dial_retry_s: float, home_ip: str) -> str:
+    """Three fetches from a holder whose announced addresses nobody answers; the seconds each took."""
+    from node.p2p import P2PNode
+    from node.p2p.announce import decode_announcement, encode_have_announcement
+    from protocol.identity import Identity
+
+    h = "ab" * 32
+    me = P2PNode(Identity.generate(), run_id="r", listen=["/ip4/0.0.0.0/tcp/0"], http=True, allow_private_addrs=True,
+                 dial_timeout_s=dial_timeout_s, dial_retry_s=dial_retry_s, connect_timeout_s=10)
+    await me.start()
+    home_key = Identity.generate()
+    peer = P2PNode(home_key, run_id="r").peer_id
+    me.table.note_manifest(1, h)
+    raw = encode_have_announcement(home_key, run_id="r", step=1, manifest_hash=h, indices=[0, 1, 2],
+                                   addrs=[f"/ip4/{home_ip}/tcp/{HOME_PORT}/p2p/{peer}", f"/ip4/{home_ip}/tcp/4002/http"])
+    me.table.record_have(peer, decode_announcement(raw, run_id="r", coordinator_key=None,
+                                                   origin_node_id=home_key.node_id, max_age_s=60))
+    took = []
+    for i in range(3):
+        t0 = time.monotonic()
+        try:
+            await me.fetch_shard(peer, 1, i, 1 << 20, manifest_hash=h)
+            what = "served?!"
+        except Exception as e:
+            what = type(e).__name__
+        took.append(f"{time.monotonic() - t0:.2f} s ({what})")
+    await me.stop()
+    return ", ".join(took)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["attempts"]:
+    import asyncio
+
+    print(asyncio.run(_attempts(float(sys.argv[2]), float(sys.argv[3]), sys.argv[4])))
+
 if __name__ == "__main__" and sys.argv[1:] == ["measure"]:
     import tempfile
+
+    with Lab() as lab:
+        pub, hm = lab.add("pub", public(10.0)), lab.add("home", home(20.0))
+        for label, args in (("old limits (10 s, not remembered)", ["10", "0"]), ("new (3 s, remembered 60 s)", ["3", "60"])):
+            r = lab.run(pub, [sys.executable, "-m", "tests.wan.test_wan_reachability", "attempts", *args,
+                              hm.public_addr], timeout=120)
+            print(f"fetch attempts at an unanswered announced address, {label}: {r.stdout.strip()} {r.stderr[-300:]}",
+                  flush=True)
 
     for label, kw in (("home announces nothing (default)", {}),
                       ("home announces an unforwarded router port", {"home_announces": True}),
