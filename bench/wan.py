@@ -12,7 +12,7 @@ from this checkout.
 What is counted does not come from the code under test: a packet sniffer (AF_PACKET, this file's `sniff` mode)
 runs in each node's namespace and records every TCP packet to and from the coordinator, with the request line of
 each HTTP request. From that, per node:
-* steps: the distinct steps whose manifest the node asked for; requests/step: checkpoint requests (the listing,
+* steps: the distinct steps whose shards the node asked for; requests/step: checkpoint requests (the listing,
   manifests, shards, including listings that found nothing new) per step fetched; connects/step: TCP connections
   the node opened to the coordinator's HTTP port (any request, heartbeats included) per step fetched.
 * a fetch: from a listing request that is followed by a manifest request to the last byte of the last
@@ -99,7 +99,16 @@ class Fetch:
     steps: set = field(default_factory=set)
     bytes_in: int = 0
     requests: int = 0
-    delta_only: bool = True
+    sent: list = field(default_factory=list)  # when each checkpoint request of the fetch left
+
+    def waves(self, rtt_s: float) -> int:
+        """Round trips on the fetch's critical path: requests sent within half a round trip of the first of a
+        group went out together (in parallel); a request sent later waited for an answer."""
+        n, start = 0, None
+        for t in sorted(self.sent):
+            if start is None or t - start > rtt_s / 2:
+                n, start = n + 1, t
+        return n
 
 
 def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -> dict:
@@ -117,23 +126,22 @@ def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -
             if syn:
                 connects += 1
             m = _GET.match(line.encode("latin-1")) if line else None
-            if line and not m:
-                current[lport] = ("api", None)
-                continue
             if not m:
+                if size > 0:  # another request (a POST, its body, an API GET): what answers it is not a checkpoint's
+                    current[lport] = ("api", None)
                 continue
             requests += 1
             if m.group(2) is None:  # the listing: a new fetch begins
                 listings += 1
-                fetches.append(Fetch(t, t))
+                fetches.append(Fetch(t, t, sent=[t]))
                 current[lport] = ("ckpt", len(fetches) - 1)
                 if last is not None and t - last[0] < 0.02 and last[3] == b"manifest":
                     # a manifest asked for together with this listing (the new fetcher's guess) belongs to it
                     lt, lport2, step, _ = last
-                    fetches[-2].steps.discard(step)
                     fetches[-2].requests -= 1
+                    fetches[-2].sent.remove(lt)
+                    fetches[-1].sent.append(lt)
                     fetches[-1].start = lt
-                    fetches[-1].steps.add(step)
                     fetches[-1].requests += 1
                     current[lport2] = ("ckpt", len(fetches) - 1)
                 last = None
@@ -142,10 +150,11 @@ def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -
                 continue
             f = fetches[-1]
             step = int(m.group(2))
-            if m.group(3) == b"manifest":
+            if m.group(3) != b"manifest":  # a step is fetched when its shards are (a manifest may be a guess)
                 f.steps.add(step)
                 steps.add(step)
             f.requests += 1
+            f.sent.append(t)
             current[lport] = ("ckpt", len(fetches) - 1)
             last = (t, lport, step, m.group(3))
         else:
@@ -162,7 +171,8 @@ def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -
         per_step.append({"steps": len(f.steps), "s": wire, "s_per_step": wire / len(f.steps),
                          "rtts_per_step": wire / len(f.steps) / rtt_s,
                          "rtts_beyond_transfer": (wire - transfer) / len(f.steps) / rtt_s,
-                         "requests": f.requests + 1, "one_delta": one_delta})
+                         "requests": f.requests + 1, "one_delta": one_delta,
+                         "waves_per_step": f.waves(rtt_s) / len(f.steps)})
     one = [x for x in per_step if x["one_delta"]]
 
     def med(rows, key):
@@ -174,6 +184,7 @@ def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -
             "connects_per_step": round(connects / n, 2), "connects": connects,
             "delta_s_per_step": med(one, "s_per_step"), "delta_rtts": med(one, "rtts_per_step"),
             "delta_rtts_beyond_transfer": med(one, "rtts_beyond_transfer"), "delta_fetches": len(one),
+            "delta_waves": med(one, "waves_per_step"),
             "all_s_per_step": round(sum(x["s"] for x in per_step) / n, 3) if per_step else None,
             "all_rtts_per_step": round(sum(x["s"] for x in per_step) / n / rtt_s, 2) if per_step else None}
 
@@ -289,12 +300,13 @@ def main() -> None:
         runs["before"] = run_loop(args.base.resolve(), delays, args.steps, args.workdir / "before", extra=extra)
     runs["after"] = run_loop(REPO, delays, args.steps, args.workdir / "after", extra=extra)
     print(f"{'code':7} {'RTT ms':>6} {'steps':>5} {'req/step':>8} {'conn/step':>9} {'delta s':>7} "
-          f"{'delta RTTs':>10} {'RTTs+xfer':>9} {'all s/step':>10} {'accepted':>8}")
+          f"{'delta RTTs':>10} {'RTTs+xfer':>9} {'waves':>5} {'all s/step':>10} {'accepted':>8}")
     for name, run in runs.items():
         for d, r in run["nodes"].items():
             print(f"{name:7} {r['rtt_ms']:>6} {r['steps_fetched']:>5} {r['requests_per_step']:>8} "
                   f"{r['connects_per_step']:>9} {_f(r['delta_s_per_step']):>7} {_f(r['delta_rtts']):>10} "
-                  f"{_f(r['delta_rtts_beyond_transfer']):>9} {_f(r['all_s_per_step']):>10} {str(r['accepted']):>8}")
+                  f"{_f(r['delta_rtts_beyond_transfer']):>9} {_f(r.get('delta_waves')):>5} {_f(r['all_s_per_step']):>10} "
+                  f"{str(r['accepted']):>8}")
         print(f"{name:7} trainer steps {run['trainer_steps']} in {run['wall_s']} s; bytes by source "
               f"{run['bytes_by_source']}")
     res = REPO / "bench" / "results" / "wan.json"

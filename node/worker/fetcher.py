@@ -45,7 +45,7 @@ class Fetcher:
     def __init__(self, store: CheckpointDir, sources: list[ShardSource], trusted_key: str, *, keep: int,
                  on_new_step: Callable[[int, Path], None],
                  on_shards: Callable[[int, str, list[int]], None] | None = None,
-                 parallel: int = 4, progress: bool = False, window: int = 0, small_step_bytes: int = 4 << 20):
+                 parallel: int = 8, progress: bool = False, window: int = 0, small_step_bytes: int = 4 << 20):
         self.store = store
         self.sources = list(sources)
         self.trusted = TrustedManifests(trusted_key)
@@ -56,7 +56,10 @@ class Fetcher:
         self.on_new_step = on_new_step
         self.on_shards = on_shards or (lambda step, manifest_hash, indices: None)  # verified: we can serve them
         self.parallel = parallel
-        self._slots = asyncio.Semaphore(parallel)  # shard requests in flight, across every step being fetched
+        # Shard requests in flight, across every step being fetched: each costs a round trip before its first
+        # byte, so a step of many small shards (a delta keeps the full checkpoint's shard count) is fetched
+        # in shards / parallel round trips; each also holds one kept-alive connection to its source.
+        self._slots = asyncio.Semaphore(parallel)
         self.small_step_bytes = small_step_bytes  # a step this small is asked of the origin all at once
         self.requests = 0  # listings, manifests and shards asked for (the log line of each sync says per step)
         self.steps_fetched = 0
@@ -115,10 +118,9 @@ class Fetcher:
         together, each step rebuilt in order. Returns the newest step fetched, or None."""
         t0, sent0, conns0 = time.monotonic(), self.requests, self._connects()
         early = None
-        # Woken by news of a step (an announcement, a heartbeat): the next step's manifest is asked for
-        # together with the listing, so a node one step behind spends one round trip less (a guess that
-        # misses costs one request, never a wait). Polls without news do not guess.
-        if self.wake.is_set() and (guess := self.newest_held + 1) > 0 and (usable := self.book.usable(self.sources)):
+        # The next step's manifest is asked for together with the listing, so a node one step behind spends
+        # one round trip less (a guess that misses costs one small request, a 404, never a wait).
+        if (guess := self.newest_held + 1) > 0 and (usable := self.book.usable(self.sources)):
             early_task = asyncio.create_task(self._ask_manifest(usable[0], guess))
             try:
                 lister, listing = await self.listing()
