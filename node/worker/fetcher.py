@@ -26,7 +26,7 @@ from node.worker.sources import BadAnswer, ShardDeferred, ShardSource, SourceErr
 from node.worker.trusted import TrustedManifests
 from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, reconstruct_payload,
                                  verify_shard)
-from protocol.messages import CheckpointInfo, CheckpointList
+from protocol.messages import CheckpointList
 
 log = logging.getLogger("prime_node.fetcher")
 
