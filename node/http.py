@@ -127,12 +127,10 @@ class ConnectionLimits:
             raise ValueError("connection limits must be positive")
 
 
-
-
 class _HardenedRequestHandler(web.RequestHandler):
     """aiohttp's connection handler, with three changes:
     - requests that never reach the application (a bad request line, bad or oversized headers, a lying
-      Content-Length) are answered with DESIGN §5's JSON error instead of text, and logged once per peer
+      Content-Length) are answered with the JSON error body (docs/PROTOCOL.md, HTTP API) instead of text, and logged once per peer
       address per minute instead of a traceback per request (a peer can send thousands a second);
     - a connection over its address's limit or the serving fd share is refused before its request is read;
     - while the transport is paused (the client is not taking what we send), a MinSendRate clock runs, and
@@ -400,6 +398,10 @@ class BodyBudget:
             self.by_key.pop(key, None)
 
 
+def _rate_limited() -> ApiError:
+    return ApiError(429, "rate_limited", "too many requests from this node; slow down", {"Retry-After": "1"})
+
+
 KeyCheck = Callable[[str], object]  # raises ApiError to refuse a signer (unknown, banned) before its body
 
 
@@ -428,7 +430,7 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
     if check_key is not None:
         check_key(key)
     if not limiter.would_allow(key):
-        raise ApiError(429, "rate_limited", "too many requests from this node; slow down", {"Retry-After": "1"})
+        raise _rate_limited()
     budget: BodyBudget | None = request.app.get(BODY_BUDGET)
     declared = min(limit, request.content_length if request.content_length is not None else limit)
     reserved = budget.take(key, declared) if budget is not None else 0
@@ -451,7 +453,7 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
         status = 429 if e.code == "nonce_store_full" else 401
         raise ApiError(status, e.code, e.detail) from None
     if not limiter.allow(verified.signer):
-        raise ApiError(429, "rate_limited", "too many requests from this node; slow down", {"Retry-After": "1"})
+        raise _rate_limited()
     return verified.signer, body
 
 

@@ -20,7 +20,7 @@ POW_LOG2_N = 4  # a tiny scrypt N: the rules are under test here, the cost in be
 
 
 def pow_digest(public_hex: str, run_id: str, nonce: bytes) -> bytes:
-    """Written from DESIGN §4: scrypt(raw public key || run_id bytes || nonce bytes, salt, N, r = 8, p = 1)."""
+    """Written from docs/PROTOCOL.md ("Admission"): scrypt(raw public key || run_id bytes || nonce bytes, salt, N, r = 8, p = 1)."""
     return hashlib.scrypt(bytes.fromhex(public_hex) + run_id.encode() + nonce, salt=b"prime-node/join-pow/scrypt-v1",
                           n=2**POW_LOG2_N, r=8, p=1, dklen=32)
 

@@ -1,5 +1,5 @@
 """Attacks on the door and on declining work (issue #25, findings 1 and 7), against a live coordinator over
-HTTP with real signed clients (coordinator_harness.RawNode, written from DESIGN §4).
+HTTP with real signed clients (coordinator_harness.RawNode, written from docs/PROTOCOL.md, "Signed requests").
 
 1. One join token admitting many keys: the same signed token spelled another way (base64 padding, the
    standard alphabet, JSON whitespace, key order, unicode escapes, upper-case signature hex) verified and

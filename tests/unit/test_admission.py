@@ -26,7 +26,7 @@ def test_pow_is_bound_to_the_key_and_the_run():
 
 
 def test_pow_is_scrypt_as_the_protocol_says():
-    """Written from DESIGN §4 / PROTOCOL.md with hashlib directly: scrypt(key || run || nonce, salt, N, 8, 1)."""
+    """Written from docs/PROTOCOL.md ("Admission") with hashlib directly: scrypt(key || run || nonce, salt, N, 8, 1)."""
     import hashlib
 
     node = Identity.generate()
