@@ -73,6 +73,7 @@ class Lab:
     logs: Path = field(default_factory=lambda: Path("/tmp") / f"{PREFIX}{os.getpid()}")
     sites: list[Site] = field(default_factory=list)
     _procs: list[subprocess.Popen] = field(default_factory=list)
+    _delay_lines: dict[str, subprocess.Popen] = field(default_factory=dict)  # site name -> its delay line
     _namespaces: list[str] = field(default_factory=list)
 
     # -- building ------------------------------------------------------------------------------------
@@ -119,8 +120,9 @@ class Lab:
             for chain, flag in (("PREROUTING", "-i"), ("POSTROUTING", "-o")):
                 _sh("ip", "netns", "exec", self.core, "iptables", "-t", "mangle", "-A", chain, flag, f"c{i}",
                     "-j", "NFQUEUE", "--queue-num", str(i), "--queue-bypass")
-            self.spawn_in(self.core, f"delay-{name}",
-                          [sys.executable, str(DELAY_LINE), "--queue", str(i), "--delay-ms", str(profile.one_way_ms)])
+            self._delay_lines[name] = self.spawn_in(
+                self.core, f"delay-{name}",
+                [sys.executable, str(DELAY_LINE), "--queue", str(i), "--delay-ms", str(profile.one_way_ms)])
         site = Site(i, name, profile, ns, router, addr, line_site)
         self.sites.append(site)
         return site
@@ -160,6 +162,13 @@ class Lab:
     def run(self, site: Site, argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", site.ns, *argv], capture_output=True, text=True,
                               timeout=timeout)
+
+    def check_delay_lines(self) -> None:
+        """Raise LabError if a delay line has died: its queue fails open, so the lab would go on without that
+        site's latency and nothing else would notice."""
+        dead = [name for name, p in self._delay_lines.items() if p.poll() is not None]
+        if dead:
+            raise LabError(f"delay lines died: {', '.join(dead)} ({self.log('delay-' + dead[0])[-500:]})")
 
     def log(self, name: str) -> str:
         p = self.logs / f"{name}.log"

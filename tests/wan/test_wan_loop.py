@@ -62,6 +62,7 @@ def test_loop_completes_with_homes_behind_nat(tmp_path):
             time.sleep(1)
         else:
             raise AssertionError(f"not every node reached step {STEPS}: {json.dumps(s)[:3000]}")
+        lab.check_delay_lines()  # the latencies held for the whole run
         assert s["verification"]["rejected"] == 0, s["verification"]
         assert s["verification"]["accepted"] > 0
         accepted = {row["node_id"][:8]: row.get("accepted") for row in s["nodes"]}
