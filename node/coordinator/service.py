@@ -341,7 +341,10 @@ class Coordinator:
         from node.p2p import P2PNode
 
         self.p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=self.cfg.run.run_id,
-                                       coordinator_key=self.identity.public_hex)
+                                       coordinator_key=self.identity.public_hex,
+                                       # a circuit relay v2 hop for NATed nodes (docs/P2P.md "Relaying and hole
+                                       # punching"), within the p2p.relay_* limits, unless p2p.relay_hop = false
+                                       relay_hop=self.cfg.p2p.relay_hop is not False)
         await self.p2p.start()
         self.p2p.add_listener(self._on_announcement)
         self.metrics.watch_p2p(self.p2p.stats.totals)  # no per-peer tables: a scrape copies a few counters
@@ -404,7 +407,7 @@ class Coordinator:
         self._seen(node_id, m)
         aid = assignment_id()
         try:
-            picked = self.scheduler.assign(m, aid)
+            picked = self.scheduler.assign(m, aid, node_id)  # shared fairly when scarce
         except StaleNode:
             need = min_policy_for_batch(self.published_step + 1, self.k)
             raise ApiError(409, "stale_policy",

@@ -62,3 +62,26 @@ class P2PConfig(BaseModel):
     # the coordinator's X-Prime-Holder, every worker) at 127.0.0.1, 169.254.169.254 or the operator's LAN
     # (node/p2p/addrs.py). Turn it on for a swarm on one machine (configs/local.toml, tests) or one LAN.
     allow_private_addrs: bool = False
+    # NATed nodes serve too (docs/P2P.md "Relaying and hole punching", node/p2p/nat.py). A node the join's
+    # dial-back found unreachable keeps libp2p connections open to this many reachable peers (0 = none) and
+    # serves them over those; it also keeps a circuit relay v2 reservation on the peers it bootstraps from
+    # that relay, and announces those circuits.
+    nat_keep_peers: int = Field(4, ge=0, le=32)
+    # Relay circuits (hop) for NATed nodes. None = by role: on for the coordinator, off for workers.
+    relay_hop: bool | None = None
+    # A hop's limits: NATed peers holding a reservation (one each), circuits open to one of them at once, and
+    # a circuit's life in seconds and in bytes (both directions; the dialler then makes a new one), and how
+    # long a reservation lasts unless renewed (NATed nodes renew at half of it).
+    relay_max_reservations: int = Field(128, ge=1, le=4096)
+    relay_circuits_per_peer: int = Field(4, ge=1, le=64)
+    relay_circuit_seconds: int = Field(300, ge=10, le=3600)
+    relay_circuit_bytes: int = Field(256 * MIB, ge=MIB, le=16 * 1024 * MIB)
+    relay_reservation_ttl_s: int = Field(120, ge=10, le=3600)
+
+    def relay_limits(self):
+        from .nat import RelayHopLimits
+
+        return RelayHopLimits(max_reservations=self.relay_max_reservations,
+                              circuits_per_peer=self.relay_circuits_per_peer,
+                              circuit_seconds=self.relay_circuit_seconds, circuit_bytes=self.relay_circuit_bytes,
+                              reservation_ttl_s=self.relay_reservation_ttl_s)

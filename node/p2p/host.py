@@ -130,7 +130,9 @@ class P2PNode:
                  announce_addrs: Sequence[str] | None = None, name: str | None = None,
                  max_streams_per_peer: int = 4, request_timeout_s: float = 2.0, log_interval_s: float = 60.0,
                  http: bool = False, http_port: int = 0, allow_private_addrs: bool = False,
-                 dial_timeout_s: float = 3.0, dial_retry_s: float = 60.0):
+                 dial_timeout_s: float = 3.0, dial_retry_s: float = 60.0, nat_keep_peers: int = 4,
+                 relay_hop: bool = False, relay_limits: Any = None, relay_reserve: bool = True,
+                 nat_interval_s: float = 5.0):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -198,12 +200,20 @@ class P2PNode:
         # libp2p used to make those connections as a side effect; over HTTP they do not).
         self._dialled: set[str] = set()
         self._dials: set[asyncio.Task] = set()
+        # NATed nodes serve too (nat.py): kept connections to reachable peers, relay reservations, circuits.
+        self.nat_keep_peers, self.relay_reserve, self.nat_interval_s = nat_keep_peers, relay_reserve, nat_interval_s
+        self.relay_hop, self.relay_limits = relay_hop, relay_limits
+        # Peers we chose to connect to (bootstrap: the coordinator, relays): kept and asked for reservations.
+        self._chosen: collections.OrderedDict[str, str] = collections.OrderedDict()  # peer -> the address reached
+        self._nat_task: asyncio.Task | None = None
+        self.nat_keeper: Any = None
 
     @classmethod
     def from_config(cls, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
                     shard_root: str | os.PathLike | None = None, **kw: Any) -> "P2PNode":
         listen = [f"/ip4/{cfg.listen_host}/tcp/{cfg.listen_port}"] if cfg.listen else []
         kw.setdefault("bootstrap", cfg.bootstrap)
+        kw.setdefault("relay_hop", bool(cfg.relay_hop))  # the coordinator passes its own default (on)
         if cfg.announce_addrs:
             kw.setdefault("announce_addrs", cfg.announce_addrs)
         return cls(identity, run_id=run_id, listen=listen, coordinator_key=coordinator_key, shard_root=shard_root,
@@ -213,7 +223,8 @@ class P2PNode:
                    gossip_rate_limit=cfg.gossip_rate_limit, max_streams_per_peer=cfg.max_streams_per_peer,
                    request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port,
                    allow_private_addrs=cfg.allow_private_addrs, dial_timeout_s=cfg.dial_timeout_s,
-                   dial_retry_s=cfg.dial_retry_s, **kw)
+                   dial_retry_s=cfg.dial_retry_s, nat_keep_peers=cfg.nat_keep_peers,
+                   relay_limits=cfg.relay_limits(), **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -244,7 +255,8 @@ class P2PNode:
             heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit,
             request_timeout_s=self.request_timeout_s, max_streams_per_peer=self.max_streams_per_peer,
             log_interval_s=self.log_interval_s, upload_bucket=self._upload_bucket,
-            allow_private_addrs=self.allow_private_addrs, dial_timeout_s=self.dial_timeout_s)
+            allow_private_addrs=self.allow_private_addrs, dial_timeout_s=self.dial_timeout_s,
+            relay_hop=self.relay_hop, relay_limits=self.relay_limits)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
@@ -312,6 +324,11 @@ class P2PNode:
         from .http_shards import http_addr, is_http_addr
 
         self.reachable = libp2p
+        if libp2p is False and self._announce_override is None:
+            self._start_nat_keeper()
+        elif libp2p and self._nat_task is not None:
+            self._nat_task.cancel()
+            self._nat_task = None
         if self._announce_override is not None or (libp2p is None and http is None):
             return self.announce_addrs
         proto = "ip6" if ":" in observed_ip else "ip4"
@@ -324,6 +341,39 @@ class P2PNode:
             addrs.append(http_addr(observed_ip, ports["http"]))
         self.announce_addrs = [a for a in addrs if multiaddr_allowed(a, self.allow_private_addrs)][:8]
         return self.announce_addrs
+
+    def _start_nat_keeper(self) -> None:
+        """Unreachable: keep connections to reachable peers and relay reservations (nat.py), from now on."""
+        from .nat import NatKeeper
+
+        if self._nat_task is not None or (self.nat_keep_peers <= 0 and not self.relay_reserve) or not self.running:
+            return
+        self.nat_keeper = NatKeeper(self, keep=self.nat_keep_peers, interval_s=self.nat_interval_s,
+                                    reserve=self.relay_reserve)
+        self._nat_task = asyncio.get_running_loop().create_task(self.nat_keeper.run(), name="p2p-nat")
+
+    def set_circuit_addrs(self, circuits: Sequence[str]) -> None:
+        """Announce these relay circuits (nat.py) in place of the circuits announced before."""
+        from .nat import is_circuit
+
+        self.announce_addrs = [*(a for a in self.announce_addrs if not is_circuit(a)), *circuits][:8]
+
+    def known_bootstrap(self) -> list[tuple[str, str]]:
+        """(address, peer) of the peers this node chose to connect to (bootstrap: the coordinator, relays)."""
+        return [(addr, peer) for peer, addr in self._chosen.items()]
+
+    def recently_failed(self, peer: str, now: float | None = None) -> bool:
+        failed = self._dial_failed.get(peer)
+        return failed is not None and (now or time.monotonic()) - failed < self.dial_retry_s
+
+    async def reserve_on(self, relay: str) -> float:
+        """A circuit relay v2 reservation on `relay` (connected); its expiry in unix seconds (raises P2PError)."""
+        return await self._bridge.call(self._service.reserve, relay)
+
+    async def relay_stats(self) -> dict:
+        """Circuit relay counters (nat.Relaying.snapshot): reservations made and refused, circuits in and out,
+        and for a hop, the reservations and circuits it holds now."""
+        return await self._bridge.call(self._async(self._service.relay_stats))
 
     def addrs_at(self, ip: str) -> list[str]:
         """Our libp2p address at `ip` (one of this machine's, e.g. where a request reached us) for a wildcard
@@ -343,6 +393,10 @@ class P2PNode:
 
     async def stop(self) -> None:
         """Stop the host, end every subscription, join the thread. Idempotent."""
+        if self._nat_task is not None:
+            self._nat_task.cancel()
+            await asyncio.gather(self._nat_task, return_exceptions=True)
+            self._nat_task = None
         for task in list(self._dials):
             task.cancel()
         await asyncio.gather(*self._dials, return_exceptions=True)
@@ -365,10 +419,11 @@ class P2PNode:
         await self.stop()
 
     # --- peers ---------------------------------------------------------------------------------
-    async def connect(self, addrs: Iterable[str], timeout_s: float | None = None) -> list[str]:
+    async def connect(self, addrs: Iterable[str], timeout_s: float | None = None, *, chosen: bool = True) -> list[str]:
         """Dial every multiaddr (each ending in /p2p/<peer id>) at once (each within `timeout_s`, default
         connect_timeout_s); return the peer ids reached. Raises PeerUnavailable only if addresses were given
-        and none could be reached."""
+        and none could be reached. `chosen` (bootstrap, relays; not announcers dialled for gossip): a NATed
+        node keeps these connections and asks these peers for relay reservations (nat.py)."""
         addrs = list(addrs)
         if not self.running:
             raise P2PNotRunning("start the p2p node before connecting")
@@ -383,6 +438,11 @@ class P2PNode:
                 log.warning("p2p: %s", r)
             else:
                 reached.append(r)
+                if chosen:
+                    self._chosen[r] = addr
+                    self._chosen.move_to_end(r)
+                    while len(self._chosen) > 16:
+                        self._chosen.popitem(last=False)
         if addrs and not reached:
             raise PeerUnavailable(f"could not reach any of {len(addrs)} peers: {errors[0]}")
         return reached
@@ -435,17 +495,22 @@ class P2PNode:
             self._published.append(time.monotonic())
 
     def peers_with(self, step: int, index: int, manifest_hash: str | None = None) -> list[str]:
-        """Holders, newest announcer first within each rank: those that announced an address (reachable: since
-        #26 a node announces only what the coordinator dialled back), then those that announced none (they
-        serve only over connections already open), then those whose dial failed lately."""
+        """Holders, newest announcer first within each rank: those that announced a direct address (reachable:
+        since #26 a node announces only what the coordinator dialled back), then NATed ones reachable through a
+        relay circuit (nat.py), then those that announced neither (they serve only over connections already
+        open), then those whose dial failed lately."""
+        from .nat import is_circuit
+
         peers = self.table.peers_with(step, index, manifest_hash)
         now = time.monotonic()
 
         def rank(peer: str) -> int:
-            failed = self._dial_failed.get(peer)
-            if failed is not None and now - failed < self.dial_retry_s:
+            if self.recently_failed(peer, now):
+                return 3
+            addrs = self.table.addrs_of(peer)
+            if not addrs:
                 return 2
-            return 0 if self.table.addrs_of(peer) else 1
+            return 1 if all(is_circuit(a) for a in addrs) else 0
         return sorted(peers, key=rank)
 
     def _note_dial_failed(self, peer: str) -> None:
@@ -498,7 +563,9 @@ class P2PNode:
             return
         from .http_shards import is_http_addr
 
-        dialable = [a for a in addrs if "/p2p/" in a and not is_http_addr(a)]
+        from .nat import is_circuit
+
+        dialable = [a for a in addrs if "/p2p/" in a and not is_http_addr(a) and not is_circuit(a)]
         if not dialable:
             return
         self._dialled.add(peer)
@@ -508,7 +575,7 @@ class P2PNode:
 
     async def _dial(self, addrs: list[str]) -> None:
         try:
-            await self.connect(addrs[:2], self.dial_timeout_s)
+            await self.connect(addrs[:2], self.dial_timeout_s, chosen=False)
         except P2PError as e:  # best effort: gossip still reaches us through the others
             log.debug("p2p: dialling an announcer failed: %s", e)
 

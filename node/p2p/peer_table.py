@@ -200,6 +200,18 @@ class PeerTable:
                 return held.addrs
         return ()
 
+    def direct_peers(self, limit: int = 64) -> list[str]:
+        """Peers that announced a direct libp2p address (reachable ones: since #26 nobody announces another
+        kind but a relay circuit), newest announcers of the newest steps first; at most `limit`."""
+        out: list[str] = []
+        for step in sorted(self._holdings, reverse=True):
+            for peer, held in reversed(self._holdings[step].items()):
+                if peer not in out and any("/p2p/" in a and "/p2p-circuit" not in a for a in held.addrs):
+                    out.append(peer)
+                    if len(out) >= limit:
+                        return out
+        return out
+
     def drop_shard(self, peer: str, step: int, index: int) -> None:
         held = self._holdings.get(step, {}).get(peer)
         if held is not None:

@@ -48,6 +48,7 @@ from .keys import libp2p_key_pair, node_id_for_peer
 from node.peer_log import PeerEventLog
 from node.rate_limit import KeyedRateLimit
 from .http_shards import is_http_addr
+from . import nat
 from .shard_client import fetch_shard
 from .shard_server import ShardServer
 from .shard_store import ShardStore
@@ -141,6 +142,9 @@ class ServiceSettings:
     dial_timeout_s: float = 3.0
     # Dial peers' loopback/private/link-local addresses (addrs.py); off on the open internet.
     allow_private_addrs: bool = False
+    # Circuit relay v2 hop (nat.py): relay circuits to NATed nodes that reserved a slot here, within these limits.
+    relay_hop: bool = False
+    relay_limits: Any = None  # nat.RelayHopLimits
 
 
 def _peer_name(peer_id_bytes: bytes) -> str:
@@ -214,6 +218,7 @@ class P2PService:
         self.host: Any = None
         self.pubsub: Pubsub | None = None
         self.gossipsub: GossipSub | None = None
+        self.relay: nat.Relaying | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def run(self, stop: trio.Event, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -248,7 +253,10 @@ class P2PService:
                 if listen and not self.host.get_transport_addrs():
                     # py-libp2p logs a failed bind (e.g. port in use) and carries on without a listener.
                     raise P2PError(f"could not listen on {', '.join(map(str, listen))} (address in use?)")
-                async with background_trio_service(self.pubsub), background_trio_service(self.gossipsub):
+                self.relay = nat.Relaying(self.host, hop=self.settings.relay_hop, limits=self.settings.relay_limits)
+                async with background_trio_service(self.pubsub), background_trio_service(self.gossipsub), \
+                        background_trio_service(self.relay.protocol):
+                    await self.relay.started()
                     await self.pubsub.wait_until_ready()
                     self.pubsub.set_topic_validator(self.topic, self._validate, False)
                     subscription = await self.pubsub.subscribe(self.topic)
@@ -317,14 +325,19 @@ class P2PService:
         if not self.host.get_network().connections.get(peer):
             # Learned from its announcement (and allowed by the address policy); the peerstore entry lets
             # new_stream dial it, and only it: the peer's own records in the peerstore are not dialled.
-            good = []
+            good, circuits = [], []
             for a in addrs:
                 if is_http_addr(a) or not multiaddr_allowed(a, self.settings.allow_private_addrs):
                     continue  # the HTTP data plane's address, or one a stranger must not make us dial
                 try:
-                    good.append(parse_multiaddr(a))
+                    (circuits if nat.is_circuit(a) else good).append(parse_multiaddr(a))
                 except InvalidMultiaddr:
                     continue
+            if not good and circuits:  # a NATed holder: through a relay it keeps a reservation on (nat.py)
+                await self._dial_circuit(peer, circuits)
+                return await fetch_shard(self.host, peer, req, stats=self.stats,
+                                         read_timeout_s=self.settings.read_timeout_s,
+                                         open_timeout_s=self.settings.connect_timeout_s, timeout_s=timeout_s)
             if not good:
                 raise PeerUnavailable(f"peer {peer.to_base58()} is not connected and announced no address we may dial")
             self.host.get_peerstore().clear_addrs(peer)
@@ -341,6 +354,33 @@ class P2PService:
                 raise PeerUnavailable(f"could not dial {peer.to_base58()}: {type(e).__name__}: {e}"[:300]) from None
         return await fetch_shard(self.host, peer, req, stats=self.stats, read_timeout_s=self.settings.read_timeout_s,
                                  open_timeout_s=self.settings.connect_timeout_s, timeout_s=timeout_s)
+
+    async def _dial_circuit(self, peer: ID, circuits: list[multiaddr.Multiaddr]) -> None:
+        """Connect to `peer` through the first relay of `circuits` that works (each within dial_timeout_s)."""
+        limit = self.settings.dial_timeout_s
+        errors = []
+        for circuit in circuits[:2]:
+            try:
+                with trio.fail_after(limit * 2):  # the relay's dial, then the relay's stream to the peer
+                    await self.relay.dial(circuit, peer, dial_timeout_s=limit)
+                return
+            except trio.TooSlowError:
+                errors.append(f"{circuit}: no circuit within {2 * limit:.1f} s")
+            except Exception as e:
+                errors.append(f"{circuit}: {type(e).__name__}: {e}")
+        raise PeerUnavailable(f"could not reach {peer.to_base58()} through a relay: {'; '.join(errors)}"[:300])
+
+    async def reserve(self, relay: str) -> float:
+        """Reserve a slot on `relay` (connected) for peers to reach us through it; the reservation's expiry."""
+        try:
+            with trio.fail_after(self.settings.connect_timeout_s):
+                return await self.relay.reserve(ID.from_base58(relay))
+        except trio.TooSlowError:
+            raise P2PError(f"relay {relay} did not answer a reservation within "
+                           f"{self.settings.connect_timeout_s:.0f} s") from None
+
+    def relay_stats(self) -> dict:
+        return self.relay.snapshot() if self.relay is not None else {}
 
     # --- announcements -------------------------------------------------------------------------
     def precheck(self, forwarder: ID, msg: Any) -> bool:

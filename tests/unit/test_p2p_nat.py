@@ -1,0 +1,165 @@
+"""NATed nodes serve too (node/p2p/nat.py), between real libp2p hosts on 127.0.0.1: an outbound-only node keeps
+connections to reachable peers and serves over them; it reserves a slot on a relay (circuit relay v2 hop) and
+another outbound-only node fetches from it through that relay; the relay's limits hold; a peer that is not our
+relay cannot open connections to us over STOP streams."""
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from node.p2p.announce import decode_announcement, encode_have_announcement
+from node.p2p.errors import P2PError
+from node.p2p.host import P2PNode
+from node.p2p.nat import RelayHopLimits, is_circuit
+from protocol.identity import Identity
+
+pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
+
+RUN = "run-nat"
+H = "ab" * 32
+SHARDS = {i: bytes([i]) * (64 * 1024 + i) for i in range(6)}
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def node(**kw) -> P2PNode:
+    kw.setdefault("nat_interval_s", 0.2)
+    return P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True, **kw)
+
+
+def serving(**kw) -> P2PNode:
+    return node(shard_source=lambda step, index: SHARDS.get(index) if step == 1 else None, **kw)
+
+
+@contextlib.asynccontextmanager
+async def running(*nodes: P2PNode):
+    try:
+        for n in nodes:
+            await n.start()
+        yield nodes
+    finally:
+        await asyncio.gather(*(n.stop() for n in nodes))
+
+
+def learn_have(of: P2PNode, at: P2PNode, addrs) -> None:
+    """`at` records the signed `have` that `of` would gossip (the gossip path itself is tested elsewhere)."""
+    raw = encode_have_announcement(of.identity, run_id=RUN, step=1, manifest_hash=H, indices=list(SHARDS),
+                                   addrs=list(addrs))
+    at.table.note_manifest(1, H)
+    assert at.table.record_have(of.peer_id, decode_announcement(raw, run_id=RUN, coordinator_key=None,
+                                                                origin_node_id=of.node_id, max_age_s=60))
+
+
+async def until(what: str, cond, deadline_s: float = 15.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        got = cond()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return got
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+
+
+async def test_a_home_fetches_from_another_home_through_a_relay():
+    async with running(node(listen=LOOPBACK, relay_hop=True), serving(listen=[]), node(listen=[])) as (
+            relay, home_a, home_b):
+        await home_a.connect(relay.listen_addrs)  # its bootstrap
+        home_a.apply_reachability("127.0.0.1", False, None)  # the dial-back found it unreachable
+        circuits = await until("a relay circuit in home A's announcement",
+                               lambda: [a for a in home_a.announce_addrs if is_circuit(a)])
+        assert circuits == [f"{relay.listen_addrs[0]}/p2p-circuit/p2p/{home_a.peer_id}"]
+        await home_b.connect(relay.listen_addrs)
+        learn_have(home_a, home_b, home_a.announce_addrs)
+        assert home_b.peers_with(1, 0, H) == [home_a.peer_id]
+        slots = asyncio.Semaphore(4)  # what the fetcher does: no more in flight than a peer serves to one peer
+
+        async def get(i):
+            async with slots:
+                return await home_b.fetch_shard(home_a.peer_id, 1, i, 1 << 20, manifest_hash=H)
+
+        got = await asyncio.gather(*map(get, SHARDS))
+        assert got == list(SHARDS.values())
+        b, a, r = await home_b.relay_stats(), await home_a.relay_stats(), await relay.relay_stats()
+        assert b["circuits_out"] == 1 and b["circuit_failed"] == 0, b  # one circuit, four parallel fetches
+        assert a["circuits_in"] == 1 and a["reservations"] == 1, a
+        assert r["hop_reservations"] == 1, r
+        assert home_a.stats.snapshot()["bytes_served"] == sum(map(len, SHARDS.values()))
+
+
+async def test_an_unreachable_node_keeps_connections_to_reachable_peers_and_serves_over_them():
+    async with running(serving(listen=[], nat_keep_peers=2, relay_reserve=False),
+                       node(listen=LOOPBACK), node(listen=LOOPBACK), node(listen=LOOPBACK)) as (home, *public):
+        for p in public:  # three reachable peers announce holdings at their direct addresses
+            learn_have(p, home, p.listen_addrs)
+        home.apply_reachability("127.0.0.1", False, None)
+        kept = await until("two kept connections", lambda: _connected(home, 2))
+        assert len(kept) == 2, kept  # nat_keep_peers, not every announcer
+        peer = next(p for p in public if p.peer_id in kept)
+        learn_have(home, peer, [])  # the home announces no address at all
+        assert await peer.fetch_shard(home.peer_id, 1, 3, 1 << 20, manifest_hash=H) == SHARDS[3]
+        other = next(p for p in public if p.peer_id not in kept)  # not connected: nothing to dial, no 3 s wait
+        learn_have(home, other, [])
+        t0 = time.monotonic()
+        with pytest.raises(P2PError, match="announced no address"):
+            await other.fetch_shard(home.peer_id, 1, 3, 1 << 20, manifest_hash=H)
+        assert time.monotonic() - t0 < 1.0
+        await asyncio.gather(*(p.stop() for p in public if p.peer_id in kept))  # they leave: it finds another
+        assert await until("a replacement connection", lambda: _connected(home, 1, among={other.peer_id}))
+
+
+async def _connected(node: P2PNode, n: int, among=None):
+    peers = set(await node.connected_peers())
+    if among is not None:
+        peers &= among
+    return sorted(peers) if len(peers) >= n else None
+
+
+async def test_relay_limits_hold_and_a_refused_reservation_announces_no_circuit():
+    limits = RelayHopLimits(max_reservations=1, reservation_ttl_s=10)
+    async with running(node(listen=LOOPBACK, relay_hop=True, relay_limits=limits), node(listen=[]),
+                       node(listen=[]), node(listen=LOOPBACK)) as (relay, first, second, plain):
+        for home in (first, second):
+            await home.connect(relay.listen_addrs)
+            home.apply_reachability("127.0.0.1", False, None)
+        await until("the first reservation", lambda: any(map(is_circuit, first.announce_addrs)))
+        with pytest.raises(P2PError, match="RESOURCE_LIMIT_EXCEEDED"):
+            await second.reserve_on(relay.peer_id)  # one slot: taken
+        assert not any(map(is_circuit, second.announce_addrs))
+        with pytest.raises(P2PError, match="does not relay"):  # a peer without a hop
+            await first.reserve_on((await first.connect(plain.listen_addrs))[0])
+
+
+async def test_only_our_relay_may_open_a_connection_to_us_over_a_stop_stream():
+    """py-libp2p's STOP handler upgrades a connection over any peer's STOP stream; ours refuses a peer that holds
+    no reservation of ours (before the guard, this peer got a second connection to the target)."""
+    async with running(serving(listen=LOOPBACK), node(listen=[])) as (target, mallory):
+        [peer] = await mallory.connect(target.listen_addrs)
+        opened = await mallory._bridge.call(_open_stop, mallory._service, target.peer_id)
+        assert opened == "reset", opened
+        await until("the refusal counted", lambda: _stop_refused(target))
+
+
+async def _stop_refused(node):
+    return (await node.relay_stats())["stop_refused"] >= 1
+
+
+async def _open_stop(service, peer: str) -> str:
+    import trio
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId, StopMessage
+    from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
+    from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+    try:
+        stream = await service.host.new_stream(ID.from_base58(peer), [STOP_PROTOCOL_ID])
+        with trio.fail_after(5):
+            await write_delimited_msg(stream, StopMessage(type=StopMessage.CONNECT,
+                                                          peer=PeerId(id=service.host.get_id().to_bytes())))
+            resp = await read_delimited_msg(stream, StopMessage)
+        return f"answered {resp.status}"
+    except trio.TooSlowError:
+        return "no answer"
+    except Exception:
+        return "reset"
