@@ -15,6 +15,16 @@ Open batches: with θ_p published, batches p+1 … p+1+k can still be generated.
 keeps at most `quota(b)` prompts in flight or waiting for each open batch, so no more work is out
 than those batches can use. A node holding θ_m may only work for batches b ≤ m + 1 + k; if none is
 open it is stale (409) and must fetch a newer checkpoint.
+
+Fair share (docs/BENCHMARKS.md, "WAN lab: work shared by compute"). When the swarm can generate more than
+the trainer consumes, work is scarce, and handing it to whoever asks first gives it to the nodes with the
+shortest round trip (it fetches the newest step first, and only the newest step may work for the batch that
+a step opens): in the WAN lab a home at 200 ms round trip got 16 rollouts against 1,120 for one at 20 ms on
+the same compute. So the work left in the open batches is kept, for a bounded time (`fair_hold_s` per batch
+before it), for nodes that asked for work and got none (`fair_waiting_s`) and have recently been given fewer
+prompts than the node asking (max-min fairness over the nodes that are asking: a node's compute decides how
+often it asks, its round trip no longer decides what it gets). Nobody's claims about its own speed are
+used, and a node that is busy generating does not ask, so it reserves nothing.
 """
 from __future__ import annotations
 
@@ -23,6 +33,12 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+# Fair share: prompts a node was given decay with this half-life (its recent share); a node that asked for work
+# and got none within FAIR_WAITING_S is waiting for work; work is kept for waiting nodes at most FAIR_HOLD_S per
+# batch before it (a step's fetch and the next request of a home 200 ms away, with margin).
+FAIR_HALF_LIFE_S, FAIR_WAITING_S, FAIR_HOLD_S = 20.0, 3.0, 1.5
+FAIR_MAX_NODES = 4096  # bounded state: the oldest entries go first
 
 
 def min_policy_for_batch(batch: int, k: int) -> int:
@@ -65,6 +81,11 @@ class Scheduler:
     inflight: dict[str, list[PromptSlot]] = field(default_factory=dict)  # assignment id -> slots
     waiting_by_batch: dict[int, int] = field(default_factory=dict)  # accepted, not yet trained
     requeue: deque = field(default_factory=deque)  # slots whose assignment expired or failed
+    fair_hold_s: float = FAIR_HOLD_S
+    fair_waiting_s: float = FAIR_WAITING_S
+    _given: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (decayed prompts, at)
+    _waiting: dict[str, float] = field(default_factory=dict)  # node -> when it last asked and got nothing
+    _held_since: float | None = None  # when work was first kept back for waiting nodes
 
     # -- capacity --------------------------------------------------------------------------------
     def open_batches(self) -> range:
@@ -129,14 +150,69 @@ class Scheduler:
         """Per-sequence seeds chosen by the coordinator, unpredictable to nodes (os.urandom)."""
         return [int.from_bytes(os.urandom(8), "big") >> 1 for _ in range(self.group_size)]
 
-    def assign(self, policy_step: int, assignment_id: str) -> tuple[int, list[PromptSlot]] | None:
-        batch = self.pick_batch(policy_step)
-        if batch is None:
+    def assign(self, policy_step: int, assignment_id: str, node_id: str | None = None,
+               now: float | None = None) -> tuple[int, list[PromptSlot]] | None:
+        """Work for a node holding `policy_step`, or None. With `node_id`, scarce work is shared fairly (the
+        module's docstring); without, first come first served."""
+        now = time.monotonic() if now is None else now
+        try:
+            batch = self.pick_batch(policy_step)
+        except StaleNode:
+            if node_id is not None:
+                self._waiting.pop(node_id, None)  # it cannot take work until it fetches: keep nothing for it
+            raise
+        if batch is None or (node_id is not None and self._keep_for_others(node_id, batch, now)):
+            if node_id is not None:
+                self._waiting[node_id] = now
+                self._bound(self._waiting)
             return None
         count = min(self.prompts_per_assignment, self.demand()[batch])
         slots = self.new_slots(batch, count)
         self.inflight[assignment_id] = slots
+        if node_id is not None:
+            self._waiting.pop(node_id, None)
+            self._given[node_id] = (self._recent(node_id, now) + len(slots), now)
+            self._bound(self._given)
         return batch, slots
+
+    # -- fair share ------------------------------------------------------------------------------
+    def _recent(self, node_id: str, now: float) -> float:
+        """Prompts given to the node lately, decayed (half-life FAIR_HALF_LIFE_S)."""
+        n, at = self._given.get(node_id, (0.0, now))
+        return n * 0.5 ** (max(0.0, now - at) / FAIR_HALF_LIFE_S)
+
+    def _keep_for_others(self, node_id: str, batch: int, now: float) -> bool:
+        """Whether the work left should wait for nodes that asked for work, got none, and were given fewer
+        prompts lately than this one. They are kept what they lack (the gap, up to what is left), so a node
+        is held back only when work is scarce; and only for a bounded time, longer for a batch the trainer
+        needs later (fair_hold_s per batch before it): the newest batch, the one a far node reaches last
+        because it needs the newest step, can wait k steps without the trainer waiting at all."""
+        mine = self._recent(node_id, now)
+        owed = 0.0
+        for other, asked in list(self._waiting.items()):
+            if now - asked > self.fair_waiting_s:
+                del self._waiting[other]
+            elif other != node_id:
+                gap = mine - self._recent(other, now)
+                if gap >= self.prompts_per_assignment:
+                    owed += gap
+        if owed == 0:
+            self._held_since = None
+            return False
+        left = sum(self.demand().values())
+        if left - self.prompts_per_assignment >= owed:  # enough for this node and what the others lack
+            return False
+        if self._held_since is None:
+            self._held_since = now
+        if now - self._held_since > self.fair_hold_s * (batch - self.published_step):
+            self._held_since = None  # they did not come in time: the work is needed
+            return False
+        return True
+
+    @staticmethod
+    def _bound(d: dict) -> None:
+        while len(d) > FAIR_MAX_NODES:
+            del d[next(iter(d))]
 
     # -- outcomes --------------------------------------------------------------------------------
     def finish(self, assignment_id: str, accepted_prompt_ids: set[str]) -> list[PromptSlot]:

@@ -44,3 +44,51 @@ def test_dropped_groups_are_replaced_while_the_batch_is_collected():
     assert b == 1 and len(slots) == 2
     s.keep_rate = 0.5  # filters keep half: oversample
     assert s.quota() == 8
+
+
+def test_scarce_work_waits_for_a_node_that_asked_and_is_behind():
+    """The far node asked and got nothing; the near node, ahead of it, is held back from the work left (its
+    gap), so a node's round trip does not decide its share. Only while scarce, and only for a bounded time."""
+    s = make(0, batch=8, per=2)
+    t = 100.0
+    for i in range(4):  # the near node took all of batch 1
+        assert s.assign(0, f"n{i}", "near", now=t) is not None
+    assert s.assign(0, "f0", "far", now=t + 0.1) is None  # nothing left: the far node waits
+    for i in range(4):
+        s.finish(f"n{i}", {x.prompt_id for x in s.inflight[f"n{i}"]})
+    s.on_step_published(1, {1: 8})  # batch 2 opens: 8 prompts, the near node is 8 ahead
+    assert s.assign(1, "n4", "near", now=t + 0.5) is None  # kept for the far node
+    got = [s.assign(1, f"f{i}", "far", now=t + 0.6) for i in (1, 2, 3)]
+    assert all(g is not None for g in got)  # the far node came and took it
+    assert s.assign(1, "n5", "near", now=t + 0.7) is not None  # now even: the rest is anyone's
+
+
+def test_fair_hold_is_bounded_and_only_when_scarce():
+    s = make(2, batch=8, per=2)
+    t = 100.0
+    for i in range(8):
+        s.assign(0, f"n{i}", "near", now=t)
+    assert s.assign(0, "f0", "far", now=t) is not None  # plenty left (3 open batches): no holding back
+    s2 = make(0, batch=8, per=2)
+    for i in range(4):
+        s2.assign(0, f"n{i}", "near", now=t)
+    assert s2.assign(0, "f0", "far", now=t + 0.1) is None  # the far node waits, behind by 8 prompts
+    s2.finish("n0", set())  # two prompts come back to be handed out again
+    assert s2.assign(0, "n9", "near", now=t + 0.2) is None  # held ...
+    assert s2.assign(0, "n9", "near", now=t + 0.2 + s2.fair_hold_s + 0.1) is not None  # ... but not for long
+    # a node that stopped asking is not waited for
+    s3 = make(0, batch=4, per=2)
+    s3.assign(0, "n0", "near", now=t)
+    s3.assign(0, "n1", "near", now=t)
+    assert s3.assign(0, "f0", "far", now=t) is None
+    s3.finish("n0", set())
+    assert s3.assign(0, "n2", "near", now=t + s3.fair_waiting_s + 0.1) is not None
+
+
+def test_a_stale_node_reserves_nothing():
+    s = make(0, batch=4, per=2)
+    s.published_step = 3
+    with pytest.raises(StaleNode):
+        s.assign(1, "f0", "far", now=1.0)
+    assert "far" not in s._waiting
+    assert s.assign(3, "n0", "near", now=1.0) is not None
