@@ -82,6 +82,7 @@ class WorkerNode:
         self.spec: M.RunSpec | None = None
         self.episodes: EpisodePlayer | None = None  # multi-turn tasks only
         self._pending_step: tuple[int, Path] | None = None
+        self._ask_ahead = True  # ask for the next assignment while generating (_work_loop)
         self._probes: deque[dict] = deque(maxlen=PROBES_KEPT)
 
     def stop(self) -> None:
@@ -306,42 +307,66 @@ class WorkerNode:
             await sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds * (0.8 + 0.4 * random.random()))
 
     async def _work_loop(self) -> None:
+        """Ask for work, generate, submit. The next assignment is asked for while this one generates (one
+        request ahead, within the coordinator's run.max_assignments_per_node = 2): a node 200 ms away no longer
+        idles a round trip between assignments, so its round trip stops deciding how much it can do
+        (docs/BENCHMARKS.md, "WAN lab: work shared by compute")."""
         backoff = Backoff(0.5, 30.0)
-        while not self.stop_event.is_set():
-            await self._swap_weights_if_newer()
-            if self.policy_step < 0:
-                self.state = "fetching"
-                await wait_any(self.new_weights, self.stop_event, timeout=1.0)
-                self.new_weights.clear()
-                continue
-            try:
-                assignment = await self.client.work(self.policy_step)
-            except CoordinatorError as e:
-                if e.code == "stale_policy":
+        ahead: asyncio.Task | None = None  # the next assignment, asked for while generating
+        try:
+            while not self.stop_event.is_set():
+                self.new_weights.clear()  # set again by a step that arrives from here on (the idle wait below)
+                await self._swap_weights_if_newer()
+                if self.policy_step < 0:
                     self.state = "fetching"
-                    self.fetcher.wake.set()
-                    await wait_any(self.new_weights, self.stop_event, timeout=2.0)
+                    await wait_any(self.new_weights, self.stop_event, timeout=1.0)
                     self.new_weights.clear()
                     continue
-                if e.status == 403:
-                    log.error("coordinator refused this node: %s", e.detail)
-                    self.stop_event.set()
-                    return
-                delay = backoff.next()
-                log.warning("%s; backing off %.1f s", e, delay)
-                await sleep_or_stop(self.stop_event, delay)
-                continue
-            except Unreachable as e:
-                delay = backoff.next()
-                log.warning("%s; backing off %.1f s", e, delay)
-                await sleep_or_stop(self.stop_event, delay)
-                continue
-            backoff.reset()
-            if assignment is None:
-                self.state = "idle"
-                await sleep_or_stop(self.stop_event, 0.2 + random.random() * 0.3)
-                continue
-            await self._do_assignment(assignment)
+                try:
+                    if ahead is not None:
+                        task, ahead = ahead, None
+                        assignment = await task
+                    else:
+                        assignment = await self.client.work(self.policy_step)
+                except CoordinatorError as e:
+                    if e.code == "stale_policy":
+                        self.state = "fetching"
+                        self.fetcher.wake.set()
+                        await wait_any(self.new_weights, self.stop_event, timeout=2.0)
+                        self.new_weights.clear()
+                        continue
+                    if e.status == 403:
+                        log.error("coordinator refused this node: %s", e.detail)
+                        self.stop_event.set()
+                        return
+                    if e.code == "too_many_assignments" and self._ask_ahead:
+                        # a coordinator with run.max_assignments_per_node = 1: one at a time, then
+                        log.info("the coordinator allows one assignment at a time: not asking ahead")
+                        self._ask_ahead = False
+                        continue
+                    delay = backoff.next()
+                    log.warning("%s; backing off %.1f s", e, delay)
+                    await sleep_or_stop(self.stop_event, delay)
+                    continue
+                except Unreachable as e:
+                    delay = backoff.next()
+                    log.warning("%s; backing off %.1f s", e, delay)
+                    await sleep_or_stop(self.stop_event, delay)
+                    continue
+                backoff.reset()
+                if assignment is None:
+                    self.state = "idle"
+                    # a newer step may open work this node could not take: ask again as soon as it is in
+                    await wait_any(self.new_weights, self.stop_event, timeout=0.2 + random.random() * 0.3)
+                    continue
+                if self._ask_ahead:
+                    ahead = asyncio.create_task(self.client.work(self.policy_step), name="work-ahead")
+                await self._do_assignment(assignment)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+                if ahead.done() and not ahead.cancelled():
+                    ahead.exception()  # retrieved: an abandoned request's error is not worth a warning
 
     async def _do_assignment(self, a: M.Assignment) -> None:
         self.state = "generating"
