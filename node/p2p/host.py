@@ -132,7 +132,7 @@ class P2PNode:
                  http: bool = False, http_port: int = 0, allow_private_addrs: bool = False,
                  dial_timeout_s: float = 3.0, dial_retry_s: float = 60.0, nat_keep_peers: int = 4,
                  relay_hop: bool = False, relay_limits: Any = None, relay_reserve: bool = True,
-                 nat_interval_s: float = 5.0):
+                 nat_interval_s: float = 5.0, stats_log_s: float = 60.0):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -207,6 +207,8 @@ class P2PNode:
         self._chosen: collections.OrderedDict[str, str] = collections.OrderedDict()  # peer -> the address reached
         self._nat_task: asyncio.Task | None = None
         self.nat_keeper: Any = None
+        self.stats_log_s = stats_log_s
+        self._totals_task: asyncio.Task | None = None
 
     @classmethod
     def from_config(cls, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
@@ -224,7 +226,7 @@ class P2PNode:
                    request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port,
                    allow_private_addrs=cfg.allow_private_addrs, dial_timeout_s=cfg.dial_timeout_s,
                    dial_retry_s=cfg.dial_retry_s, nat_keep_peers=cfg.nat_keep_peers,
-                   relay_limits=cfg.relay_limits(), **kw)
+                   relay_limits=cfg.relay_limits(), stats_log_s=cfg.stats_log_s, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -266,6 +268,7 @@ class P2PNode:
         if self.http:
             await self._start_http()
         log.info("p2p node %s listening on %s", self.peer_id, self.listen_addrs or "nothing (outbound-only)")
+        self._totals_task = asyncio.get_running_loop().create_task(self._log_totals(), name="p2p-totals")
         if self.bootstrap:
             try:
                 await self.connect(self.bootstrap)
@@ -375,6 +378,24 @@ class P2PNode:
         and for a hop, the reservations and circuits it holds now."""
         return await self._bridge.call(self._async(self._service.relay_stats))
 
+    async def _log_totals(self) -> None:
+        """One line with the bytes served and fetched (and the relay counters) every `stats_log_s` in which
+        they changed: what an operator (and the WAN lab) reads to see whether this node serves."""
+        last = None
+        while True:
+            await asyncio.sleep(self.stats_log_s)
+            t = self.stats.totals()
+            try:
+                relay = await self.relay_stats()
+            except P2PError:
+                relay = {}
+            now = (t["bytes_served"], t["bytes_fetched"], tuple(sorted(relay.items())))
+            if now != last:
+                last = now
+                log.info("p2p totals: served %d bytes, fetched %d bytes (%s); relay %s", t["bytes_served"],
+                         t["bytes_fetched"], {True: "reachable", False: "NATed", None: "reach ?"}[self.reachable],
+                         relay)
+
     def addrs_at(self, ip: str) -> list[str]:
         """Our libp2p address at `ip` (one of this machine's, e.g. where a request reached us) for a wildcard
         listener: [] if we do not listen."""
@@ -393,10 +414,11 @@ class P2PNode:
 
     async def stop(self) -> None:
         """Stop the host, end every subscription, join the thread. Idempotent."""
-        if self._nat_task is not None:
-            self._nat_task.cancel()
-            await asyncio.gather(self._nat_task, return_exceptions=True)
-            self._nat_task = None
+        for task in (self._nat_task, self._totals_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._nat_task = self._totals_task = None
         for task in list(self._dials):
             task.cancel()
         await asyncio.gather(*self._dials, return_exceptions=True)

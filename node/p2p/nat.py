@@ -70,13 +70,12 @@ class Relaying:
     reservations and circuit dials are ours (its transport's discovery does not work for us, see above)."""
 
     def __init__(self, host: Any, *, hop: bool, limits: RelayHopLimits | None):
-        from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
         from libp2p.relay.circuit_v2.resources import RelayLimits
 
         lim = limits or RelayHopLimits()
         self.host = host
         self.hop = hop
-        self.protocol = CircuitV2Protocol(host, allow_hop=hop, limits=RelayLimits(
+        self.protocol = _hop_protocol()(host, allow_hop=hop, limits=RelayLimits(
             duration=lim.circuit_seconds, data=lim.circuit_bytes, max_circuit_conns=lim.circuits_per_peer,
             max_reservations=lim.max_reservations, reservation_ttl=lim.reservation_ttl_s))
         self.reservations: dict[Any, float] = {}  # relay ID -> expiry (unix seconds) of our reservation there
@@ -200,6 +199,20 @@ class Relaying:
             hop = {"hop_reservations": sum(1 for r in rm._reservations.values() if not r.is_expired()),
                    "hop_circuits": len(self.protocol._active_relays)}
         return {**self.counts, **hop, "reservations": sum(1 for e in self.reservations.values() if e > now)}
+
+
+def _hop_protocol() -> type:
+    """py-libp2p 0.8.1's CircuitV2Protocol, except that a RESERVE is for the peer that sent it. Stock, a RESERVE
+    naming another peer id (its optional `peer` field) reserves for that id: one connection could fill every
+    slot (`relay_max_reservations`) with made-up ids, and the one-slot-per-peer limit meant nothing."""
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+
+    class OwnReservationsOnly(CircuitV2Protocol):
+        async def _handle_reserve(self, stream: Any, msg: Any) -> None:
+            msg.ClearField("peer")  # the stock handler then falls back to the connection's peer
+            await super()._handle_reserve(stream, msg)
+
+    return OwnReservationsOnly
 
 
 class _quietly:

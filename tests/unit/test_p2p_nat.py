@@ -163,3 +163,31 @@ async def _open_stop(service, peer: str) -> str:
         return "no answer"
     except Exception:
         return "reset"
+
+
+async def test_a_peer_can_reserve_only_for_itself():
+    """Stock py-libp2p reserved for whatever peer id a RESERVE named: one connection filled every slot with
+    made-up ids (before the fix, this test's relay held 5 reservations)."""
+    async with running(node(listen=LOOPBACK, relay_hop=True), node(listen=[])) as (relay, mallory):
+        await mallory.connect(relay.listen_addrs)
+        answers = await mallory._bridge.call(_reserve_for_others, mallory._service, relay.peer_id, 5)
+        stats = await relay.relay_stats()
+        assert stats["hop_reservations"] == 1, (answers, stats)  # mallory's own, once (stock: 5 made-up ones)
+        assert answers == [100] * 5, answers  # each answered OK: a renewal of mallory's own
+
+
+async def _reserve_for_others(service, relay: str, n: int) -> list[int]:
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, PeerId
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+    from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+    answers = []
+    for _ in range(n):
+        other = P2PNode(Identity.generate(), run_id=RUN).peer_id
+        stream = await service.host.new_stream(ID.from_base58(relay), [PROTOCOL_ID])
+        await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE,
+                                                     peer=PeerId(id=ID.from_base58(other).to_bytes())))
+        answers.append((await read_delimited_msg(stream, HopMessage)).status)
+        await stream.close()
+    return answers
