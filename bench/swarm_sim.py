@@ -100,6 +100,18 @@ class Case:
     seed: int = 0
     max_sim_s: float = 10 * 86400
     budget_s: float = 0.0  # wall-clock limit of one run (0 = none): large cases that do not fit are reported so
+    # NAT (issue #26): this share of all nodes, drawn from the homes, cannot be dialled. A NATed node keeps
+    # connections to `nat_keep_peers` reachable nodes (p2p.nat_keep_peers) and serves only them; a NATed node
+    # cannot fetch from another NATed one (relay circuits are not modelled).
+    nat_share: float = 0.0
+    nat_keep_peers: int = 4
+    # Before its first shard request a node learns of the step (`notify_s` after publication, then the
+    # announcement's gossip hops) and spends `step_rtts` round trips to the origin (the listing and manifest).
+    notify_s: float = 0.0
+    step_rtts: float = 0.0
+    # Explicit links instead of the mix (the WAN lab's sites, bench/wan.py): (up B/s, down B/s, one-way s,
+    # NATed) per node; the RTT between two nodes is 2 * (one-way a + one-way b), to the origin 2 * one-way.
+    sites: tuple = ()
 
 
 class OverBudget(RuntimeError):
@@ -116,7 +128,8 @@ class Flow:
 
 class Node:
     __slots__ = ("id", "cls", "up", "down", "rtt_o", "planner", "held", "idle", "ups", "downs", "reserved",
-                 "active", "joined", "done_t", "initial", "holds", "server", "sent", "parked", "waiters", "wake_t")
+                 "active", "joined", "done_t", "initial", "holds", "server", "sent", "parked", "waiters", "wake_t",
+                 "ow", "natted", "kept")
 
     def __init__(self, nid, cls, up, down, rtt_o):
         self.id, self.cls, self.up, self.down, self.rtt_o = nid, cls, up, down, rtt_o
@@ -136,6 +149,9 @@ class Node:
         self.parked = 0  # slots asleep after BUSY_STREAK all-busy answers in a row
         self.waiters = deque()  # sleeping slots (Sleeper) this node told "busy"
         self.wake_t = -1.0
+        self.ow = rtt_o / 2  # one way to the core (explicit sites)
+        self.natted = False
+        self.kept: set = set()  # a NATed node: the reachable nodes it keeps connections to (and serves)
 
 
 # event kinds
@@ -183,6 +199,10 @@ class Sim:
         self.gossip_batch = max(case.have_interval, min(5.0, n / 8.0))
         self.gossip_hops = max(1, math.ceil(math.log(max(n, 2), 6)))
         self.mean_rtt = sum(case.rtt_range) / 2 if case.links == "internet" else case.rtt_range[0]
+        if case.sites:
+            self.mean_rtt = 2 * 2 * sum(x[2] for x in case.sites) / len(case.sites)
+        self.nat = case.nat_share > 0 or any(x[3] for x in case.sites)
+        self.natted_bytes = 0.0  # served by NATed nodes
 
     # ---- plumbing -------------------------------------------------------------------------------
     def push(self, t, kind, a=None, b=None):
@@ -194,6 +214,8 @@ class Sim:
             return b.rtt_o
         if b is self.origin or b is self.relay:
             return a.rtt_o
+        if self.c.sites:
+            return 2 * (a.ow + b.ow)
         lo, hi = self.c.rtt_range
         x, y = (a.id, b.id) if a.id < b.id else (b.id, a.id)
         h = ((x * 2654435761) ^ (y * 40503 + 0x9E3779B9)) & 0xFFFFFFFF
@@ -201,6 +223,13 @@ class Sim:
 
     def new_node(self, initial: bool) -> Node:
         c, rng = self.c, self.rng
+        natted = False
+        if c.sites:
+            up, down, ow, natted = c.sites[len(self.nodes) % len(c.sites)]
+            cls = "home" if natted else "public"
+            node = Node(len(self.nodes), cls, up, down, 2 * ow)
+            node.natted = natted
+            return self._added(node, initial)
         if c.links == "loopback":
             cls, up, down = "loopback", c.loopback_rate, c.loopback_rate
         else:
@@ -212,7 +241,16 @@ class Sim:
             down = rng.uniform(*dr) * MBIT
             up = down if ur is None else rng.uniform(*ur) * MBIT
         node = Node(len(self.nodes), cls, up, down, rng.uniform(*c.rtt_range))
+        home_share = MIX[0][0]
+        node.natted = cls == "home" and c.nat_share > 0 and rng.random() < min(1.0, c.nat_share / home_share)
+        return self._added(node, initial)
+
+    def _added(self, node: Node, initial: bool) -> Node:
         node.joined, node.initial = self.now, initial
+        if node.natted and self.nodes:  # it dials out to a few reachable nodes and keeps the connections
+            reach = [n.id for n in self.rng.sample(self.nodes, min(len(self.nodes), 8 * self.c.nat_keep_peers))
+                     if n.active and not n.natted]
+            node.kept = set(reach[:self.c.nat_keep_peers])
         node.server = self.origin
         self.nodes.append(node)
         self.waiting_all += 1
@@ -223,7 +261,23 @@ class Sim:
         node.planner = ShardPlanner(self.num_shards, range(self.num_shards), swarm=self.swarm,
                                     rng=random.Random(self.rng.random()))
         node.idle = min(self.c.parallel, self.num_shards)
+        start = self.c.notify_s + self.c.step_rtts * node.rtt_o
+        if start > 0 and node.initial:
+            if self.swarm:  # the step's announcement reaches it after the gossip's hops
+                start += self.gossip_hops * self.mean_rtt
+            node.wake_t = self.now + start
+            self.push(node.wake_t, WAKE, node)
+            return
         self.wake(node)
+
+    def usable(self, holder: Node, node: Node) -> bool:
+        """Whether `node` can fetch from `holder`: a NATed holder serves only the reachable nodes it keeps
+        connections to; a NATed node also fetches from those it keeps (the same connections)."""
+        if holder.natted:
+            return node.id in holder.kept
+        if node.natted:
+            return True
+        return True
 
     # ---- bandwidth --------------------------------------------------------------------------------
     def settle(self, f: Flow) -> None:
@@ -312,17 +366,22 @@ class Sim:
         i = pick.index
         if self.swarm and self.holders.get(i, 0) > 0:  # PeerSource: up to 4 random holders, busy ones cost an RTT
             lst = self.holder_list[i]
-            tries = self.rng.sample(lst, min(4, len(lst)))
-            delay = 0.0
-            for hid in tries:
-                h = self.nodes[hid]
-                rtt = self.rtt(node, h)
-                if h.reserved < self.c.upload_slots:
-                    self.transfer(h, node, pick, delay + rtt, server=False)
-                    return
-                delay += rtt
-            self.push(self.now + delay, BUSY, node, (pick, streak + 1, tries))  # every holder tried was busy
-            return
+            if self.nat:  # NATed holders only for those they keep connections to (PeerSource ranks reachable first)
+                cand = self.rng.sample(lst, min(16, len(lst)))
+                tries = [h for h in cand if self.usable(self.nodes[h], node)][:4]
+            else:
+                tries = self.rng.sample(lst, min(4, len(lst)))
+            if tries:  # (none usable: the origin, as when nobody holds it)
+                delay = 0.0
+                for hid in tries:
+                    h = self.nodes[hid]
+                    rtt = self.rtt(node, h)
+                    if h.reserved < self.c.upload_slots:
+                        self.transfer(h, node, pick, delay + rtt, server=False)
+                        return
+                    delay += rtt
+                self.push(self.now + delay, BUSY, node, (pick, streak + 1, tries))  # every holder tried was busy
+                return
         server = node.server
         if server is self.relay and self.relay is not None:
             self.transfer(server, node, pick, node.rtt_o, server=True)
@@ -369,6 +428,8 @@ class Sim:
                 self.seeder.finished(pick.index, node.id)
         else:
             self.peer_bytes += self.shard_size if not f.server else 0.0
+            if f.s.natted:
+                self.natted_bytes += self.shard_size
         f.s.sent += self.shard_size
         node.planner.done(pick)
         node.held += 1
@@ -580,7 +641,8 @@ class Sim:
             "seconds": round(seconds, 2), **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lb.items()},
             "ratio": round(seconds / lb["lower_bound_seconds"], 3),
             "origin_bytes": round(self.origin_bytes), "origin_copies": round(self.origin_bytes / self.total, 3),
-            "peer_bytes": round(self.peer_bytes),
+            "peer_bytes": round(self.peer_bytes), "natted_served_bytes": round(self.natted_bytes),
+            "natted_nodes": sum(n.natted for n in initial),
             "median_node_seconds": round(sorted(n.done_t - n.joined for n in stayed)[len(stayed) // 2], 2),
             "sim_events": self.events, "planner_takes": self.takes, "wall_seconds": round(wall, 1),
         }

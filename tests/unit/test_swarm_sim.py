@@ -48,3 +48,21 @@ def test_the_simulator_drives_the_real_planner_and_seeder():
     from node.worker.planner import ShardPlanner
 
     assert swarm_sim.ShardPlanner is ShardPlanner and swarm_sim.SuperSeeder is SuperSeeder
+
+
+def test_natted_nodes_serve_only_the_reachable_nodes_they_keep():
+    sim = Sim(tiny(nodes=20, nat_share=0.6, seed=2))
+    r = sim.run()
+    natted = [n for n in sim.nodes if n.natted]
+    assert natted and all(n.done_t is not None for n in sim.nodes)
+    assert all(len(n.kept) <= 4 and not any(sim.nodes[k].natted for k in n.kept) for n in natted)
+    assert r["natted_nodes"] == len(natted) and r["natted_served_bytes"] <= r["peer_bytes"]
+    assert r["seconds"] >= r["lower_bound_seconds"]
+
+
+def test_explicit_sites_and_step_overhead_delay_the_first_request():
+    mbit = 125_000.0
+    sites = ((20 * mbit, 100 * mbit, 0.05, True), (200 * mbit, 200 * mbit, 0.01, False))
+    slow = Sim(tiny(nodes=2, sites=sites, step_rtts=2, notify_s=0.5)).run()
+    fast = Sim(tiny(nodes=2, sites=sites)).run()
+    assert slow["seconds"] >= fast["seconds"] + 0.5
