@@ -59,7 +59,12 @@ def env_turn_ids(tokenizer, text: str) -> list[int]:
         after = tokenizer.apply_chat_template(base + [{"role": "user", "content": text}], tokenize=False,
                                               add_generation_prompt=True)
         if after.startswith(before):
-            text = after[len(before):]
+            # What the template writes after the assistant's EOS (ChatML: "<|im_end|>\n") belongs here too:
+            # the model's turn ends at its EOS, so without it the packed episode would differ from the template.
+            eos = tokenizer.eos_token or ""
+            cut = before.rfind("y" + eos) if eos else -1
+            tail = before[cut + 1 + len(eos):] if cut >= 0 else ""
+            text = tail + after[len(before):]
     ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     return ids[:MAX_ENV_TOKENS]
 
