@@ -38,11 +38,11 @@ def tiny_model(seed: int):
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def training_step(model, lr: float = 1e-3, seed: int = 7):
+def training_step(model, lr: float = 1e-3, seed: int = 7, vocab: int = VOCAB):
     """One real AdamW step on a next-token loss: what the next checkpoint looks like."""
     model = copy.deepcopy(model).train()
     g = torch.Generator().manual_seed(seed)
-    batch = torch.randint(0, VOCAB, (8, 32), generator=g)
+    batch = torch.randint(0, vocab, (8, 32), generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
@@ -132,9 +132,9 @@ def engine(request, base_model, tmp_path_factory):
     return Engine(VllmEngine(tmp_path_factory.mktemp("vllm"), base_model))
 
 
-def items_for(prompt_list, seeds, results, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS):
+def items_for(prompt_list, seeds, results, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, eos=EOS):
     return [VerifyItem(p, RolloutClaim(r.completion_ids, r.logprobs, r.finish_reason, r.commitment), s,
-                       temperature, top_p, max_tokens, EOS) for p, s, r in zip(prompt_list, seeds, results)]
+                       temperature, top_p, max_tokens, eos) for p, s, r in zip(prompt_list, seeds, results)]
 
 
 # --- honest ---------------------------------------------------------------------------------------
@@ -219,33 +219,36 @@ def test_attack_different_step(engine, base_model, verifier, honest):
     assert_all_rejected(verifier, items_for(ps, seeds, res), {"commitment", "logprobs", "sampling"})
 
 
-def test_attack_tokens_edited(verifier, honest):
-    ps, seeds, res = honest
-    rng = random.Random(3)
+# The forgeries below are functions of the honest results (tests/real runs them on the real model too).
+
+def edit_tokens(results, vocab: int = VOCAB, seed: int = 3):
+    """One token of each completion (not its last) replaced by another token id >= 3 (EOS is 2 here and in
+    SmolLM2)."""
+    rng = random.Random(seed)
     edited = []
-    for r in res:
+    for r in results:
         ids = list(r.completion_ids)
         j = rng.randrange(len(ids) - 1) if len(ids) > 1 else 0
-        ids[j] = 3 + (ids[j] + rng.randrange(1, VOCAB - 4)) % (VOCAB - 3)  # another non-EOS token
+        ids[j] = 3 + (ids[j] + rng.randrange(1, vocab - 4)) % (vocab - 3)  # another non-EOS token
         edited.append(replace(r, completion_ids=ids))
-    assert_all_rejected(verifier, items_for(ps, seeds, edited), {"commitment", "logprobs", "sampling", "termination"})
+    return edited
 
 
-def test_attack_logprobs_copied_from_another_rollout(verifier, honest):
-    ps, seeds, res = honest
+def copy_logprobs(results):
+    """Each rollout claims the next one's logprobs (repeated or cut to its length)."""
     forged = []
-    for i, r in enumerate(res):
-        other = res[(i + 1) % len(res)].logprobs
+    for i, r in enumerate(results):
+        other = results[(i + 1) % len(results)].logprobs
         lp = (other * (len(r.logprobs) // len(other) + 1))[:len(r.logprobs)]
         forged.append(replace(r, logprobs=lp))
-    assert_all_rejected(verifier, items_for(ps, seeds, forged), {"logprobs"})
+    return forged
 
 
-def test_attack_logprobs_recomputed_and_perturbed(verifier, honest):
-    ps, seeds, res = honest
-    rng = random.Random(4)
+def perturb_logprobs(results, seed: int = 4):
+    """Claim 25% more log-likelihood everywhere, or move one token's logprob by 1 nat."""
+    rng = random.Random(seed)
     forged = []
-    for r in res:  # claim 25% more log-likelihood everywhere, or move one token by 1 nat
+    for r in results:
         if rng.random() < 0.5:
             lp = [x * 0.75 for x in r.logprobs]
         else:
@@ -253,7 +256,51 @@ def test_attack_logprobs_recomputed_and_perturbed(verifier, honest):
             j = rng.randrange(len(lp))
             lp[j] = lp[j] + 1.0 if lp[j] < -1.0 else lp[j] - 1.0
         forged.append(replace(r, logprobs=lp))
-    assert_all_rejected(verifier, items_for(ps, seeds, forged), {"logprobs"})
+    return forged
+
+
+def truncate_claiming_stop(results, eos: int = EOS):
+    """Cut to half and claim "stop": plainly (no EOS) or with an EOS glued on, a fresh well-formed commitment."""
+    from verify.commitment import make_commitment
+
+    cut = []
+    for i, r in enumerate(results):
+        n = max(1, len(r.completion_ids) // 2)
+        if i % 2:  # plain truncation, no EOS
+            ids, lp = r.completion_ids[:n], r.logprobs[:n]
+        else:  # truncation with an EOS glued on (and a plausible logprob for it)
+            ids, lp = r.completion_ids[:n - 1] + [eos], r.logprobs[:n - 1] + [r.logprobs[n - 1]]
+        cut.append(GenResult(ids, lp, "stop", make_commitment(torch.randn(len(ids), 64))))
+    return cut
+
+
+def copy_commitments(results):
+    """Each rollout carries another's commitment, of the same number of chunks where one exists."""
+    by_chunks: dict[int, list[int]] = {}
+    for i, r in enumerate(results):
+        by_chunks.setdefault((len(r.completion_ids) + 31) // 32, []).append(i)
+    forged = []
+    for i, r in enumerate(results):
+        group = by_chunks[(len(r.completion_ids) + 31) // 32]
+        donor = group[(group.index(i) + 1) % len(group)] if len(group) > 1 else (i + 1) % len(results)
+        forged.append(replace(r, commitment=results[donor].commitment))
+    return forged
+
+
+def test_attack_tokens_edited(verifier, honest):
+    ps, seeds, res = honest
+    assert_all_rejected(verifier, items_for(ps, seeds, edit_tokens(res)),
+                        {"commitment", "logprobs", "sampling", "termination"})
+
+
+def test_attack_logprobs_copied_from_another_rollout(verifier, honest):
+    ps, seeds, res = honest
+    assert_all_rejected(verifier, items_for(ps, seeds, copy_logprobs(res)), {"logprobs"})
+
+
+def test_attack_logprobs_recomputed_and_perturbed(verifier, honest):
+    ps, seeds, res = honest
+    assert_all_rejected(verifier, items_for(ps, seeds, perturb_logprobs(res)), {"logprobs"})
 
 
 def test_attack_other_seed(engine, verifier, honest, base_model):
@@ -286,16 +333,7 @@ def test_attack_prompt_swapped(engine, verifier, honest, base_model):
 def test_attack_truncated_but_claims_stop(engine, verifier, base_model):
     ps, seeds = prompts(N_ATTACK, seed=44), [88_000 + i for i in range(N_ATTACK)]
     res = engine.generate(base_model, ps, seeds, dtype="bfloat16", max_tokens=12)
-    cut = []
-    for i, r in enumerate(res):
-        n = max(1, len(r.completion_ids) // 2)
-        if i % 2:  # plain truncation, no EOS
-            ids, lp = r.completion_ids[:n], r.logprobs[:n]
-        else:  # truncation with an EOS glued on (and a plausible logprob for it)
-            ids, lp = r.completion_ids[:n - 1] + [EOS], r.logprobs[:n - 1] + [r.logprobs[n - 1]]
-        from verify.commitment import make_commitment  # a fresh, well-formed commitment of the right size
-        cut.append(GenResult(ids, lp, "stop", make_commitment(torch.randn(len(ids), 64))))
-    items = items_for(ps, seeds, cut, max_tokens=12)
+    items = items_for(ps, seeds, truncate_claiming_stop(res), max_tokens=12)
     assert_all_rejected(verifier, items, {"termination", "commitment", "sampling", "logprobs"})
     # The honest version of the same generations passes: the rejection is about the edit.
     assert all(v.ok for v in verifier.verify_many(items_for(ps, seeds, res, max_tokens=12)))
@@ -303,15 +341,7 @@ def test_attack_truncated_but_claims_stop(engine, verifier, base_model):
 
 def test_attack_commitment_copied(verifier, honest):
     ps, seeds, res = honest
-    by_chunks: dict[int, list[int]] = {}
-    for i, r in enumerate(res):
-        by_chunks.setdefault((len(r.completion_ids) + 31) // 32, []).append(i)
-    forged = []
-    for i, r in enumerate(res):
-        group = by_chunks[(len(r.completion_ids) + 31) // 32]
-        donor = group[(group.index(i) + 1) % len(group)] if len(group) > 1 else (i + 1) % len(res)
-        forged.append(replace(r, commitment=res[donor].commitment))
-    assert_all_rejected(verifier, items_for(ps, seeds, forged), {"commitment", "shape"})
+    assert_all_rejected(verifier, items_for(ps, seeds, copy_commitments(res)), {"commitment", "shape"})
 
 
 def test_shape_and_termination_checks(verifier, honest):
