@@ -72,6 +72,16 @@ class FdBudget:
 _serving: FdBudget | None = None
 _serving_lock = threading.Lock()
 
+# The reserve must also hold the sockets the budget never sees. asyncio accepts up to `backlog` connections
+# per turn of the event loop, and a connection refused for want of descriptors (node/http.py) keeps its
+# socket until the fourth turn after its accept (transport made; connection_made refuses; close; socket
+# closed): up to ACCEPT_TURNS x backlog sockets at once under a flood. listen_backlog() sizes the backlog so
+# that they, and OTHER_FDS for the process's own (ledger, logs, pipes, a checkpoint being written), fit in
+# the reserve; with the common limits (thousands and up) that is aiohttp's default of 128.
+ACCEPT_TURNS = 5
+OTHER_FDS = 64
+MAX_BACKLOG = 128
+
 
 def serving_budget() -> FdBudget:
     """The process's budget for serving connections: SERVE_SHARE of the open-file limit, which is raised to
@@ -81,3 +91,11 @@ def serving_budget() -> FdBudget:
         if _serving is None:
             _serving = FdBudget(max(FDS_PER_CONNECTION, int(raise_open_file_limit() * SERVE_SHARE)))
         return _serving
+
+
+def listen_backlog() -> int:
+    """The listen backlog for a server that serves strangers: at most MAX_BACKLOG, and small enough that
+    ACCEPT_TURNS backlogs of sockets accepted but not yet counted (or refused and not yet closed) fit in
+    the part of the open-file limit that serving_budget() leaves free."""
+    reserve = raise_open_file_limit() - serving_budget().limit
+    return max(1, min(MAX_BACKLOG, (reserve - OTHER_FDS) // ACCEPT_TURNS))

@@ -10,6 +10,7 @@ from aiohttp import web
 from node.checkpoint_routes import CheckpointRoutes
 from node.coordinator.openapi import build_openapi
 from node.coordinator.seeding import SeedingGate
+from node.fdlimits import listen_backlog
 from node.http import (BODY_BUDGET, BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, BodyBudget, ConnectionLimits,
                        HardenedAppRunner, error_middleware, parse_body, read_signed)
 from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
@@ -164,7 +165,8 @@ async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]
                               send_grace_s=cfg.send_grace_s)
     runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=cfg.header_timeout_s, limits=limits)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    # the backlog bounds the sockets a connection flood holds beyond the serving budget (node/fdlimits.py)
+    site = web.TCPSite(runner, host, port, backlog=listen_backlog())
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]
     coord.url = f"http://{host}:{bound}"
