@@ -15,7 +15,7 @@ print(F.raise_open_file_limit(), F.serving_budget().limit, F.listen_backlog())
 """
 
 
-@pytest.mark.parametrize("limit", [256, 512, 1024, 4096, 16384]  # at most the hard limit here (20,000))
+@pytest.mark.parametrize("limit", [256, 512, 1024, 4096, 16384])  # at most the hard limit here (20,000)
 def test_accept_bursts_fit_in_the_reserve(limit):
     """A fresh process under each hard limit (the serving budget is per process): ACCEPT_TURNS backlogs of
     uncounted sockets plus OTHER_FDS fit in what the serving budget leaves free; large limits keep 128."""
