@@ -76,28 +76,41 @@ def left_pad(seqs: Sequence[Sequence[int]], *, pad_id: int, device: torch.device
 @torch.inference_mode()
 def recompute(model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched prefill: fp32 logits [B, C, V] and final hidden states [B, C, H] at the positions
+    """Batched prefill: fp32 logits [B, C, V] and final hidden states [B, C, H] at the positions
     that produced each completion token (row b is valid for its first len(completions[b]) entries).
 
-    Prompts are left-padded and completions right-padded, so every completion starts in the same
-    column and the last C columns (C = longest completion) are exactly the positions needed.
+    Rollouts of one prompt group share their prompt: each distinct prompt is prefilled once (left-padded,
+    its KV cache then copied to the rows that share it), and the completions (right-padded, so every one
+    starts in the same column) run on top of that cache. A group of G samples thus costs one prompt
+    prefill instead of G (bench/real_step.py: about half of a replay's forward work on the real model).
     Used by the verifier, and by backends that cannot expose hidden states while decoding (vLLM).
     """
+    from transformers import DynamicCache
+
     device = next(model.parameters()).device
     c = max(len(x) for x in completions)
-    ids, mask, _ = left_pad(prompts, pad_id=0)
-    tail = torch.zeros((len(prompts), c - 1), dtype=torch.int64)
-    tail_mask = torch.zeros_like(tail)
-    for row, comp in enumerate(completions):
-        comp = list(comp[:-1])  # the last token is never an input
-        tail[row, :len(comp)] = torch.tensor(comp, dtype=torch.int64)
-        tail_mask[row, :len(comp)] = 1
-    ids = torch.cat([ids, tail], 1).to(device)
-    mask = torch.cat([mask, tail_mask], 1).to(device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    keys = [tuple(p) for p in prompts]
+    distinct = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    owner = torch.tensor([distinct[k] for k in keys], dtype=torch.int64, device=device)
+    ids, mask, pos = left_pad(list(distinct), pad_id=0, device=device)
+    cache = DynamicCache(config=model.config)
     with capture_final_hidden(model) as captured:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=c)
-    return out.logits.float(), captured[-1]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        logits, hidden = out.logits.float()[owner], captured.pop()[owner]  # [B, 1, V], [B, 1, H]
+        if c == 1:
+            return logits, hidden
+        cache.reorder_cache(owner)  # one copy of each prompt's keys and values per row that shares it
+        tail = torch.zeros((len(prompts), c - 1), dtype=torch.int64)
+        tail_mask = torch.zeros_like(tail)
+        for row, comp in enumerate(completions):
+            comp = list(comp[:-1])  # the last token is never an input
+            tail[row, :len(comp)] = torch.tensor(comp, dtype=torch.int64)
+            tail_mask[row, :len(comp)] = 1
+        tail_pos = pos[owner][:, -1:] + torch.arange(1, c, device=device)[None, :]
+        out = model(input_ids=tail.to(device), attention_mask=torch.cat([mask[owner], tail_mask.to(device)], 1),
+                    position_ids=tail_pos, past_key_values=cache, use_cache=True, logits_to_keep=c - 1)
+        return torch.cat([logits, out.logits.float()], 1), torch.cat([hidden, captured.pop()], 1)
 
 
 @dataclass(frozen=True)
@@ -212,8 +225,9 @@ class RolloutVerifier:
     def verify_many(self, items: Sequence[VerifyItem]) -> list[Verdict]:
         """Verdicts in input order; well-formed rollouts share batched prefills."""
         verdicts: list[Verdict | None] = [self._static_checks(it) for it in items]
+        # Rollouts of one prompt next to each other: a batch prefills each distinct prompt once (recompute).
         todo = sorted((i for i, v in enumerate(verdicts) if v is None),
-                      key=lambda i: len(items[i].prompt_ids) + len(items[i].rollout.completion_ids))
+                      key=lambda i: (len(items[i].prompt_ids), items[i].prompt_ids, len(items[i].rollout.completion_ids)))
         batch: list[int] = []
         for i in todo:
             if batch and not self._fits(items, batch + [i]):

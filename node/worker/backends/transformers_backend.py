@@ -74,7 +74,12 @@ class TransformersBackend:
         from transformers import DynamicCache
 
         dev = self.device
-        ids, mask, pos = left_pad([r.prompt_ids for r in requests], pad_id=eos_token_id, device=dev)
+        # The samples of one prompt share its prefill: each distinct prompt runs once and its KV cache is
+        # copied to every row that decodes from it (a group of G samples: 1 prompt prefill instead of G).
+        keys = [tuple(r.prompt_ids) for r in requests]
+        distinct = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        owner = torch.tensor([distinct[k] for k in keys], dtype=torch.int64, device=dev)
+        ids, mask, pos = left_pad(list(distinct), pad_id=eos_token_id, device=dev)
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev)
         b = len(requests)
         tokens_out = torch.empty((b, max_tokens), dtype=torch.int64, device=dev)
@@ -82,16 +87,20 @@ class TransformersBackend:
         hidden_steps: list[torch.Tensor] = []
         lengths = torch.full((b,), max_tokens, dtype=torch.int64, device=dev)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
+        cache = DynamicCache(config=self.model.config)
         with capture_final_hidden(self.model) as captured:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=DynamicCache(config=self.model.config), use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1][owner]
+            captured.append(captured.pop()[owner])
+            cache.reorder_cache(owner)
+            mask, pos = mask[owner], pos[owner]
             for step in range(max_tokens):
                 # The hidden state that produced token `step` (the head saw only the last position).
                 hidden_steps.append(captured.pop()[:, -1])
                 captured.clear()
                 positions = torch.full((b,), step, dtype=torch.int64, device=dev)
-                tok, lp = sample_step(out.logits[:, -1], seeds, positions, temperature, top_p)
+                tok, lp = sample_step(logits, seeds, positions, temperature, top_p)
                 tokens_out[:, step] = tok
                 logprobs_out[:, step] = lp
                 newly = (~done) & (tok == eos_token_id)
@@ -103,7 +112,8 @@ class TransformersBackend:
                 mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
                 pos = pos[:, -1:] + 1
                 out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
-                                 past_key_values=out.past_key_values, use_cache=True)
+                                 past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1]
         hidden = torch.stack(hidden_steps, dim=1)  # [B, steps, H]
         results = []
         tokens_cpu, lps_cpu, lengths_cpu = tokens_out.cpu(), logprobs_out.cpu(), lengths.cpu().tolist()
