@@ -326,7 +326,7 @@ class NatKeeper:
         from .errors import P2PError
 
         try:
-            await self.node.connect(addrs[:2], self.node.dial_timeout_s)
+            await self.node.connect(addrs[:2], self.node.dial_timeout_s, chosen=False)  # kept, not asked to relay
         except P2PError as e:
             self.node._note_dial_failed(peer)
             log.debug("p2p: keeping a connection to %s failed: %s", peer, e)
