@@ -10,10 +10,11 @@ from typing import Any
 from node.envs.arithmetic import Arithmetic
 from node.envs.base import Task, TaskError
 from node.envs.guess_number import GuessNumber
+from node.envs.mental_math import MentalMath
 from node.envs.reverse_text import ReverseText
 from node.plugins import PluginError, import_object
 
-BUILTIN_TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ReverseText, Arithmetic, GuessNumber)}
+BUILTIN_TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ReverseText, Arithmetic, GuessNumber, MentalMath)}
 
 
 def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:

@@ -55,7 +55,7 @@ def test_bad_kwargs_and_unknown_tasks_are_clear_errors():
         load_task("tests.unit.test_envs:Missing", {})
     with pytest.raises(TaskError, match="not an import path"):
         load_task("../evil.py:Task", {})
-    assert set(BUILTIN_TASKS) == {"reverse-text", "arithmetic", "guess-number"}
+    assert set(BUILTIN_TASKS) == {"reverse-text", "arithmetic", "guess-number", "mental-math"}
 
 
 class CountLetters(Task):
