@@ -77,6 +77,9 @@ class P2PConfig(BaseModel):
     relay_circuit_seconds: int = Field(300, ge=10, le=3600)
     relay_circuit_bytes: int = Field(256 * MIB, ge=MIB, le=16 * 1024 * MIB)
     relay_reservation_ttl_s: int = Field(120, ge=10, le=3600)
+    # DCUtR hole punching: over a relayed connection, two NATed nodes try to connect directly (each dials the
+    # other's dial-back address at its listen port, from its listen port). Needs `listen` (the port to punch).
+    hole_punch: bool = True
     # A log line with the bytes this node served and fetched (and its relay counters) at most this often, when
     # they changed.
     stats_log_s: float = Field(60.0, ge=1, le=3600)

@@ -132,7 +132,7 @@ class P2PNode:
                  http: bool = False, http_port: int = 0, allow_private_addrs: bool = False,
                  dial_timeout_s: float = 3.0, dial_retry_s: float = 60.0, nat_keep_peers: int = 4,
                  relay_hop: bool = False, relay_limits: Any = None, relay_reserve: bool = True,
-                 nat_interval_s: float = 5.0, stats_log_s: float = 60.0):
+                 nat_interval_s: float = 5.0, stats_log_s: float = 60.0, hole_punch: bool = True):
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
         if upload_limit < 0:
@@ -202,7 +202,7 @@ class P2PNode:
         self._dials: set[asyncio.Task] = set()
         # NATed nodes serve too (nat.py): kept connections to reachable peers, relay reservations, circuits.
         self.nat_keep_peers, self.relay_reserve, self.nat_interval_s = nat_keep_peers, relay_reserve, nat_interval_s
-        self.relay_hop, self.relay_limits = relay_hop, relay_limits
+        self.relay_hop, self.relay_limits, self.hole_punch = relay_hop, relay_limits, hole_punch
         # Peers we chose to connect to (bootstrap: the coordinator, relays): kept and asked for reservations.
         self._chosen: collections.OrderedDict[str, str] = collections.OrderedDict()  # peer -> the address reached
         self._nat_task: asyncio.Task | None = None
@@ -226,7 +226,7 @@ class P2PNode:
                    request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port,
                    allow_private_addrs=cfg.allow_private_addrs, dial_timeout_s=cfg.dial_timeout_s,
                    dial_retry_s=cfg.dial_retry_s, nat_keep_peers=cfg.nat_keep_peers,
-                   relay_limits=cfg.relay_limits(), stats_log_s=cfg.stats_log_s, **kw)
+                   relay_limits=cfg.relay_limits(), stats_log_s=cfg.stats_log_s, hole_punch=cfg.hole_punch, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -258,7 +258,7 @@ class P2PNode:
             request_timeout_s=self.request_timeout_s, max_streams_per_peer=self.max_streams_per_peer,
             log_interval_s=self.log_interval_s, upload_bucket=self._upload_bucket,
             allow_private_addrs=self.allow_private_addrs, dial_timeout_s=self.dial_timeout_s,
-            relay_hop=self.relay_hop, relay_limits=self.relay_limits)
+            relay_hop=self.relay_hop, relay_limits=self.relay_limits, hole_punch=self.hole_punch)
         self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
@@ -327,6 +327,8 @@ class P2PNode:
         from .http_shards import http_addr, is_http_addr
 
         self.reachable = libp2p
+        if self._service is not None:  # what DCUtR advertises for hole punching (nat.py), with our listen port
+            self._service.set_public_ip(observed_ip)
         if libp2p is False and self._announce_override is None:
             self._start_nat_keeper()
         elif libp2p and self._nat_task is not None:

@@ -19,6 +19,7 @@ pubsub services, then the listeners and connections, in that order.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -145,6 +146,8 @@ class ServiceSettings:
     # Circuit relay v2 hop (nat.py): relay circuits to NATed nodes that reserved a slot here, within these limits.
     relay_hop: bool = False
     relay_limits: Any = None  # nat.RelayHopLimits
+    # DCUtR hole punching over relayed connections (nat.py)
+    hole_punch: bool = False
 
 
 def _peer_name(peer_id_bytes: bytes) -> str:
@@ -253,9 +256,13 @@ class P2PService:
                 if listen and not self.host.get_transport_addrs():
                     # py-libp2p logs a failed bind (e.g. port in use) and carries on without a listener.
                     raise P2PError(f"could not listen on {', '.join(map(str, listen))} (address in use?)")
-                self.relay = nat.Relaying(self.host, hop=self.settings.relay_hop, limits=self.settings.relay_limits)
-                async with background_trio_service(self.pubsub), background_trio_service(self.gossipsub), \
-                        background_trio_service(self.relay.protocol):
+                self.relay = nat.Relaying(self.host, hop=self.settings.relay_hop, limits=self.settings.relay_limits,
+                                          hole_punch=self.settings.hole_punch and bool(listen),
+                                          allow_private_addrs=self.settings.allow_private_addrs)
+                async with contextlib.AsyncExitStack() as services:
+                    for service in (self.pubsub, self.gossipsub, self.relay.protocol, self.relay.dcutr):
+                        if service is not None:
+                            await services.enter_async_context(background_trio_service(service))
                     await self.relay.started()
                     await self.pubsub.wait_until_ready()
                     self.pubsub.set_topic_validator(self.topic, self._validate, False)
@@ -378,6 +385,11 @@ class P2PService:
         except trio.TooSlowError:
             raise P2PError(f"relay {relay} did not answer a reservation within "
                            f"{self.settings.connect_timeout_s:.0f} s") from None
+
+    def set_public_ip(self, ip: str | None) -> None:
+        """The address the join's dial-back saw us at: what DCUtR advertises (with our listen port)."""
+        if self.relay is not None:
+            self.relay.public_ip = ip
 
     def relay_stats(self) -> dict:
         return self.relay.snapshot() if self.relay is not None else {}

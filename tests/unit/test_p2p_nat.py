@@ -191,3 +191,24 @@ async def _reserve_for_others(service, relay: str, n: int) -> list[int]:
         answers.append((await read_delimited_msg(stream, HopMessage)).status)
         await stream.close()
     return answers
+
+
+async def test_a_relayed_connection_is_upgraded_to_a_direct_one_by_hole_punching():
+    """DCUtR (nat.py's fixes of py-libp2p's): over a circuit, each side advertises the address the dial-back saw it
+    at with its listen port, and the two dial each other; on loopback no NAT is in the way, so this checks the
+    wiring (the WAN lab, two homes behind separate NAT routers, checks the punch)."""
+    async with running(node(listen=LOOPBACK, relay_hop=True), serving(listen=LOOPBACK), node(listen=LOOPBACK)) as (
+            relay, home_a, home_b):
+        for h in (home_a, home_b):
+            await h.connect(relay.listen_addrs)
+            h.apply_reachability("127.0.0.1", False, None)
+        circuits = await until("home A's circuit", lambda: [a for a in home_a.announce_addrs if is_circuit(a)])
+        learn_have(home_a, home_b, circuits)
+        assert await home_b.fetch_shard(home_a.peer_id, 1, 2, 1 << 20, manifest_hash=H) == SHARDS[2]
+        assert (await home_b.relay_stats())["circuits_out"] == 1
+        punched = await until("a direct connection", lambda: _punched(home_a, home_b), deadline_s=30)
+        assert punched >= 1
+
+
+async def _punched(*nodes):
+    return sum([(await n.relay_stats()).get("hole_punched", 0) for n in nodes])
