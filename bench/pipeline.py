@@ -83,6 +83,11 @@ def run(name: str, overrides: list[str], steps: int, nodes: int) -> dict:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+    return summarize(name, status)
+
+
+def summarize(name: str, status: dict) -> dict:
+    """A run's numbers from the coordinator's final /v1/status (also used by bench/wan_k.py)."""
     log = [s for s in status["step_log"] if s["step"] >= 1]
     counted = [s for s in log if s["step"] >= 3]
     span = (counted[-1]["published_ms"] - log[1]["published_ms"]) / 1000  # from step 2's end to the last

@@ -199,76 +199,280 @@ def cli(root: Path, *args: str) -> list[str]:
 
 
 def run_loop(root: Path, delays_ms: list[float], steps: int, workdir: Path, *, timeout_s: float = 300.0,
-             extra: tuple[str, ...] = ()) -> dict:
+             extra: tuple[str, ...] = (), lab=None) -> dict:
     """The real loop from the checkout at `root`: coordinator in the datacenter, a home node per one-way delay,
-    `steps` trainer steps. Returns per-node numbers keyed by delay."""
+    `steps` trainer steps. Returns per-node numbers keyed by delay. In `lab` if given (it is closed at the end:
+    the sniffers flush), else in a new one; either way it raises if a delay line died during the run."""
     sys.path.insert(0, str(REPO))
-    from tests.wan.lab import DATACENTER, Lab, home
+    from tests.wan.lab import Lab
+
+    if lab is None:
+        with Lab() as lab:
+            return run_loop(root, delays_ms, steps, workdir, timeout_s=timeout_s, extra=extra, lab=lab)
+    return _run_loop(lab, root, delays_ms, steps, workdir, timeout_s, extra)
+
+
+def start_run(lab, root: Path, sites: list[tuple[str, object]], workdir: Path, coord_sets: list[str],
+              node_sets: list[str], before_nodes=None) -> tuple[object, list, str, object]:
+    """The coordinator (real CLI) in a datacenter site of `lab` and one `prime-node join` per (name, profile) in
+    `sites`, with the demo's config and `--set` overrides; `before_nodes(dc, nodes)` runs after the sites exist
+    and before any process starts (sniffers). Returns (dc site, node sites, coordinator URL, its process)."""
+    from tests.wan.lab import DATACENTER
+
+    dc = lab.add("dc", DATACENTER)
+    nodes = [lab.add(name, prof) for name, prof in sites]
+    if before_nodes is not None:
+        before_nodes(dc, nodes)
+    ready = workdir / "coordinator.ready"
+    ready.unlink(missing_ok=True)
+    coord = lab.spawn(dc, "coordinator", cli(
+        root, "coordinator", *coord_sets, f"--set=server.host={dc.addr}", f"--set=server.port={PORT}",
+        f"--set=storage.dir={workdir / 'coord'}", f"--set=p2p.listen_host={dc.addr}", "--ready-file", str(ready)),
+        cwd=root)
+    t0 = time.monotonic()
+    while not ready.is_file():
+        if coord.poll() is not None or time.monotonic() - t0 > 120:
+            raise RuntimeError("the coordinator did not start:\n" + lab.log("coordinator")[-3000:])
+        time.sleep(0.2)
+    info = json.loads(ready.read_text())
+    url = info["url"]
+    for n in nodes:
+        lab.spawn(n, f"worker-{n.name}", cli(
+            root, "join", "--coordinator", url, "--coordinator-key", info["key"], *node_sets,
+            f"--set=worker.storage_dir={workdir / n.name}", "--set=worker.heartbeat_seconds=1",
+            "--set=p2p.listen_host=0.0.0.0"), cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return dc, nodes, url, coord
+
+
+def lab_status(lab, dc, url: str) -> dict:
+    out = lab.run(dc, [sys.executable, "-c", STATUS, url])
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def _run_loop(lab, root: Path, delays_ms: list[float], steps: int, workdir: Path, timeout_s: float,
+              extra: tuple[str, ...]) -> dict:
+    from tests.wan.lab import home
 
     common = ["--config", str(root / "configs/local.toml"), "--set=trainer.warm_start_steps=0",
               "--set=eval.every_steps=0", *extra]
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: no steps held from an earlier one
     workdir.mkdir(parents=True)
-    with Lab() as lab:
-        dc = lab.add("dc", DATACENTER)
-        nodes = [lab.add(f"home{int(d)}", home(d)) for d in delays_ms]
-        sniffs = {}
+    sniffs = {}
+
+    def sniffers(dc, nodes):
         for n in nodes:
             sniffs[n.name] = workdir / f"{n.name}.sniff"
-            lab.spawn(n, f"sniff-{n.name}", [sys.executable, str(Path(__file__).resolve()), "sniff", "--iface", "e0",
-                                             "--peer", dc.addr, "--out", str(sniffs[n.name])])
-        ready = workdir / "coordinator.ready"
-        ready.unlink(missing_ok=True)
-        coord = lab.spawn(dc, "coordinator", cli(
-            root, "coordinator", *common, f"--set=server.host={dc.addr}", f"--set=server.port={PORT}",
-            f"--set=storage.dir={workdir / 'coord'}", f"--set=run.max_steps={steps}",
-            f"--set=p2p.listen_host={dc.addr}", "--ready-file", str(ready)), cwd=root)
-        t0 = time.monotonic()
-        while not ready.is_file():
-            if coord.poll() is not None or time.monotonic() - t0 > 120:
-                raise RuntimeError("the coordinator did not start:\n" + lab.log("coordinator")[-3000:])
-            time.sleep(0.2)
-        info = json.loads(ready.read_text())
-        url = info["url"]
-        for n in nodes:
-            lab.spawn(n, f"worker-{n.name}", cli(
-                root, "join", "--coordinator", url, "--coordinator-key", info["key"], *common,
-                f"--set=worker.storage_dir={workdir / n.name}", "--set=worker.heartbeat_seconds=1",
-                "--set=p2p.listen_host=0.0.0.0"), cwd=root)
+            lab.spawn(n, f"sniff-{n.name}", [sys.executable, str(Path(__file__).resolve()), "sniff", "--iface",
+                                             "e0", "--peer", dc.addr, "--out", str(sniffs[n.name])])
 
-        def status() -> dict:
-            out = lab.run(dc, [sys.executable, "-c", STATUS, url])
-            return json.loads(out.stdout) if out.returncode == 0 else {}
+    dc, nodes, url, coord = start_run(lab, root, [(f"home{int(d)}", home(d)) for d in delays_ms], workdir,
+                                      [*common, f"--set=run.max_steps={steps}"], common, sniffers)
 
-        deadline, s, t_start = time.monotonic() + timeout_s, {}, time.monotonic()
-        while time.monotonic() < deadline:
-            s = status()
-            if s.get("step", 0) >= steps:
+    def status() -> dict:
+        return lab_status(lab, dc, url)
+
+    deadline, s, t_start = time.monotonic() + timeout_s, {}, time.monotonic()
+    steady = None  # accepted rollouts per node when every node had started generating (engines start at
+    while time.monotonic() < deadline:  # different times on a loaded box: the split after it is the fair one)
+        s = status()
+        rows_now = s.get("nodes", [])
+        if steady is None and len(rows_now) == len(nodes) and all((r.get("policy_step") or -1) >= 1 for r in rows_now):
+            steady = ({r["node_id"][:8]: r.get("accepted") or 0 for r in rows_now}, s.get("step", 0))
+        if s.get("step", 0) >= steps:
+            break
+        if coord.poll() is not None:
+            raise RuntimeError("the coordinator exited:\n" + lab.log("coordinator")[-3000:])
+        time.sleep(1)
+    wall = time.monotonic() - t_start
+    time.sleep(3)  # the last step reaches the nodes
+    s = status() or s
+    ids = {}
+    for n in nodes:
+        m = re.search(r"joined run \S+ as ([0-9a-f]{8})", lab.log(f"worker-{n.name}"))
+        ids[n.name] = m.group(1) if m else None
+    deltas = {c["step"] for c in s.get("checkpoints", []) if c.get("encoding") != "full"}
+    rows = {r["node_id"][:8]: r for r in s.get("nodes", [])}
+    fetcher_lines = {n.name: re.findall(r"fetched steps (\S+) in ([\d.]+) s: (\d+) requests, (\d+) new conn",
+                                        lab.log(f"worker-{n.name}")) for n in nodes}
+    lab.check_delay_lines()  # a dead delay line fails open: the run would have lost that site's latency
+    lab.close()  # the sniffers flush and stop
+    out = {"trainer_steps": s.get("step"), "wall_s": round(wall, 1),
+           "bytes_by_source": s.get("checkpoint_bytes_by_source"), "nodes": {}}
+    for n, d in zip(nodes, delays_ms):
+        r = analyse(read_sniff(sniffs[n.name]), 2 * d / 1e3, deltas or None)
+        row = rows.get(ids[n.name] or "", {})
+        base = steady[0].get(ids[n.name] or "", 0) if steady else None
+        r.update(one_way_ms=d, accepted=row.get("accepted"), policy_step=row.get("policy_step"),
+                 fetcher_log_syncs=len(fetcher_lines[n.name]),
+                 accepted_steady=(row.get("accepted") or 0) - base if base is not None else None,
+                 steady_from_step=steady[1] if steady else None)
+        out["nodes"][str(int(d))] = r
+    return out
+
+
+# -- N nodes: time until every node holds a step ------------------------------------------------------
+UPLINK_MBIT = {"home": 20.0, "public": 200.0, "dc": 1000.0}
+DOWNLINK_MBIT = {"home": 100.0, "public": 200.0, "dc": 1000.0}
+
+
+def swarm_sites(n: int) -> list[tuple[str, object, str]]:
+    """The issue's mix, deterministic: of every 10 nodes 6 at home behind NAT (20-100 ms one way, 20 up / 100
+    down), 3 on public fibre (5-20 ms, 200/200), 1 in a datacenter (1 ms, 1 Gbit/s). (name, profile, kind)."""
+    from tests.wan.lab import Profile, home, public
+
+    pattern = "hphhphdhph"
+    kinds = [pattern[i % 10] for i in range(n)]
+    homes, pubs = kinds.count("h"), kinds.count("p")
+    out, hi, pi = [], 0, 0
+    for i, k in enumerate(kinds):
+        if k == "h":
+            d = 20.0 + 80.0 * hi / max(1, homes - 1)
+            hi += 1
+            out.append((f"h{i}", home(round(d)), "home"))
+        elif k == "p":
+            d = 5.0 + 15.0 * pi / max(1, pubs - 1)
+            pi += 1
+            out.append((f"p{i}", public(round(d)), "public"))
+        else:
+            out.append((f"d{i}", Profile("public", 1.0, "1gbit", "1gbit"), "dc"))
+    return out
+
+
+def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: float, timeout_s: float = 420.0,
+              extra: tuple[str, ...] = ()) -> dict:
+    """N nodes of the issue's mix follow the real coordinator for `steps` steps (the origin's upload capped at
+    `origin_mbit`). The bench polls every node's checkpoint directory (first sight of each step, every 0.1 s:
+    not the code under test) and times each step from its publication until every node holds it (or a later
+    step), against a lower bound: what the origin's and the nodes' uplinks could move at best, plus the
+    farthest node's round trip."""
+    import threading
+
+    from tests.wan.lab import Lab
+
+    cap = int(origin_mbit * 1e6 / 8)
+    common = ["--config", str(root / "configs/local.toml"), "--set=trainer.warm_start_steps=0",
+              "--set=eval.every_steps=0", *extra]
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    sites = swarm_sites(n)
+    seen: dict[str, dict[int, float]] = {name: {} for name, _, _ in sites}
+    load, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            t = time.time()
+            for name in seen:
+                try:
+                    for e in os.listdir(workdir / name / "checkpoints"):
+                        if e.isdigit():
+                            seen[name].setdefault(int(e), t)
+                except OSError:
+                    pass
+            if len(load) < 100_000:
+                load.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            stop.wait(0.1)
+
+    with Lab() as lab:
+        dc, nodes, url, coord = start_run(
+            lab, root, [(a, b) for a, b, _ in sites], workdir,
+            [*common, f"--set=run.max_steps={steps}", f"--set=distribution.origin_upload_limit={cap}"],
+            [*common, "--set=p2p.stats_log_s=2"])
+        th = threading.Thread(target=poll, daemon=True)
+        th.start()
+        t_start, st = time.monotonic(), {}
+        while time.monotonic() - t_start < timeout_s:
+            st = lab_status(lab, dc, url) or st
+            if st.get("step", 0) >= steps:
                 break
             if coord.poll() is not None:
                 raise RuntimeError("the coordinator exited:\n" + lab.log("coordinator")[-3000:])
             time.sleep(1)
         wall = time.monotonic() - t_start
-        time.sleep(3)  # the last step reaches the nodes
-        s = status() or s
-        ids = {}
-        for n in nodes:
-            m = re.search(r"joined run \S+ as ([0-9a-f]{8})", lab.log(f"worker-{n.name}"))
-            ids[n.name] = m.group(1) if m else None
-        deltas = {c["step"] for c in s.get("checkpoints", []) if c.get("encoding") != "full"}
-        rows = {r["node_id"][:8]: r for r in s.get("nodes", [])}
-        fetcher_lines = {n.name: re.findall(r"fetched steps (\S+) in ([\d.]+) s: (\d+) requests, (\d+) new conn",
-                                            lab.log(f"worker-{n.name}")) for n in nodes}
-        lab.close()  # the sniffers flush and stop
-        out = {"trainer_steps": s.get("step"), "wall_s": round(wall, 1),
-               "bytes_by_source": s.get("checkpoint_bytes_by_source"), "nodes": {}}
-        for n, d in zip(nodes, delays_ms):
-            r = analyse(read_sniff(sniffs[n.name]), 2 * d / 1e3, deltas or None)
-            row = rows.get(ids[n.name] or "", {})
-            r.update(one_way_ms=d, accepted=row.get("accepted"), policy_step=row.get("policy_step"),
-                     fetcher_log_syncs=len(fetcher_lines[n.name]))
-            out["nodes"][str(int(d))] = r
-        return out
+        time.sleep(5)  # the last step reaches the nodes; their p2p totals are logged (every 2 s)
+        st = lab_status(lab, dc, url) or st
+        rss = _rss_mb(lab)
+        logs = {nd.name: lab.log(f"worker-{nd.name}") for nd in nodes}
+        lab.check_delay_lines()
+        stop.set()
+        th.join(5)
+    ids = {}
+    for name, text in logs.items():
+        m = re.search(r"joined run \S+ as ([0-9a-f]{8})", text)
+        ids[name] = m.group(1) if m else None
+    rows = {r["node_id"][:8]: r for r in st.get("nodes", [])}
+    per_node = {}
+    for name, prof, kind in sites:
+        served = re.findall(r"p2p totals: served (\d+) bytes, fetched (\d+) bytes \((\w+)\)", logs[name])
+        row = rows.get(ids[name] or "", {})
+        per_node[name] = {"kind": kind, "one_way_ms": prof.one_way_ms, "rtt_ms": 2 * prof.one_way_ms,
+                          "natted": kind == "home", "served_bytes": int(served[-1][0]) if served else 0,
+                          "reach": served[-1][2] if served else None, "accepted": row.get("accepted"),
+                          "steps_seen": len(seen[name])}
+    ups = [UPLINK_MBIT[k] * 1e6 / 8 for _, _, k in sites]
+    downs = [DOWNLINK_MBIT[k] * 1e6 / 8 for _, _, k in sites]
+    max_rtt = max(2 * p.one_way_ms for _, p, _ in sites) / 1e3
+    steps_out = []
+    for rec in st.get("step_log", []):
+        s_, pub = rec["step"], rec["published_ms"] / 1e3
+        if s_ < 1:
+            continue
+        times = []
+        for name in seen:
+            later = [t for k, t in seen[name].items() if k >= s_]
+            times.append(min(later) if later else None)
+        size = rec["compressed_bytes"]
+        lb = max(size / cap, max(size / d for d in downs), n * size / (cap + sum(ups))) + max_rtt
+        t_all = None if None in times else max(times) - pub
+        steps_out.append({"step": s_, "encoding": rec["encoding"], "bytes": size, "t_all_s": _r(t_all),
+                          "t_median_s": _r(statistics.median(t - pub for t in times if t is not None)) if any(
+                              t is not None for t in times) else None,
+                          "lower_bound_s": round(lb, 3), "vs_bound": _r(t_all / lb if t_all is not None else None),
+                          "nodes_missing": times.count(None)})
+
+    def med(enc, key):
+        xs = [x[key] for x in steps_out if x[key] is not None and (x["encoding"] == "full") == (enc == "full")]
+        return _r(statistics.median(xs)) if xs else None
+
+    by_kind = {}
+    for k in ("home", "public", "dc"):
+        xs = [v["served_bytes"] for v in per_node.values() if v["kind"] == k]
+        if xs:
+            by_kind[k] = {"nodes": len(xs), "served_bytes": sum(xs), "served_per_node": int(sum(xs) / len(xs))}
+    bsrc = st.get("checkpoint_bytes_by_source") or {}
+    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1),
+            "origin_mbit": origin_mbit, "bytes_by_source": bsrc, "origin_bytes": st.get("bytes_served"),
+            "served_by_kind": by_kind, "natted_served_bytes": by_kind.get("home", {}).get("served_bytes", 0),
+            "full": {"t_all_s": med("full", "t_all_s"), "lower_bound_s": med("full", "lower_bound_s"),
+                     "vs_bound": med("full", "vs_bound")},
+            "delta": {"t_all_s": med("delta", "t_all_s"), "lower_bound_s": med("delta", "lower_bound_s"),
+                      "vs_bound": med("delta", "vs_bound"), "t_median_s": med("delta", "t_median_s")},
+            "steps_missed": sum(1 for x in steps_out if x["nodes_missing"]),
+            "load_avg_max": max(load, default=None), "rss_mb": rss, "per_step": steps_out, "nodes": per_node}
+
+
+def _rss_mb(lab) -> dict:
+    """Resident memory of the run's processes (MB): the coordinator and the sum over the workers."""
+    out = {"coordinator": 0.0, "workers": 0.0}
+    for ns in list(lab._namespaces):
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            m = re.search(r"VmRSS:\s+(\d+) kB", status)
+            if not m:
+                continue
+            if b"coordinator" in cmd:
+                out["coordinator"] += int(m.group(1)) / 1024
+            elif b"join" in cmd:
+                out["workers"] += int(m.group(1)) / 1024
+    return {k: round(v) for k, v in out.items()}
+
+
+def _r(x):
+    return None if x is None else round(x, 3)
 
 
 def main() -> None:
@@ -284,6 +488,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_wan"))
     ap.add_argument("--no-p2p", action="store_true",
                     help="p2p.enabled=false: only the origin, no super-seeding deferrals (the fetcher's own round trips)")
+    ap.add_argument("--key", default=None, help="the key of wan.json to write (default: no_p2p or p2p)")
+    ap.add_argument("--scale", default=None, help="N values (e.g. 6,12,24): time until every node holds a step")
+    ap.add_argument("--origin-mbit", type=float, default=20.0, help="--scale: the origin's upload cap, Mbit/s")
     args = ap.parse_args()
     if args.cmd == "sniff":
         sniff(args.iface, args.peer, args.out)
@@ -293,9 +500,23 @@ def main() -> None:
 
     if why := unavailable():
         sys.exit(f"bench/wan.py: {why}")
+    res = REPO / "bench" / "results" / "wan.json"
+    extra = ("--set=p2p.enabled=false",) if args.no_p2p else ()
+    if args.scale:
+        rows = [run_swarm(REPO, int(n), args.steps, args.workdir / f"n{n}", origin_mbit=args.origin_mbit, extra=extra)
+                for n in args.scale.split(",")]
+        print_scale(rows)
+        old = json.loads(res.read_text()) if res.is_file() else {}
+        prev = {r["n"]: r for r in old.get(args.key or "scale", {}).get("rows", [])}
+        prev.update({r["n"]: r for r in rows})
+        old[args.key or "scale"] = {"steps": args.steps, "origin_mbit": args.origin_mbit,
+                                    "rows": [prev[k] for k in sorted(prev)]}
+        res.write_text(json.dumps(old, indent=1) + "\n")
+        plot(old)
+        print(f"wrote {res.relative_to(REPO)} and docs/wan.png")
+        return
     delays = [float(x) for x in args.delays.split(",")]
     runs = {}
-    extra = ("--set=p2p.enabled=false",) if args.no_p2p else ()
     if args.base is not None:
         runs["before"] = run_loop(args.base.resolve(), delays, args.steps, args.workdir / "before", extra=extra)
     runs["after"] = run_loop(REPO, delays, args.steps, args.workdir / "after", extra=extra)
@@ -309,11 +530,59 @@ def main() -> None:
                   f"{str(r['accepted']):>8}")
         print(f"{name:7} trainer steps {run['trainer_steps']} in {run['wall_s']} s; bytes by source "
               f"{run['bytes_by_source']}")
-    res = REPO / "bench" / "results" / "wan.json"
     old = json.loads(res.read_text()) if res.is_file() else {}
-    old["no_p2p" if args.no_p2p else "p2p"] = {"delays_ms": delays, "steps": args.steps, "runs": runs}
+    old[args.key or ("no_p2p" if args.no_p2p else "p2p")] = {"delays_ms": delays, "steps": args.steps, "runs": runs}
     res.write_text(json.dumps(old, indent=1) + "\n")
     print(f"wrote {res.relative_to(REPO)}")
+
+
+def print_scale(rows: list[dict]) -> None:
+    print(f"{'N':>3} {'full s':>7} {'bound':>6} {'x':>5} {'delta s':>7} {'bound':>6} {'x':>5} {'origin MB':>9} "
+          f"{'peer MB':>8} {'NATed served MB':>15} {'public/node MB':>14} {'home/node MB':>12} {'missed':>6} "
+          f"{'load':>5} {'RSS MB':>7}")
+    for r in rows:
+        k = r["served_by_kind"]
+        print(f"{r['n']:>3} {_f(r['full']['t_all_s']):>7} {_f(r['full']['lower_bound_s']):>6} "
+              f"{_f(r['full']['vs_bound']):>5} {_f(r['delta']['t_all_s']):>7} {_f(r['delta']['lower_bound_s']):>6} "
+              f"{_f(r['delta']['vs_bound']):>5} {(r['origin_bytes'] or 0) / 1e6:>9.1f} "
+              f"{(r['bytes_by_source'].get('peer') or 0) / 1e6:>8.1f} {r['natted_served_bytes'] / 1e6:>15.1f} "
+              f"{k.get('public', {}).get('served_per_node', 0) / 1e6:>14.2f} "
+              f"{k.get('home', {}).get('served_per_node', 0) / 1e6:>12.2f} {r['steps_missed']:>6} "
+              f"{_f(r['load_avg_max']):>5} {r['rss_mb']['workers'] + r['rss_mb']['coordinator']:>7}")
+
+
+def plot(doc: dict) -> None:
+    """docs/wan.png: time until every node holds a step against N (measured and lower bound), and the fair
+    split of work (accepted rollouts by round trip) where wan.json has it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc.get("scale", {}).get("rows", [])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    ns = [r["n"] for r in rows]
+    for enc, color in (("full", "#4c8bf5"), ("delta", "#f5a24c")):
+        a.plot(ns, [r[enc]["t_all_s"] for r in rows], "o-", color=color, label=f"{enc}: measured")
+        a.plot(ns, [r[enc]["lower_bound_s"] for r in rows], "--", color=color, label=f"{enc}: lower bound")
+    a.set_xlabel("nodes (60 % home behind NAT)")
+    a.set_ylabel("s until every node holds the step")
+    a.set_title("time to all nodes (median step)")
+    a.legend(fontsize=7)
+    fair = doc.get("fair_share", {}).get("runs", {})
+    for i, (name, run) in enumerate(fair.items()):
+        ds = list(run["nodes"])
+        b.bar([x + 0.4 * i for x in range(len(ds))], [run["nodes"][d]["accepted"] or 0 for d in ds], width=0.4,
+              label=name)
+        b.set_xticks([x + 0.2 for x in range(len(ds))], [f"{run['nodes'][d]['rtt_ms']} ms" for d in ds])
+    b.set_xlabel("node's round trip to the coordinator")
+    b.set_ylabel("accepted rollouts")
+    b.set_title("work by round trip, same compute")
+    if fair:
+        b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(REPO / "docs" / "wan.png")
+    plt.close(fig)
 
 
 def _f(x) -> str:
