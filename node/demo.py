@@ -18,6 +18,7 @@ from pathlib import Path
 
 from node.config import Config, dump_toml, load_config
 from node.lifecycle import DIE_WITH_ENV, STOP_GRACE_S, Stopper
+from node.real_model import REAL_PREFIX, resolve_model_path
 from protocol.errors import PrimeNodeError
 from protocol.identity import Identity
 
@@ -196,10 +197,18 @@ def _run_demo(args, stopping: Stopping) -> int:
     steps = args.steps or cfg.demo.steps
     if nodes < 1 or steps < 1:
         raise DemoError("--nodes and --steps must be at least 1")
+    overrides = list(args.overrides)
+    ready_timeout = 180.0
+    if cfg.model.path.startswith(REAL_PREFIX):
+        # A real model (configs/real.toml): its directory is built here, once (minutes), before any process
+        # starts, and every process is given the directory. Loading it takes the coordinator longer.
+        print(f"model {cfg.model.path}: preparing (node/real_model.py; built once, then cached)")
+        overrides.append(f"model.path={resolve_model_path(cfg.model.path)}")
+        ready_timeout = 900.0
     out = DEMO_DIR
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    common = ["--config", config_path or _write_default(out)] + [f"--set={o}" for o in args.overrides]
+    common = ["--config", config_path or _write_default(out)] + [f"--set={o}" for o in overrides]
     # DIE_WITH_ENV: each process asks Linux for SIGTERM when the demo dies, even by SIGKILL (node/lifecycle.py)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", DIE_WITH_ENV: str(os.getpid())}
     t0 = time.monotonic()
@@ -218,7 +227,7 @@ def _run_demo(args, stopping: Stopping) -> int:
         stdout=open(clog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     procs = [coord]
     try:
-        info = _wait_ready(ready, coord, clog, stopping=stopping)
+        info = _wait_ready(ready, coord, clog, timeout=ready_timeout, stopping=stopping)
         url = info["url"]
         print(f"coordinator up at {url} (logs: {clog})")
         print(f"dashboard: {url}/dashboard")

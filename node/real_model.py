@@ -195,6 +195,22 @@ def model_dir(cache: Path | None = None, *, download: bool = True) -> Path:
     return final
 
 
+REAL_PREFIX = "real:"  # model.path = "real:smollm2-135m": this model, built on first use (configs/real.toml)
+REAL_NAMES = ("smollm2-135m",)
+
+
+def resolve_model_path(path: str) -> str:
+    """`model.path` as a directory: "real:smollm2-135m" becomes `model_dir()` (built and cached on first
+    use); any other value is returned as it is."""
+    if not path.startswith(REAL_PREFIX):
+        return path
+    name = path[len(REAL_PREFIX):]
+    if name not in REAL_NAMES:
+        raise RealModelError(f"model.path {path!r}: unknown real model (known: "
+                             + ", ".join(REAL_PREFIX + n for n in REAL_NAMES) + ")")
+    return str(model_dir())
+
+
 def cmd_real_model(args) -> int:
     try:
         path = model_dir(Path(args.cache) if args.cache else None, download=not args.no_download)

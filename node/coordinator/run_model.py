@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node.config import Config
 from node.envs import Task, load_task
+from node.real_model import resolve_model_path
 from node.trainer.model import build_tiny_model_dir
 from node.trainer.tokenizer import load_tokenizer
 
@@ -25,7 +26,7 @@ class RunModel:
 
 def load_run_model(cfg: Config, storage: Path) -> RunModel:
     """`model.path`, or the tiny demo model built once under the storage directory from `run.seed`."""
-    model_dir = Path(cfg.model.path) if cfg.model.path else storage / "model"
+    model_dir = Path(resolve_model_path(cfg.model.path)) if cfg.model.path else storage / "model"
     if not cfg.model.path and not (model_dir / "config.json").is_file():
         m = cfg.model
         build_tiny_model_dir(model_dir, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
