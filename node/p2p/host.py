@@ -523,19 +523,20 @@ class P2PNode:
         since #26 a node announces only what the coordinator dialled back), then NATed ones reachable through a
         relay circuit (nat.py), then those that announced neither (they serve only over connections already
         open), then those whose dial failed lately."""
+        now = time.monotonic()
+        return sorted(self.table.peers_with(step, index, manifest_hash), key=lambda p: self.holder_rank(p, now))
+
+    def holder_rank(self, peer: str, now: float | None = None) -> int:
+        """0: announced a direct address; 1: only relay circuits; 2: nothing (serves over open connections);
+        3: our dial failed lately. A caller that shuffles holders sorts by this after (peers.py)."""
         from .nat import is_circuit
 
-        peers = self.table.peers_with(step, index, manifest_hash)
-        now = time.monotonic()
-
-        def rank(peer: str) -> int:
-            if self.recently_failed(peer, now):
-                return 3
-            addrs = self.table.addrs_of(peer)
-            if not addrs:
-                return 2
-            return 1 if all(is_circuit(a) for a in addrs) else 0
-        return sorted(peers, key=rank)
+        if self.recently_failed(peer, now):
+            return 3
+        addrs = self.table.addrs_of(peer)
+        if not addrs:
+            return 2
+        return 1 if all(is_circuit(a) for a in addrs) else 0
 
     def _note_dial_failed(self, peer: str) -> None:
         self._dial_failed[peer] = time.monotonic()

@@ -48,6 +48,9 @@ class PeerSource:
         if not holders:
             raise SourceError(f"no peer holds shard {index} of step {step}")
         random.shuffle(holders)
+        # random within a rank, ranks in order: direct holders before relayed ones (a circuit costs the relay's
+        # uplink and a second Noise layer) before those we cannot dial (node/p2p/host.py holder_rank)
+        holders.sort(key=self.p2p.holder_rank)
         errors, busy = [], 0
         for peer in holders[:4]:
             self._last[(step, index)] = peer
