@@ -228,6 +228,98 @@ def build_states(work: Path, layers: int, lrs: list[float]) -> dict:
     return {"params": params, "loss": float(loss.detach()), "grad_seconds": grad_s, "steps": steps}
 
 
+def build_real_states(work: Path, lrs: list[float]) -> dict:
+    """The real model (node/real_model.py) as step 0, and one real AdamW step per lr on a chat-formatted text."""
+    import torch
+    from safetensors.torch import save_file
+
+    from node.real_model import model_dir
+    from node.trainer.model import load_model
+    from node.trainer.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    src = model_dir()
+    model = load_model(src, dtype="float32")
+    tok = load_tokenizer(src)
+    params = sum(p.numel() for p in model.parameters())
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tied = {k for k, v in model.state_dict().items() if k == "lm_head.weight"
+            and v.data_ptr() == model.get_input_embeddings().weight.data_ptr()}
+
+    def bf16_state() -> dict:
+        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k not in tied}
+
+    (work / "m0").mkdir()
+    save_file(bf16_state(), work / "m0" / "model.safetensors", metadata={"format": "pt"})
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25 * 3? Answer with a number."},
+                                    {"role": "assistant", "content": "25 * 3 = 75, and 17 + 75 = 92. The answer is 92."}],
+                                   tokenize=True, return_dict=False)
+    batch = torch.tensor([list(text)] * 2)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    steps = {}
+    for lr in lrs:
+        model.load_state_dict(init)
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01).step()
+        name = f"m1-lr{lr:g}"
+        (work / name).mkdir()
+        new = bf16_state()
+        old = {k: v.to(torch.bfloat16) for k, v in init.items() if k not in tied}
+        changed = sum(int((new[k].view(torch.int16) != old[k].view(torch.int16)).sum()) for k in new)
+        save_file(new, work / name / "model.safetensors", metadata={"format": "pt"})
+        steps[lr] = {"dir": name, "bf16_values_changed": changed / sum(v.numel() for v in new.values())}
+    return {"params": params, "loss": float(loss.detach()), "steps": steps, "model": src.name}
+
+
+def main_real() -> None:
+    """Pack and verify+unpack MB/s on the real model (269 MB of bf16), full and one real AdamW step as deltas."""
+    from protocol.identity import Identity
+
+    shard_size, lrs = 32 * 1024 * 1024, [2e-6, 1e-5]
+    load_before = os.getloadavg()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-real-") as tmp:
+        work = Path(tmp)
+        key = Identity.generate()
+        key.save(work / "k.key")
+        model = build_real_states(work, lrs)
+        common = dict(key=str(work / "k.key"), shard_size=shard_size)
+
+        def row(name, r, **extra):
+            rows.append({"case": name, **r, **extra})
+            print(f"  {name:<34} {r['mb_s']:8.0f} MB/s  {r['seconds']:6.2f} s  cpu {r['cpu_seconds']:5.2f} s  "
+                  f"compression {r['raw'] / r['compressed'] if r.get('compressed') else 0:5.2f}x", file=sys.stderr)
+
+        row("pack full (from model dir)", run_child("pack", source=str(work / "m0"), out=str(work / "c0"), step=0,
+                                                    level=1, **common))
+        c0 = str(work / "c0.0")
+        row("unpack full (verify+write)", run_child("unpack", ckpt=c0, out=str(work / "u0"), pub=key.public_hex))
+        p0 = str(work / "u0.0" / "model.safetensors")
+        for lr in lrs:
+            d = model["steps"][lr]["dir"]
+            for enc, tag in (("xor-delta", "c1x"), ("sparse-delta", "c1s")):
+                out = work / f"{tag}-{lr:g}"
+                row(f"pack {enc} lr={lr:g} zstd1", run_child("pack", source=str(work / d), out=str(out), step=1,
+                                                             level=1, base=p0, base_step=0, encoding=enc, **common),
+                    lr=lr)
+                row(f"unpack {enc} lr={lr:g}", run_child("unpack", ckpt=str(out) + ".0", out=str(work / f"u{tag}-{lr:g}"),
+                                                         pub=key.public_hex, base=p0), lr=lr)
+    out = {"bench": "checkpoint_codec_real", "model": model["model"], "params": model["params"],
+           "steps": {str(k): v for k, v in model["steps"].items()}, "rows": rows,
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    res = REPO / "bench" / "results" / "checkpoint_codec_real.json"
+    res.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"{'case':<36}{'MB/s':>8}{'compression':>13}")
+    for r in rows:
+        comp = f"{r['raw'] / r['compressed']:.2f}x" if r.get("compressed") else "-"
+        print(f"{r['case']:<36}{r['mb_s']:>8.0f}{comp:>13}")
+    print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after; wrote {res.relative_to(REPO)}")
+
+
 def prefault_guest_memory(gib: float = 4.0) -> None:
     """Touch and free `gib` of memory once. In a fresh VM the first touch of guest RAM costs a hypervisor
     fault per page (measured here: writing a 224 MB file took 0.52 s of sys time the first time, 0.05 s
@@ -245,10 +337,14 @@ def main() -> None:
     ap.add_argument("--before", metavar="REV", help="also run verify/unpack with the code of this git revision "
                     "(its protocol/ and verify/ exported with git archive), interleaved with the current code's runs")
     ap.add_argument("--child", nargs=2, metavar=("OP", "JSON"), help=argparse.SUPPRESS)
+    ap.add_argument("--real", action="store_true", help="the real model (node/real_model.py) instead: pack and "
+                    "verify+unpack, full and deltas -> bench/results/checkpoint_codec_real.json")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], json.loads(args.child[1]))))
         return
+    if args.real:
+        return main_real()
 
     from protocol.identity import Identity
 
