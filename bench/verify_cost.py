@@ -56,10 +56,30 @@ def items(prompts, seeds, results, temperature, top_p, max_tokens, eos):
 
 # --- part 1: cost -----------------------------------------------------------------------------------
 
-def bench_cost(n_rollouts: int, max_tokens: int, repeats: int) -> dict:
-    model = qwen2(0, hidden=384, layers=4, vocab=8192, init=0.05)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(8192) for _ in range(64)] for _ in range(n_rollouts)]
+def real_prompts(tokenizer, n_prompts: int, samples: int) -> list[list[int]]:
+    """`samples` copies of each of `n_prompts` reasoning-gym prompts through the real chat template (a group)."""
+    from node.envs import load_task
+    from node.envs.prompt import encode_prompt
+
+    task = load_task("reasoning-gym:basic_arithmetic", {})
+    return [encode_prompt(tokenizer, task.sample(0, i)) for i in range(n_prompts) for _ in range(samples)]
+
+
+def bench_cost(n_rollouts: int, max_tokens: int, repeats: int, *, real: str | None = None, samples: int = 1) -> dict:
+    """Random-weight Qwen2 with random 64-token prompts, or (`real`: a model directory) the real model with
+    reasoning-gym prompts, `samples` rollouts per prompt (the coordinator's groups: they share the prompt)."""
+    if real:
+        from node.trainer.model import load_model
+        from node.trainer.tokenizer import load_tokenizer
+
+        model = load_model(real, dtype="float32")
+        prompts = real_prompts(load_tokenizer(real), n_rollouts // samples, samples)
+        name = f"{Path(real).name} (SmolLM2-135M-Instruct, vocab 49152), fp32, CPU, {samples} samples per prompt"
+    else:
+        model = qwen2(0, hidden=384, layers=4, vocab=8192, init=0.05)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(8192) for _ in range(64)] for _ in range(n_rollouts)]
+        name = "Qwen2 hidden 384, 4 layers, vocab 8192, fp32, CPU"
     seeds = list(range(n_rollouts))
     backend = TransformersBackend(model, dtype="float32", device="cpu", max_batch_size=n_rollouts)
     verifier = RolloutVerifier(backend.model)
@@ -98,8 +118,9 @@ def bench_cost(n_rollouts: int, max_tokens: int, repeats: int) -> dict:
         interpolate(xs, ys, 65521)
     interp_ms = (time.perf_counter() - t0) / 50 * 1e3
     return {
-        "model": "Qwen2 hidden 384, 4 layers, vocab 8192, fp32, CPU",
-        "rollouts": n_rollouts, "completion_tokens": max_tokens, "prompt_tokens": 64,
+        "model": name,
+        "rollouts": n_rollouts, "completion_tokens": max_tokens,
+        "prompt_tokens": sum(len(p) for p in prompts) / len(prompts),
         "generation_s_per_rollout": gen_s / n_rollouts, "verification_s_per_rollout": ver_s / n_rollouts,
         "verify_over_generate": ver_s / gen_s,
         "commitment_bytes_per_32_tokens": sum(raw) / tokens * 32, "commitment_bytes_per_token": sum(raw) / tokens,
@@ -210,7 +231,14 @@ def plot(calib: dict, thresholds: Thresholds, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rollouts (smoke run)")
+    ap.add_argument("--real", action="store_true", help="cost only: the random-weight model and the real one "
+                    "(node/real_model.py) side by side, same shapes -> bench/results/verify_cost_real.json")
+    ap.add_argument("--real-rollouts", type=int, default=8)
+    ap.add_argument("--real-samples", type=int, default=8, help="rollouts per prompt in --real")
+    ap.add_argument("--real-tokens", type=int, default=48)
     args = ap.parse_args()
+    if args.real:
+        return main_real(args)
     # Cost at one thread: with two threads on a shared 2-core machine, decoding (thousands of tiny ops,
     # each a thread barrier) slows down by 3-15x under other load while one big prefill barely does.
     torch.set_num_threads(1)
@@ -241,6 +269,27 @@ def main() -> int:
     for name, counts in calib["verdicts"].items():
         print(f"{name:44s} {counts}")
     print(f"\nwrote {res.relative_to(ROOT)} and docs/verify_calibration.png")
+    return 0
+
+
+def main_real(args) -> int:
+    """Verification / generation cost on the real model beside the random-weight one, in one run, same shapes."""
+    from node.real_model import model_dir
+
+    torch.set_num_threads(1)  # as in main(): decoding's tiny ops under other load (see there)
+    n, t, reps = args.real_rollouts, args.real_tokens, 1 if args.quick else 2
+    rows = {"random-weight Qwen2": bench_cost(n, t, reps),
+            "SmolLM2-135M-Instruct": bench_cost(n, t, reps, real=str(model_dir()), samples=args.real_samples)}
+    out = {"bench": "verify_cost_real", "host": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "cost": rows}
+    res = ROOT / "bench" / "results" / "verify_cost_real.json"
+    res.write_text(json.dumps(out, indent=2) + "\n")
+    keys = ("prompt_tokens", "generation_s_per_rollout", "verification_s_per_rollout", "verify_over_generate",
+            "commitment_bytes_per_32_tokens")
+    print(f"{'model':24s}" + "".join(f"{k:>30s}" for k in keys))
+    for name, c in rows.items():
+        print(f"{name:24s}" + "".join(f"{c[k]:>30.4f}" for k in keys))
+    print(f"{n} rollouts x {t} tokens, 1 thread; wrote {res.relative_to(ROOT)}")
     return 0
 
 
