@@ -151,13 +151,14 @@ def test_nated_homes_serve_peers(tmp_path):
 
 
 def test_with_every_peer_unreachable_each_node_still_gets_each_step(tmp_path):
-    sites = {"home1": home(20.0), "home2": home(30.0), "home3": home(40.0)}
+    sites = {"home1": home(20.0), "home2": home(30.0)}
     runs = {}
     for label, p2p in (("p2p on, no relay", True), ("origin only (p2p off)", False)):
         r = run_lab(tmp_path / label.split()[0], sites, steps=3, p2p=p2p, relay_hop=False, deadline_s=120)
         runs[label] = r
         assert all(len(lags) >= 3 for lags in r["lag"].values()), (label, r["lag"])  # every node, every step
-    on, off = (sorted(v for lags in r["lag"].values() for v in lags.values()) for r in runs.values())
+    # Step 0 is published before the nodes start (its "lag" is their start-up and join), so steps 1.. count.
+    on, off = (sorted(v for lags in r["lag"].values() for n, v in lags.items() if n > 0) for r in runs.values())
     extra = statistics.median(on) - statistics.median(off)
     print("seconds from publish to held, p2p on with every peer unreachable:", runs["p2p on, no relay"]["lag"])
     print("                              origin only:                       ", runs["origin only (p2p off)"]["lag"])
