@@ -464,10 +464,10 @@ def _rss_mb(lab) -> dict:
             m = re.search(r"VmRSS:\s+(\d+) kB", status)
             if not m:
                 continue
-            if b"coordinator" in cmd:
-                out["coordinator"] += int(m.group(1)) / 1024
-            elif b"join" in cmd:
+            if b"\0join\0" in cmd:  # (a worker's command line names --coordinator too)
                 out["workers"] += int(m.group(1)) / 1024
+            elif b"\0coordinator\0" in cmd:
+                out["coordinator"] += int(m.group(1)) / 1024
     return {k: round(v) for k, v in out.items()}
 
 
@@ -564,20 +564,22 @@ def plot(doc: dict) -> None:
     ns = [r["n"] for r in rows]
     for enc, color in (("full", "#4c8bf5"), ("delta", "#f5a24c")):
         a.plot(ns, [r[enc]["t_all_s"] for r in rows], "o-", color=color, label=f"{enc}: measured")
-        a.plot(ns, [r[enc]["lower_bound_s"] for r in rows], "--", color=color, label=f"{enc}: lower bound")
+        a.plot(ns, [r[enc]["lower_bound_s"] for r in rows], "x--", color=color, label=f"{enc}: lower bound")
     a.set_xlabel("nodes (60 % home behind NAT)")
     a.set_ylabel("s until every node holds the step")
     a.set_title("time to all nodes (median step)")
+    a.set_ylim(bottom=0)
     a.legend(fontsize=7)
     fair = doc.get("fair_share", {}).get("runs", {})
     for i, (name, run) in enumerate(fair.items()):
         ds = list(run["nodes"])
-        b.bar([x + 0.4 * i for x in range(len(ds))], [run["nodes"][d]["accepted"] or 0 for d in ds], width=0.4,
+        b.bar([x + 0.4 * i for x in range(len(ds))],
+              [run["nodes"][d].get("accepted_steady") or run["nodes"][d]["accepted"] or 0 for d in ds], width=0.4,
               label=name)
         b.set_xticks([x + 0.2 for x in range(len(ds))], [f"{run['nodes'][d]['rtt_ms']} ms" for d in ds])
     b.set_xlabel("node's round trip to the coordinator")
-    b.set_ylabel("accepted rollouts")
-    b.set_title("work by round trip, same compute")
+    b.set_ylabel("accepted rollouts (once all generate)")
+    b.set_title("work by round trip, same compute (p2p off)")
     if fair:
         b.legend(fontsize=7)
     fig.tight_layout()
