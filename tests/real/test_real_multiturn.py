@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]  # minutes on a quiet 
 
 # No warm start: an instruct model's reply that stops and is not a bare number gets "a number from 1 to 8,
 # please." from the environment, so episodes have several turns anyway. 24 tokens a turn, up to 3 turns.
-SETTINGS = ("task.name=guess-number", "task.kwargs={ max_value = 8, max_turns = 3 }", "sampling.max_tokens=24")
+SETTINGS = ("task.name=guess-number", "task.kwargs={ max_value = 8, max_turns = 3 }")
 
 
 def rendered_turn_prompts(tok, task, problem, prompt_ids, first, rest) -> list[tuple[str, str]]:

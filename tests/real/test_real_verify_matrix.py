@@ -21,11 +21,10 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 # is slower on CPUs without bf16 units), so prompts are short and completions 12 tokens.
 MAX_TOKENS = 12
 N_ATTACK = 12
-# A realistic RL step of this model is lr ~1e-6..1e-5 (issue #27: lr 2e-6); one AdamW step moves every weight
-# by about lr, which is below what a replay of 24 tokens can tell from bf16 noise (bench/verify_cost.py
-# measures the smallest step caught). The attack is a step the verifier must tell apart: see
-# test_attack_other_step for the size.
-OTHER_STEP_LR = 1e-4
+# One AdamW step moves every weight by about lr; this model's weight matrices have mean |w| 0.14, so lr 3e-3 is
+# a ~2 % relative change: the size test_verify_matrix.py uses on the tiny model (2.5x the smallest step
+# bench/verify_cost.py saw caught). A realistic RL step (lr ~1e-6..1e-5, issue #27) is far smaller than that.
+OTHER_STEP_LR = 3e-3
 
 
 def real_prompts(tok, n: int, seed: int) -> list[list[int]]:
