@@ -18,6 +18,7 @@ from aiohttp import web
 from node.aio import client_session
 from node.checkpoint_dir import CheckpointDir
 from node.checkpoint_routes import CheckpointRoutes
+from node.fdlimits import listen_backlog
 from node.http import ConnectionLimits, HardenedAppRunner, error_middleware
 from node.lifecycle import run_async
 from node.logs import setup_logging
@@ -88,7 +89,7 @@ class Relay:
             # aiohttp's 75 s: a connection that says nothing should not keep its descriptor.
             runner = HardenedAppRunner(self.app(), access_log=None, keepalive_timeout=10.0, limits=self.limits)
             await runner.setup()
-            site = web.TCPSite(runner, host, port)
+            site = web.TCPSite(runner, host, port, backlog=listen_backlog())
             await site.start()
             self.url = f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
             if on_ready:

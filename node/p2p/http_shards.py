@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 import aiohttp
 from aiohttp import web
 
+from node.fdlimits import listen_backlog
 from node.http import HAVE_HEADER, ApiError, ConnectionLimits, HardenedAppRunner, abort_connection, error_middleware, int_param
 from node.rate_limit import AsyncRateLimiter, SharedBucket
 
@@ -133,7 +134,7 @@ class HttpShardServer:
         app.router.add_get(PATH, self.handle)
         self._runner = HardenedAppRunner(app, access_log=None, handle_signals=False, limits=self.limits)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, backlog=listen_backlog())
         await site.start()
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
