@@ -681,6 +681,45 @@ def validation() -> list[dict]:
     return rows
 
 
+def lab_sites(n: int) -> tuple:
+    """The WAN lab's N-node mix (bench/wan.py swarm_sites) as explicit sites: (up B/s, down B/s, one way s, NATed)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from wan import DOWNLINK_MBIT, UPLINK_MBIT, swarm_sites
+
+    return tuple((UPLINK_MBIT[k] * MBIT, DOWNLINK_MBIT[k] * MBIT, p.one_way_ms / 1e3, k == "home")
+                 for _, p, k in swarm_sites(n))
+
+
+def lab_validation(notify_s: float = 0.0) -> list[dict]:
+    """The simulator against the WAN lab (bench/results/wan.json "scale": the real CLI loop at N nodes of the
+    issue's mix, 60 % home behind NAT): the median step's time until every node holds it, full and delta, with
+    the lab's links, sizes (the median step's wire bytes), 256 KiB shards, origin cap and NATed homes. A node
+    starts a step after `notify_s` (it learns of it from the announcement or its 1 s poll) and one round trip
+    (the listing with the manifest, docs/BENCHMARKS.md "WAN lab: round trips per step")."""
+    doc = json.loads((REPO / "bench/results/wan.json").read_text())
+    scale = doc.get("scale", {})
+    rows = []
+    for m in scale.get("rows", []):
+        for kind in ("full", "delta"):
+            sizes = sorted(x["bytes"] for x in m["per_step"] if (x["encoding"] == "full") == (kind == "full"))
+            measured = m[kind]["t_all_s"]
+            if not sizes or measured is None:
+                continue
+            size = sizes[len(sizes) // 2]
+            case = Case(nodes=m["n"], checkpoint_bytes=size, shard_bytes=262144, delta_fraction=1.0,
+                        origin_cap=m["origin_mbit"] * MBIT, sites=lab_sites(m["n"]), have_interval=0.3,
+                        notify_s=notify_s, step_rtts=1.0, super_seed_s=10.0)
+            r = simulate(case)
+            err = r["seconds"] / measured - 1
+            rows.append({"nodes": m["n"], "kind": kind, "wire_bytes": size, "sim_seconds": r["seconds"],
+                         "measured_seconds": measured, "sim_vs_measured": round(err, 3),
+                         "within_20pct": abs(err) <= 0.2, "sim_natted_share_of_peer_bytes":
+                         round(r["natted_served_bytes"] / r["peer_bytes"], 3) if r["peer_bytes"] else None,
+                         "measured_natted_served_bytes": m["natted_served_bytes"],
+                         "measured_peer_bytes": (m["bytes_by_source"] or {}).get("peer")})
+    return rows
+
+
 def shard_for(n: int, ck: int) -> int:
     """The simulated shard: the real 32 MiB, except for 16 GB at N >= 1,000, where groups of 8 (N = 1,000)
     or 16 (N = 4,000) real shards move as one (aggregated events) so that a run fits in minutes."""
@@ -726,12 +765,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ck, ax in zip((1 * GB, 16 * GB), axes):
-        for kind, churn, style in (("full", False, "o-"), ("delta", False, "s--"), ("full", True, "^:")):
-            sel = [r for r in rows if r["checkpoint_bytes"] == ck and r["kind"] == kind and bool(r["churn"]) == churn
-                   and r["seconds"] is not None]
+        for kind, churn, nat, style in (("full", False, False, "o-"), ("delta", False, False, "s--"),
+                                        ("full", True, False, "^:"), ("full", False, True, "o-."),
+                                        ("delta", False, True, "s-.")):
+            sel = [r for r in rows if r["checkpoint_bytes"] == ck and r["kind"] == kind and bool(r.get("churn")) == churn
+                   and bool(r.get("nat_share")) == nat and r["seconds"] is not None]
             if not sel:
                 continue
-            label = f"{kind}{' + churn' if churn else ''}"
+            share = sel[0].get("nat_share") or 0
+            label = f"{kind}{' + churn' if churn else ''}{f' ({share:.0%} behind NAT)' if nat else ''}"
             ax.plot([r["nodes"] for r in sel], [r["ratio"] for r in sel], style, label=label)
         ax.set_xscale("log")
         ax.set_xlabel("nodes")
@@ -758,11 +800,51 @@ def write(rows: list[dict], val: list[dict]) -> None:
     (REPO / "bench/results/swarm_sim.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
+def nat_main(share: float, notify_s: float) -> None:
+    path = REPO / "bench/results/swarm_sim.json"
+    doc = json.loads(path.read_text())
+    val = lab_validation(notify_s)
+    for v in val:
+        print(v, flush=True)
+    doc["lab_validation"] = {"notify_s": notify_s, "rows": val}
+    rows = []
+    for n in (16, 100, 1000, 4000):
+        for kind in ("full", "delta"):
+            case = Case(nodes=n, checkpoint_bytes=1 * GB, kind=kind, nat_share=share, notify_s=notify_s,
+                        step_rtts=1.0, budget_s=100.0 if n >= 1000 else 0.0)
+            try:
+                r = simulate(case)
+            except OverBudget as e:
+                print(f"N={n} {kind} NAT {share}: {e}", flush=True)
+                rows.append({"nodes": n, "checkpoint_bytes": 1 * GB, "kind": kind, "nat_share": share,
+                             "seconds": None, "note": str(e)})
+                continue
+            r["nat_share"] = share
+            print(f"N={n:5d} 1 GB {kind:5s} NAT {share:.0%} {r['seconds']:9.1f} s  bound {r['lower_bound_seconds']:9.1f}"
+                  f" s  ratio {r['ratio']:.2f}  origin {r['origin_copies']:.2f} copies  NATed served "
+                  f"{r['natted_served_bytes'] / max(1, r['peer_bytes']):.1%} of peer bytes (wall {r['wall_seconds']} s)",
+                  flush=True)
+            rows.append(r)
+            doc["nat_rows"] = rows
+            path.write_text(json.dumps(doc, indent=2) + "\n")
+    doc["nat_rows"] = rows
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    plot([*doc["rows"], *rows], REPO / "docs/swarm_sim.png")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="N = 16 and 100 only")
     ap.add_argument("--skip-validation", action="store_true")
+    ap.add_argument("--nat", type=float, default=None, metavar="SHARE",
+                    help="only: the simulator against the WAN lab (wan.json \"scale\"), then 1 GB full and delta at "
+                         "N = 16 ... 4,000 with this share of all nodes behind NAT; kept in swarm_sim.json as "
+                         "\"lab_validation\" and \"nat_rows\" beside the other rows")
+    ap.add_argument("--notify-s", type=float, default=0.0, help="--nat: a node's delay in learning of a step")
     args = ap.parse_args()
+    if args.nat is not None:
+        nat_main(args.nat, args.notify_s)
+        return
     val = [] if args.skip_validation else validation()
     for v in val:
         print(v, flush=True)
