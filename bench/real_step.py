@@ -58,6 +58,7 @@ def child(a: argparse.Namespace) -> None:
 
     model_dir = Path(a.model)
     work = Path(a.work)
+    replay_only = a.replay_only  # generate + verify only (the stages the --before comparison is about)
     tok = load_tokenizer(model_dir)
     eos = int(tok.eos_token_id)
     task = load_task(TASK, {})
@@ -65,14 +66,18 @@ def child(a: argparse.Namespace) -> None:
     backend = TransformersBackend(model_dir, dtype="float32", device="cpu")
     # Rewards on this task are ~0 for a 135M model: keep every group so that each step trains on a full batch.
     cfg = TrainerConfig(lr=2e-6, buffer={"online_difficulty_filtering": False})
-    trainer = Trainer(model_dir, cfg, batch_prompts=a.prompts, state_dir=work / "trainer_state")
-    identity = Identity.generate()
-    store = CheckpointDir(work / "ckpt")
-    publisher = Publisher(store, identity, "real-step", async_level=1, shard_size=32 << 20, level=1, full_every=1000)
     policies = PolicyStore(model_dir, keep=3)
-    state = trainer.weights_for_broadcast()
-    publisher.publish(0, state)
-    policies.put(0, state)
+    if replay_only:
+        policies.put(0, {})  # the model directory's own weights
+    else:
+        trainer = Trainer(model_dir, cfg, batch_prompts=a.prompts, state_dir=work / "trainer_state")
+        identity = Identity.generate()
+        store = CheckpointDir(work / "ckpt")
+        publisher = Publisher(store, identity, "real-step", async_level=1, shard_size=32 << 20, level=1,
+                              full_every=1000)
+        state = trainer.weights_for_broadcast()
+        publisher.publish(0, state)
+        policies.put(0, state)
     node_dir = work / "node"
     rows = []
     for n in range(1, a.steps + 1):
@@ -87,11 +92,18 @@ def child(a: argparse.Namespace) -> None:
         items = [it for q, r in zip(reqs, res)
                  for it in turn_items(q.prompt_ids, r, q.seed, 1.0, 1.0, a.tokens, eos)]
         t0 = time.perf_counter()
-        verdicts = judge(policies.get(n - 1), items)
+        verdicts = judge(policies.get(0 if replay_only else n - 1), items)
         t["verify"] = time.perf_counter() - t0
         rejected = sum(v.reason is not None for v in verdicts)
         rewards = [task.score(probs[i // a.samples], decode_completion(tok, r.completion_ids))
                    for i, r in enumerate(res)]
+        if replay_only:
+            rows.append({"step": n, "seconds": t, "rollouts": len(res), "rejected": rejected,
+                         "completion_tokens": sum(len(r.completion_ids) for r in res),
+                         "prompt_tokens": sum(len(p) for p in prompts), "loadavg": os.getloadavg()[0]})
+            print(f"  step {n}: " + ", ".join(f"{k} {v:.1f}s" for k, v in t.items()) + f"; rejected {rejected}",
+                  flush=True)
+            continue
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             rs = [Rollout(completion_ids=r.completion_ids, inference_logprobs=r.logprobs, reward=rewards[i * a.samples + j],
@@ -128,11 +140,12 @@ def child(a: argparse.Namespace) -> None:
     Path(a.json).write_text(json.dumps(rows))
 
 
-def run_tree(tree: Path, label: str, a: argparse.Namespace, work: Path) -> dict:
+def run_tree(tree: Path, label: str, a: argparse.Namespace, work: Path, replay_only: bool = False) -> dict:
     out = work / f"{label}.json"
     cmd = [sys.executable, str(ROOT / "bench" / "real_step.py"), "--child", "--json", str(out), "--model", a.model,
            "--work", str(work / label), "--prompts", str(a.prompts), "--samples", str(a.samples),
            "--tokens", str(a.tokens), "--steps", str(a.steps), "--seed", str(a.seed)]
+    cmd += ["--replay-only"] if replay_only else []
     env = {**os.environ, "PYTHONPATH": str(tree)}
     load0 = os.getloadavg()
     print(f"{label}: {tree}", flush=True)
@@ -150,6 +163,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="", help="model directory (default: the cached real model)")
+    ap.add_argument("--before-replay-only", action="store_true", help="run only generate + verify with the --before "
+                    "code (the other stages' code is the same; saves most of the run on a loaded machine)")
+    ap.add_argument("--replay-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "real_step.json"))
     ap.add_argument("--work", default="")
@@ -168,7 +184,7 @@ def main() -> None:
             before.mkdir()
             archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.before], check=True, capture_output=True)
             subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
-            runs.append(run_tree(before, f"before {a.before}", a, work))
+            runs.append(run_tree(before, f"before {a.before}", a, work, replay_only=a.before_replay_only))
         runs.append(run_tree(ROOT, "after", a, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -176,11 +192,12 @@ def main() -> None:
     table = {}
     for r in runs:
         steps = r["steps"][1:] or r["steps"]
-        table[r["tree"]] = {s: sum(x["seconds"][s] for x in steps) / len(steps) for s in STAGES}
+        table[r["tree"]] = {s: sum(x["seconds"].get(s, 0.0) for x in steps) / len(steps) for s in STAGES}
         table[r["tree"]]["total"] = sum(table[r["tree"]][s] for s in STAGES)
     names = list(table)
     print(f"\n{a.prompts} prompts x {a.samples} samples x {a.tokens} tokens, {TASK}, verification fraction 1 "
-          f"(seconds per step, mean of steps 2..{a.steps} of each run)")
+          "(seconds per step, " + (f"mean of steps 2..{a.steps} of each run)" if a.steps > 1 else
+                                   "step 1 of each run: includes each run's first-call warm-up)"))
     print(f"{'stage':<14}" + "".join(f"{n:>22}" for n in names) + ("   after/before" if len(names) == 2 else ""))
     for s in (*STAGES, "total"):
         vals = [table[n][s] for n in names]
