@@ -26,4 +26,4 @@ def test_real_demo_config_loads_and_names_a_real_model_and_a_task_that_exists():
     p = task.sample(cfg.run.seed, 0)
     assert task.score(p, p.answer) == 1.0 and p.system
     assert cfg.trainer.warm_start_steps == 0  # the demo shows RL alone
-    assert cfg.eval.every_steps > 0 and cfg.demo.steps % cfg.eval.every_steps == 0  # the last step is evaluated
+    assert cfg.eval.every_steps > 0  # the demo's curve has held-out eval points
