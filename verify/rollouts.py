@@ -82,7 +82,7 @@ def recompute(model: torch.nn.Module, prompts: Sequence[Sequence[int]], completi
     Rollouts of one prompt group share their prompt: each distinct prompt is prefilled once (left-padded,
     its KV cache then copied to the rows that share it), and the completions (right-padded, so every one
     starts in the same column) run on top of that cache. A group of G samples thus costs one prompt
-    prefill instead of G (bench/real_step.py, docs/BENCHMARKS.md: a real-model replay 0.80x of before).
+    prefill instead of G (bench/real_step.py, docs/BENCHMARKS.md: a real-model replay 0.16x of before at load 8).
     Used by the verifier, and by backends that cannot expose hidden states while decoding (vLLM).
     """
     from transformers import DynamicCache
