@@ -83,11 +83,3 @@ class P2PConfig(BaseModel):
     # A log line with the bytes this node served and fetched (and its relay counters) at most this often, when
     # they changed.
     stats_log_s: float = Field(60.0, ge=1, le=3600)
-
-    def relay_limits(self):
-        from .nat import RelayHopLimits
-
-        return RelayHopLimits(max_reservations=self.relay_max_reservations,
-                              circuits_per_peer=self.relay_circuits_per_peer,
-                              circuit_seconds=self.relay_circuit_seconds, circuit_bytes=self.relay_circuit_bytes,
-                              reservation_ttl_s=self.relay_reservation_ttl_s)

@@ -213,6 +213,8 @@ class P2PNode:
     @classmethod
     def from_config(cls, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
                     shard_root: str | os.PathLike | None = None, **kw: Any) -> "P2PNode":
+        from .nat import RelayHopLimits
+
         listen = [f"/ip4/{cfg.listen_host}/tcp/{cfg.listen_port}"] if cfg.listen else []
         kw.setdefault("bootstrap", cfg.bootstrap)
         kw.setdefault("relay_hop", bool(cfg.relay_hop))  # the coordinator passes its own default (on)
@@ -226,7 +228,11 @@ class P2PNode:
                    request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port,
                    allow_private_addrs=cfg.allow_private_addrs, dial_timeout_s=cfg.dial_timeout_s,
                    dial_retry_s=cfg.dial_retry_s, nat_keep_peers=cfg.nat_keep_peers,
-                   relay_limits=cfg.relay_limits(), stats_log_s=cfg.stats_log_s, hole_punch=cfg.hole_punch, **kw)
+                   relay_limits=RelayHopLimits(
+                       max_reservations=cfg.relay_max_reservations, circuits_per_peer=cfg.relay_circuits_per_peer,
+                       circuit_seconds=cfg.relay_circuit_seconds, circuit_bytes=cfg.relay_circuit_bytes,
+                       reservation_ttl_s=cfg.relay_reservation_ttl_s),
+                   stats_log_s=cfg.stats_log_s, hole_punch=cfg.hole_punch, **kw)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
