@@ -373,3 +373,23 @@ def test_shape_and_termination_checks(verifier, honest):
     assert verdict(r, seed=-5).reason == "shape"
     # Dicts (as parsed from JSON) are accepted too.
     assert verifier.verify(p, r.__dict__, s, 1.0, 1.0, MAX_TOKENS, EOS).ok
+
+
+def test_short_completions_get_a_mean_limit_for_their_length(engine, base_model, verifier):
+    """A mean over 1-2 tokens is one token's noise: it gets the mean limit x sqrt(mean_tokens / n) (found on
+    the GPU lane, where an honest 2-token CUDA bf16 answer had mean deviation 0.10001). A long completion
+    lying by the same amount on every token is still refused."""
+    ps, seeds = prompts(N_ATTACK, seed=45), [99_000 + i for i in range(N_ATTACK)]
+
+    def lie(results, by):  # claim every token `by` nats less likely than it is
+        return [replace(r, logprobs=[x - by for x in r.logprobs]) for r in results]
+
+    short = engine.generate(base_model, ps, seeds, max_tokens=2)
+    verdicts = verifier.verify_many(items_for(ps, seeds, lie(short, 0.12), max_tokens=2))
+    assert all(v.ok for v in verdicts), [v for v in verdicts if not v.ok][:2]
+    long = [(p, s, r) for p, s, r in zip(ps, seeds, engine.generate(base_model, ps, seeds, max_tokens=16))
+            if len(r.completion_ids) >= 8]
+    assert len(long) >= N_ATTACK // 2
+    verdicts = verifier.verify_many(items_for([x[0] for x in long], [x[1] for x in long],
+                                              lie([x[2] for x in long], 0.12), max_tokens=16))
+    assert all(not v.ok and v.reason == "logprobs" for v in verdicts), [v for v in verdicts if v.ok][:2]
