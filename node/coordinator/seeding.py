@@ -10,8 +10,9 @@ shard reopens. A node whose claim died is never counted again for that shard. A 
 `max_deferrals` times for a shard is served anyway, so a claim can delay an honest node, not starve it.
 
 First copies go only to nodes others can dial: a node the join's dial-back found unreachable (NATed,
-node/coordinator/reachability.py) is served but never holds a claim, so nobody is deferred to a holder they
-cannot connect to. With no reachable node asking, every node is served by the origin, as without seeding.
+node/coordinator/reachability.py) and that holds no reservation on the coordinator's relay hop (node/p2p/nat.py:
+through it every peer can reach the node) is served but never holds a claim, so nobody is deferred to a holder
+they cannot connect to. With no such node asking, every node is served by the origin, as without seeding.
 
 Timing: the window counts from the end of the first copy (under a thin uplink one copy can take longer
 than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` windows stops counting.

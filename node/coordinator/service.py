@@ -86,8 +86,10 @@ class Coordinator:
         self.dialback = DialBack(timeout_s=cfg.p2p.dialback_timeout_s,
                                  per_minute=2 * cfg.admission.joins_per_address_per_minute,
                                  allow_private=cfg.p2p.allow_private_addrs)
-        # First copies go to nodes that others can dial (a NATed holder cannot serve those deferred to it).
-        self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds, reachable=self.dialback.reachable)
+        # First copies go to nodes that others can dial (a NATed holder cannot serve those deferred to it), and
+        # to NATed nodes holding a reservation on our relay hop: every peer reaches them through it.
+        self.relay_reserved: frozenset[str] = frozenset()  # refreshed every second by _relay_loop
+        self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds, reachable=self.can_serve)
         # The run's model, then every collaborator, built here and handed what it uses (by keyword).
         self.model = load_run_model(cfg, self.root)
         self.model_dir, self.tokenizer, self.task = self.model.model_dir, self.model.tokenizer, self.model.task
@@ -347,7 +349,24 @@ class Coordinator:
                                        relay_hop=self.cfg.p2p.relay_hop is not False)
         await self.p2p.start()
         self.p2p.add_listener(self._on_announcement)
+        if self.cfg.p2p.relay_hop is not False:
+            self._spawn(self._relay_loop(), "relay-reservations", critical=False)
         self.metrics.watch_p2p(self.p2p.stats.totals)  # no per-peer tables: a scrape copies a few counters
+
+    def can_serve(self, node_id: str) -> bool | None:
+        """Whether peers can connect to `node_id`: its libp2p port was dialled back at join, or it is NATed and
+        holds a reservation on our relay hop (node/p2p/nat.py). None: unknown (no dial-back tried)."""
+        reach = self.dialback.reachable(node_id)
+        return True if reach is False and node_id in self.relay_reserved else reach
+
+    async def _relay_loop(self) -> None:
+        """Which NATed nodes hold a reservation on our hop, every second (at most p2p.relay_max_reservations)."""
+        try:
+            while True:
+                self.relay_reserved = frozenset(await self.p2p.relay_reserved_nodes())
+                await asyncio.sleep(1.0)
+        finally:  # stopped or failed (logged by the supervisor): no NATed node is taken for servable any more
+            self.relay_reserved = frozenset()
 
     def _on_announcement(self, event) -> None:
         """A node's verified `have` announcement keeps its super-seeding claims alive."""

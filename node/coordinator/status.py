@@ -70,6 +70,8 @@ def build_status(c) -> dict:
             "last_seen_ms": n.last_seen_ms,
             # the join's dial-back of its libp2p port (reachability.py): null = not tried or not since we started
             "reachable": c.dialback.reachable(n.node_id),
+            # holds a reservation on our relay hop: peers reach it through us, so it gets first copies too
+            "relayed": n.node_id in c.relay_reserved,
         } for n in nodes],
         "nodes_total": summary["total"],
         "nodes_by_state": summary["by_state"],

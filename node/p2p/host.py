@@ -386,6 +386,10 @@ class P2PNode:
         and for a hop, the reservations and circuits it holds now."""
         return await self._bridge.call(self._async(self._service.relay_stats))
 
+    async def relay_reserved_nodes(self) -> list[str]:
+        """Node ids holding a live reservation on our hop: reachable through us (empty unless we are a hop)."""
+        return await self._bridge.call(self._async(self._service.relay_reserved_nodes))
+
     async def _log_totals(self) -> None:
         """One line with the bytes served and fetched (and the relay counters) every `stats_log_s` in which
         they changed: what an operator (and the WAN lab) reads to see whether this node serves."""

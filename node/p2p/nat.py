@@ -196,6 +196,23 @@ class Relaying:
                 if not lock.statistics().tasks_waiting:
                     self._locks.pop(peer, None)
 
+    def reserved_nodes(self) -> list[str]:
+        """The node ids of the peers holding a live reservation on our hop (none unless we are one): NATed nodes
+        that every peer can reach through us, so the coordinator may give them first copies (seeding.py)."""
+        from .errors import P2PError
+        from .keys import node_id_for_peer
+
+        if not self.hop:
+            return []
+        out = []
+        for peer, r in list(self.protocol.resource_manager._reservations.items()):
+            if not r.is_expired():
+                try:
+                    out.append(node_id_for_peer(peer))
+                except P2PError:  # not an Ed25519 peer id: not a node of ours
+                    continue
+        return out
+
     def snapshot(self) -> dict:
         now = time.time()
         hop = {"hole_punched": len(self.dcutr._direct_connections)} if self.dcutr is not None else {}

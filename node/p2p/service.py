@@ -394,6 +394,9 @@ class P2PService:
     def relay_stats(self) -> dict:
         return self.relay.snapshot() if self.relay is not None else {}
 
+    def relay_reserved_nodes(self) -> list[str]:
+        return self.relay.reserved_nodes() if self.relay is not None else []
+
     # --- announcements -------------------------------------------------------------------------
     def precheck(self, forwarder: ID, msg: Any) -> bool:
         """Everything that costs no signature check, before libp2p's: rate, topic, size, content."""

@@ -91,6 +91,9 @@ async def test_a_home_fetches_from_another_home_through_a_relay():
         assert 1 <= b["circuits_out"] <= 4, b
         assert a["circuits_in"] == b["circuits_out"] and a["reservations"] == 1, a
         assert r["hop_reservations"] == 1, r
+        # what the coordinator's super-seeding reads to give home A first copies (seeding.py): only home A
+        assert await relay.relay_reserved_nodes() == [home_a.node_id]
+        assert await home_b.relay_reserved_nodes() == []  # not a hop
         assert home_a.stats.snapshot()["bytes_served"] == sum(map(len, SHARDS.values()))
 
 
@@ -179,6 +182,7 @@ async def test_a_peer_can_reserve_only_for_itself():
         answers = await mallory._bridge.call(_reserve_for_others, mallory._service, relay.peer_id, 5)
         stats = await relay.relay_stats()
         assert stats["hop_reservations"] == 1, (answers, stats)  # mallory's own, once (stock: 5 made-up ones)
+        assert await relay.relay_reserved_nodes() == [mallory.node_id]  # made-up ids never count as servable
         assert answers == [100] * 5, answers  # each answered OK: a renewal of mallory's own
 
 

@@ -21,6 +21,7 @@ cannot be built here (not root, no `ip netns`, no nftables/iptables, no NFQUEUE)
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -278,3 +279,38 @@ def unavailable() -> str | None:
     finally:
         _delete_netns(probe)
     return None
+
+
+# -- what the lab tests share: the real CLI, its JSON log lines, polling ---------------------------------------
+STATUS = """
+import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1] + "/v1/status", timeout=5).read().decode())
+"""  # run with the coordinator's URL inside a site: its GET /v1/status on stdout
+
+
+def cli(*args: str) -> list[str]:
+    """`prime-node ARGS` from this checkout, with this interpreter."""
+    return [sys.executable, "-m", "node.cli", *args]
+
+
+def json_lines(text: str) -> list[dict]:
+    """The JSON records of a log (server.log_format = json), skipping other lines."""
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def wait_for(what: str, cond, deadline_s: float, check=lambda: None, every_s: float = 0.5):
+    """Poll `cond` until it returns something true (returned); `check` between polls raises if the run died."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        got = cond()
+        if got:
+            return got
+        check()
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}")

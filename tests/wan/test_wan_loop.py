@@ -3,7 +3,6 @@ home behind their own NAT routers (20 Mbit/s up, 20 and 50 ms one way), every pr
 import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest

@@ -21,41 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.wan.lab import DATACENTER, Lab, home, public
+from tests.wan.lab import DATACENTER, STATUS, Lab, cli, home, json_lines, public, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
-STATUS = """
-import sys, urllib.request
-print(urllib.request.urlopen(sys.argv[1] + "/v1/status", timeout=5).read().decode())
-"""
 HOME_PORT = 4001  # where the home listens when it announces its router's address (nothing forwards it)
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "node.cli", *args]
-
-
-def _json_lines(text: str) -> list[dict]:
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def _wait_for(what: str, cond, deadline_s: float, check=lambda: None):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline_s:
-        got = cond()
-        if got:
-            return got
-        check()
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _home_inbound_counter(router: str) -> None:
@@ -88,7 +59,7 @@ def run_lab(tmp_path: Path, *, home_announces: bool = False, old_dials: bool = F
         def coordinator_alive():
             assert coord.poll() is None, lab.log("coordinator")[-3000:]
 
-        _wait_for("the coordinator", ready.is_file, 120, coordinator_alive)
+        wait_for("the coordinator", ready.is_file, 120, coordinator_alive, every_s=0.2)
         info = json.loads(ready.read_text())
         url = info["url"]
         node_args = ["--coordinator", url, "--coordinator-key", info["key"], *common, "--set=worker.heartbeat_seconds=1",
@@ -104,10 +75,10 @@ def run_lab(tmp_path: Path, *, home_announces: bool = False, old_dials: bool = F
                                                        *extra[site.name]), cwd=REPO)
 
         def reach_line(name: str):
-            return next((r["msg"] for r in _json_lines(lab.log(f"worker-{name}")) if "reachable at" in r["msg"]), None)
+            return next((r["msg"] for r in json_lines(lab.log(f"worker-{name}")) if "reachable at" in r["msg"]), None)
 
-        pub_line = _wait_for("the public node's reachability", lambda: reach_line("pub"), 120, coordinator_alive)
-        home_line = _wait_for("the home's reachability", lambda: reach_line("home"), 120, coordinator_alive)
+        pub_line = wait_for("the public node's reachability", lambda: reach_line("pub"), 120, coordinator_alive, every_s=0.2)
+        home_line = wait_for("the home's reachability", lambda: reach_line("home"), 120, coordinator_alive, every_s=0.2)
         _home_inbound_counter(hm.router)  # from here on, nothing may try to connect into the home
 
         def status() -> dict:
@@ -120,13 +91,13 @@ def run_lab(tmp_path: Path, *, home_announces: bool = False, old_dials: bool = F
             return s if (s.get("step", 0) >= STEPS and len(rows) == 2
                          and {r.get("policy_step") for r in rows} == {STEPS}) else None
 
-        s = _wait_for(f"every node at step {STEPS}", done, 240, coordinator_alive)
+        s = wait_for(f"every node at step {STEPS}", done, 240, coordinator_alive, every_s=0.2)
         inbound = _home_inbound(hm.router)
-        published = {int(m.group(1)): r["ts"] for r in _json_lines(lab.log("coordinator"))
+        published = {int(m.group(1)): r["ts"] for r in json_lines(lab.log("coordinator"))
                      if (m := re.match(r"step (\d+) published", r["msg"]))}
-        held = {int(m.group(1)): r["ts"] for r in _json_lines(lab.log("worker-pub"))
+        held = {int(m.group(1)): r["ts"] for r in json_lines(lab.log("worker-pub"))
                 if (m := re.match(r"holding step (\d+)", r["msg"]))}
-        dialbacks = [r["msg"] for r in _json_lines(lab.log("coordinator")) if r["msg"].startswith("join of ")]
+        dialbacks = [r["msg"] for r in json_lines(lab.log("coordinator")) if r["msg"].startswith("join of ")]
         lag = {n: round(held[n] - published[n], 2) for n in sorted(held) if n in published}
         return {"status": s, "pub_line": pub_line, "home_line": home_line, "inbound": inbound, "lag": lag,
                 "dialbacks": dialbacks, "pub": pub, "home": hm}
