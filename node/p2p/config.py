@@ -1,9 +1,13 @@
 """P2P section of the config tree (owned by node/p2p). Only pydantic here: imported at start-up."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MIB = 1024 * 1024
+# A relay hop's address as the coordinator hands it out: one IP, its TCP port and the hop's peer id (base58).
+_HOP_ADDR = re.compile(r"/ip([46])/([^/]+)/tcp/(\d{1,5})/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
 
 
 class P2PConfig(BaseModel):
@@ -77,9 +81,30 @@ class P2PConfig(BaseModel):
     relay_circuit_seconds: int = Field(300, ge=10, le=3600)
     relay_circuit_bytes: int = Field(256 * MIB, ge=MIB, le=16 * 1024 * MIB)
     relay_reservation_ttl_s: int = Field(120, ge=10, le=3600)
+    # Coordinator only: the libp2p addresses of circuit relay v2 hops run by `prime-node relay` (each
+    # "/ip4/<ip>/tcp/<port>/p2p/<peer id>", the line the relay prints at start), handed to every node in the join
+    # response's p2p_bootstrap after our own: NATed nodes reserve a slot on up to 4 of the peers they bootstrap
+    # from (docs/P2P.md "Relaying and hole punching"). Every node dials each of them, so the list is short.
+    relay_addrs: list[str] = Field(default_factory=list, max_length=8)
     # DCUtR hole punching: over a relayed connection, two NATed nodes try to connect directly (each dials the
     # other's dial-back address at its listen port, from its listen port). Needs `listen` (the port to punch).
     hole_punch: bool = True
     # A log line with the bytes this node served and fetched (and its relay counters) at most this often, when
     # they changed.
     stats_log_s: float = Field(60.0, ge=1, le=3600)
+
+    @model_validator(mode="after")
+    def _check_relay_addrs(self) -> P2PConfig:
+        """A relay address every node will dial: one TCP address with its peer id, under the address rules every
+        other peer address obeys (node/p2p/addrs.py: public IPs only unless allow_private_addrs)."""
+        from .addrs import ip_allowed, multiaddr_allowed  # pure ipaddress code, cheap at start-up
+
+        for addr in self.relay_addrs:
+            m = _HOP_ADDR.fullmatch(addr)
+            if (m is None or not 0 < int(m.group(3)) < 65536 or not ip_allowed(m.group(2), True)
+                    or (":" in m.group(2)) != (m.group(1) == "6")):
+                raise ValueError(f"p2p.relay_addrs: {addr[:200]!r} is not /ip4|ip6/<ip>/tcp/<port>/p2p/<peer id>")
+            if not multiaddr_allowed(addr, self.allow_private_addrs):
+                raise ValueError(f"p2p.relay_addrs: {addr[:200]!r} is not a public address (loopback, private and "
+                                 "other internal ranges need p2p.allow_private_addrs)")
+        return self

@@ -18,7 +18,8 @@ LAYERS: list[tuple[str, ...]] = [
      "node.plugins", "node.real_model",
      "node.http",
      "node.checkpoint_dir", "node.checkpoint_routes",
-     "node.p2p.config", "node.trainer.config", "node.worker.config"),
+     "node.p2p.config", "node.trainer.config", "node.worker.config",
+     "node.p2p.addrs"),  # pure address rules (ipaddress only): node.p2p.config checks p2p.relay_addrs with them
     ("node.config",),
     ("node.envs",),
     ("node.trainer",),
