@@ -5,7 +5,8 @@ nodes on internet links, which the real benchmark (bench/broadcast.py, 16 proces
 cannot reach.
 
     python bench/swarm_sim.py [--quick]
-Writes bench/results/swarm_sim.json and docs/swarm_sim.png.
+    python bench/swarm_sim.py --nat 0.6 --notify-s 5.06 [--relay] [--budget-s S]
+Writes bench/results/swarm_sim.json and docs/swarm_sim.png (--relay: swarm_sim.json "relay_rows" only).
 
 Model (every number is a parameter of `Case`):
 * Links ("internet" mix): 60 % home (down U(20, 100) Mbit/s, up U(5, 40)), 30 % fiber (symmetric
@@ -37,9 +38,25 @@ Model (every number is a parameter of `Case`):
   transfers fail (its receivers' planners get `failed`, the slot retries after 1 s) and its shards
   leave the view at once. Churn stops once every node present at t = 0 that did not leave holds the
   checkpoint; the run ends when every node present holds it.
+* NAT (`nat_share`, issue #26): that share of all nodes, drawn from the homes, cannot be dialled. Each keeps
+  connections to `nat_keep_peers` = 4 reachable nodes (p2p.nat_keep_peers) and serves them over those; it
+  fetches from any reachable node (it dials out). Without `relay`, a NATed holder serves nobody else (no
+  NATed node fetches from another), and the super-seeder's `reachable` callback says False for it, so it
+  never holds a first copy (the coordinator's dial-back, node/coordinator/reachability.py).
+* Relay circuits (`relay`, with NAT; docs/P2P.md "Relaying and hole punching"): every NATed node holds a
+  reservation on the coordinator's hop, so the super-seeder counts it as servable (the coordinator's
+  `can_serve`, node/coordinator/service.py) and any node fetches from it. A peer with no direct connection
+  to a NATed holder (not one of its kept peers, no punched hole yet) goes through the hop: the transfer
+  starts one extra RTT later (the CONNECT) and its rate is also capped by the hop's share, `relay_cap`
+  (default: the origin's cap) divided among all relayed flows at once. After a pair's first relayed
+  transfer a hole is punched (DCUtR) with probability `punch_fraction` (0.7: most home routers keep the
+  source port) and the pair's later transfers are direct. The fetcher ranks holders it can reach directly
+  before relayed ones (P2PNode.peers_with).
 
 Not modelled: TCP dynamics (slow start, loss, RTT-limited windows), CPU cost (hashing, Noise,
-py-libp2p: the cause of the real N = 16 miss), NAT / outbound-only nodes, the network core (only
+py-libp2p: the cause of the real N = 16 miss), the hop's limits other than bandwidth
+(relay_max_reservations = 128 per hop, circuits per peer, a circuit's byte and time caps: every NATed node
+is taken to hold a reservation, as with enough `p2p.relay_addrs` hops), the network core (only
 the edges are bottlenecks), gossip loss, stale "have" views after a peer leaves, the manifest and
 listing round trips, nodes that lie, the fetcher's 0.25 s polling (slots wake on news or deadlines,
 which is the same decision earlier).
@@ -105,6 +122,12 @@ class Case:
     # cannot fetch from another NATed one (relay circuits are not modelled).
     nat_share: float = 0.0
     nat_keep_peers: int = 4
+    # Relay circuits (with NAT): NATed nodes hold a reservation on the coordinator's hop, get first copies and
+    # serve everyone; a relayed transfer costs an extra RTT and shares `relay_cap` (0: the origin's cap) with the
+    # other relayed flows; after a pair's first one, `punch_fraction` of pairs get a direct connection (DCUtR).
+    relay: bool = False
+    relay_cap: float = 0.0
+    punch_fraction: float = 0.7
     # Before its first shard request a node learns of the step (`notify_s` after publication, then the
     # announcement's gossip hops) and spends `step_rtts` round trips to the origin (the listing and manifest).
     notify_s: float = 0.0
@@ -119,11 +142,12 @@ class OverBudget(RuntimeError):
 
 
 class Flow:
-    __slots__ = ("s", "r", "pick", "rem", "rate", "last", "ver", "server", "live", "started", "ev_rate")
+    __slots__ = ("s", "r", "pick", "rem", "rate", "last", "ver", "server", "live", "started", "ev_rate", "hop")
 
-    def __init__(self, s, r, pick, size, server):
+    def __init__(self, s, r, pick, size, server, hop=None):
         self.s, self.r, self.pick, self.rem, self.server = s, r, pick, float(size), server
         self.rate, self.last, self.ver, self.live, self.started, self.ev_rate = 0.0, 0.0, 0, True, False, 0.0
+        self.hop = hop  # the relay hop this flow goes through (its uplink is shared by every relayed flow)
 
 
 class Node:
@@ -178,7 +202,9 @@ class Sim:
         self.shard_size = size / self.num_shards
         self.total = size
         self.swarm = case.mode == "swarm"
-        self.seeder = SuperSeeder(case.super_seed_s, clock=lambda: self.now) if self.swarm else None
+        # The coordinator's `can_serve`: a NATed node is servable only through a relay reservation.
+        self.seeder = (SuperSeeder(case.super_seed_s, clock=lambda: self.now, reachable=self.servable)
+                       if self.swarm else None)
         self.nodes: list[Node] = []
         self.origin = Node(-1, "origin", case.origin_cap, float("inf"), 0.0)
         self.origin.held = self.num_shards
@@ -203,6 +229,21 @@ class Sim:
             self.mean_rtt = 2 * 2 * sum(x[2] for x in case.sites) / len(case.sites)
         self.nat = case.nat_share > 0 or any(x[3] for x in case.sites)
         self.natted_bytes = 0.0  # served by NATed nodes
+        self.relaying = case.relay and self.nat
+        self.hop = None  # the coordinator's relay hop: a node whose uplink is what relayed flows share
+        if self.relaying:
+            cap = case.relay_cap or case.origin_cap
+            self.hop = Node(-3, "hop", cap, cap, 0.0)
+        self.punched: dict[tuple[int, int], bool] = {}  # pair -> a hole was punched after its first circuit
+        self.relayed_bytes = 0.0
+        self.relayed_transfers = 0
+
+    def servable(self, node_id) -> bool | None:
+        """The super-seeder's `reachable` callback, as the coordinator's `can_serve`: False for a NATed node
+        without a relay reservation (here: without `relay`), None (unknown: servable) otherwise."""
+        if isinstance(node_id, int) and 0 <= node_id < len(self.nodes) and self.nodes[node_id].natted:
+            return None if self.relaying else False
+        return None
 
     # ---- plumbing -------------------------------------------------------------------------------
     def push(self, t, kind, a=None, b=None):
@@ -271,13 +312,16 @@ class Sim:
         self.wake(node)
 
     def usable(self, holder: Node, node: Node) -> bool:
-        """Whether `node` can fetch from `holder`: a NATed holder serves only the reachable nodes it keeps
-        connections to; a NATed node also fetches from those it keeps (the same connections)."""
+        """Whether `node` can fetch from `holder` over a direct connection: a NATed holder is reached only by
+        the reachable nodes it keeps connections to, or (relay circuits) a peer it punched a hole to; a NATed
+        node dials out to any reachable holder."""
         if holder.natted:
-            return node.id in holder.kept
-        if node.natted:
-            return True
+            return node.id in holder.kept or self.punched.get(self.pair(holder, node), False)
         return True
+
+    @staticmethod
+    def pair(a: Node, b: Node) -> tuple[int, int]:
+        return (a.id, b.id) if a.id < b.id else (b.id, a.id)
 
     # ---- bandwidth --------------------------------------------------------------------------------
     def settle(self, f: Flow) -> None:
@@ -290,8 +334,11 @@ class Sim:
         more than 2 % faster than when it was scheduled (a slower flow's event fires early and is
         re-scheduled then), so a completion is at most 2 % of its remaining time late."""
         now = self.now
+        hop = self.hop
         for f in (node.ups if up else node.downs):
             rate = min(f.s.up / len(f.s.ups), f.r.down / len(f.r.downs))
+            if f.hop is not None:
+                rate = min(rate, hop.up / len(hop.ups))
             if rate != f.rate:
                 f.rem -= f.rate * (now - f.last)
                 f.last = now
@@ -310,6 +357,9 @@ class Sim:
         f.started, f.last = True, self.now
         f.s.ups.add(f)
         f.r.downs.add(f)
+        if f.hop is not None:
+            f.hop.ups.add(f)
+            self.reshare(f.hop, True)
         self.reshare(f.s, True)
         self.reshare(f.r, False)
 
@@ -341,6 +391,9 @@ class Sim:
             self.settle(f)
             f.s.ups.discard(f)
             f.r.downs.discard(f)
+            if f.hop is not None:
+                f.hop.ups.discard(f)
+                self.reshare(f.hop, True)
             self.reshare(f.s, True)
             self.reshare(f.r, False)
 
@@ -366,7 +419,11 @@ class Sim:
         i = pick.index
         if self.swarm and self.holders.get(i, 0) > 0:  # PeerSource: up to 4 random holders, busy ones cost an RTT
             lst = self.holder_list[i]
-            if self.nat:  # NATed holders only for those they keep connections to (PeerSource ranks reachable first)
+            if self.relaying:  # every holder: those reachable directly first, then relayed (P2PNode.peers_with)
+                cand = self.rng.sample(lst, min(16, len(lst)))
+                direct = [h for h in cand if self.usable(self.nodes[h], node)]
+                tries = (direct + [h for h in cand if h not in direct])[:4] if len(direct) < 4 else direct[:4]
+            elif self.nat:  # NATed holders only for those they keep connections to (PeerSource ranks reachable first)
                 cand = self.rng.sample(lst, min(16, len(lst)))
                 tries = [h for h in cand if self.usable(self.nodes[h], node)][:4]
             else:
@@ -376,8 +433,11 @@ class Sim:
                 for hid in tries:
                     h = self.nodes[hid]
                     rtt = self.rtt(node, h)
+                    relayed = self.relaying and h.natted and not self.usable(h, node)
+                    if relayed:  # a circuit through the hop: CONNECT first (one more round trip)
+                        rtt *= 2
                     if h.reserved < self.c.upload_slots:
-                        self.transfer(h, node, pick, delay + rtt, server=False)
+                        self.transfer(h, node, pick, delay + rtt, server=False, hop=self.hop if relayed else None)
                         return
                     delay += rtt
                 self.push(self.now + delay, BUSY, node, (pick, streak + 1, tries))  # every holder tried was busy
@@ -414,8 +474,8 @@ class Sim:
             self.nodes[hid].waiters.append(sl)
         self.shard_waiters.setdefault(pick.index, deque()).append(sl)
 
-    def transfer(self, s: Node, r: Node, pick: Pick, delay: float, server: bool) -> None:
-        f = Flow(s, r, pick, self.shard_size, server)
+    def transfer(self, s: Node, r: Node, pick: Pick, delay: float, server: bool, hop: Node | None = None) -> None:
+        f = Flow(s, r, pick, self.shard_size, server, hop)
         s.reserved += 1
         self.push(self.now + delay, FSTART, f)
 
@@ -430,6 +490,12 @@ class Sim:
             self.peer_bytes += self.shard_size if not f.server else 0.0
             if f.s.natted:
                 self.natted_bytes += self.shard_size
+            if f.hop is not None:  # the pair's first circuit: DCUtR punches a hole, or the pair stays relayed
+                self.relayed_bytes += self.shard_size
+                self.relayed_transfers += 1
+                key = self.pair(f.s, f.r)
+                if key not in self.punched:
+                    self.punched[key] = self.rng.random() < self.c.punch_fraction
         f.s.sent += self.shard_size
         node.planner.done(pick)
         node.held += 1
@@ -643,6 +709,9 @@ class Sim:
             "origin_bytes": round(self.origin_bytes), "origin_copies": round(self.origin_bytes / self.total, 3),
             "peer_bytes": round(self.peer_bytes), "natted_served_bytes": round(self.natted_bytes),
             "natted_nodes": sum(n.natted for n in initial),
+            "relay": self.relaying, "relayed_bytes": round(self.relayed_bytes),
+            "relayed_transfers": self.relayed_transfers, "punched_pairs": sum(self.punched.values()),
+            "relayed_pairs": len(self.punched),
             "median_node_seconds": round(sorted(n.done_t - n.joined for n in stayed)[len(stayed) // 2], 2),
             "sim_events": self.events, "planner_takes": self.takes, "wall_seconds": round(wall, 1),
         }
@@ -690,12 +759,13 @@ def lab_sites(n: int) -> tuple:
                  for _, p, k in swarm_sites(n))
 
 
-def lab_validation(notify_s: float = 0.0) -> list[dict]:
+def lab_validation(notify_s: float = 0.0, relay: bool = False) -> list[dict]:
     """The simulator against the WAN lab (bench/results/wan.json "scale": the real CLI loop at N nodes of the
     issue's mix, 60 % home behind NAT): the median step's time until every node holds it, full and delta, with
     the lab's links, sizes (the median step's wire bytes), 256 KiB shards, origin cap and NATed homes. A node
     starts a step after `notify_s` (it learns of it from the announcement or its 1 s poll) and one round trip
-    (the listing with the manifest, docs/BENCHMARKS.md "WAN lab: round trips per step")."""
+    (the listing with the manifest, docs/BENCHMARKS.md "WAN lab: round trips per step"). Held out from the fit of
+    `notify_s` (fitted on t_all_s): the median node's time (t_median_s) and the NATed homes' share of peer bytes."""
     doc = json.loads((REPO / "bench/results/wan.json").read_text())
     scale = doc.get("scale", {})
     rows = []
@@ -708,10 +778,13 @@ def lab_validation(notify_s: float = 0.0) -> list[dict]:
             size = sizes[len(sizes) // 2]
             case = Case(nodes=m["n"], checkpoint_bytes=size, shard_bytes=262144, delta_fraction=1.0,
                         origin_cap=m["origin_mbit"] * MBIT, sites=lab_sites(m["n"]), have_interval=0.3,
-                        notify_s=notify_s, step_rtts=1.0, super_seed_s=10.0)
+                        notify_s=notify_s, step_rtts=1.0, super_seed_s=10.0, relay=relay)
             r = simulate(case)
             err = r["seconds"] / measured - 1
-            rows.append({"nodes": m["n"], "kind": kind, "wire_bytes": size, "sim_seconds": r["seconds"],
+            med = m[kind].get("t_median_s")
+            rows.append({"nodes": m["n"], "kind": kind, "relay": relay, "wire_bytes": size, "sim_seconds": r["seconds"],
+                         "sim_median_seconds": r["median_node_seconds"], "measured_median_seconds": med,
+                         "median_sim_vs_measured": round(r["median_node_seconds"] / med - 1, 3) if med else None,
                          "measured_seconds": measured, "sim_vs_measured": round(err, 3),
                          "within_20pct": abs(err) <= 0.2, "sim_natted_share_of_peer_bytes":
                          round(r["natted_served_bytes"] / r["peer_bytes"], 3) if r["peer_bytes"] else None,
@@ -800,36 +873,47 @@ def write(rows: list[dict], val: list[dict]) -> None:
     (REPO / "bench/results/swarm_sim.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
-def nat_main(share: float, notify_s: float) -> None:
+def nat_line(r: dict) -> str:
+    if r["seconds"] is None:
+        return f"N={r['nodes']:5d} 1 GB {r['kind']:5s} NAT {r['nat_share']:.0%} relay={r['relay']!s:5s} {r['note']}"
+    return (f"N={r['nodes']:5d} 1 GB {r['kind']:5s} NAT {r['nat_share']:.0%} relay={r['relay']!s:5s} {r['seconds']:9.1f} s  "
+            f"bound {r['lower_bound_seconds']:9.1f} s  ratio {r['ratio']:.2f}  origin {r['origin_copies']:.2f} copies  "
+            f"NATed served {r['natted_served_bytes'] / max(1, r['peer_bytes']):.1%} of peer bytes, relayed "
+            f"{r['relayed_bytes'] / max(1, r['peer_bytes']):.1%} (wall {r['wall_seconds']} s, {r['sim_events']:,} events)")
+
+
+def nat_main(share: float, notify_s: float, relay: bool, budget_s: float, sizes: tuple) -> None:
+    """Without --relay: "lab_validation" and "nat_rows" (NATed nodes serve only their kept peers). With --relay:
+    "relay_lab_validation" and "relay_rows", each case without and with relay circuits side by side (same seed)."""
     path = REPO / "bench/results/swarm_sim.json"
     doc = json.loads(path.read_text())
-    val = lab_validation(notify_s)
+    variants = (False, True) if relay else (False,)
+    val = [v for rl in variants for v in lab_validation(notify_s, relay=rl)]
     for v in val:
         print(v, flush=True)
-    doc["lab_validation"] = {"notify_s": notify_s, "rows": val}
+    doc["relay_lab_validation" if relay else "lab_validation"] = {"notify_s": notify_s, "rows": val}
+    key = "relay_rows" if relay else "nat_rows"
     rows = []
-    for n in (16, 100, 1000, 4000):
+    for n in sizes:
         for kind in ("full", "delta"):
-            case = Case(nodes=n, checkpoint_bytes=1 * GB, kind=kind, nat_share=share, notify_s=notify_s,
-                        step_rtts=1.0, budget_s=100.0 if n >= 1000 else 0.0)
-            try:
-                r = simulate(case)
-            except OverBudget as e:
-                print(f"N={n} {kind} NAT {share}: {e}", flush=True)
-                rows.append({"nodes": n, "checkpoint_bytes": 1 * GB, "kind": kind, "nat_share": share,
-                             "seconds": None, "note": str(e)})
-                continue
-            r["nat_share"] = share
-            print(f"N={n:5d} 1 GB {kind:5s} NAT {share:.0%} {r['seconds']:9.1f} s  bound {r['lower_bound_seconds']:9.1f}"
-                  f" s  ratio {r['ratio']:.2f}  origin {r['origin_copies']:.2f} copies  NATed served "
-                  f"{r['natted_served_bytes'] / max(1, r['peer_bytes']):.1%} of peer bytes (wall {r['wall_seconds']} s)",
-                  flush=True)
-            rows.append(r)
-            doc["nat_rows"] = rows
-            path.write_text(json.dumps(doc, indent=2) + "\n")
-    doc["nat_rows"] = rows
-    path.write_text(json.dumps(doc, indent=2) + "\n")
-    plot([*doc["rows"], *rows], REPO / "docs/swarm_sim.png")
+            for rl in variants:
+                case = Case(nodes=n, checkpoint_bytes=1 * GB, kind=kind, nat_share=share, notify_s=notify_s,
+                            step_rtts=1.0, budget_s=budget_s if n >= 1000 else 0.0, relay=rl)
+                t0 = time.perf_counter()
+                sim = Sim(case)
+                try:
+                    r = sim.run()
+                except OverBudget as e:
+                    r = {"nodes": n, "checkpoint_bytes": 1 * GB, "kind": kind, "relay": rl, "seconds": None,
+                         "note": str(e), "sim_events": sim.events, "sim_t": round(sim.now, 1),
+                         "wall_seconds": round(time.perf_counter() - t0, 1)}
+                r["nat_share"] = share
+                print(nat_line(r), flush=True)
+                rows.append(r)
+                doc[key] = rows
+                path.write_text(json.dumps(doc, indent=2) + "\n")
+    if not relay:
+        plot([*doc["rows"], *rows], REPO / "docs/swarm_sim.png")
 
 
 def main() -> None:
@@ -841,9 +925,14 @@ def main() -> None:
                          "N = 16 ... 4,000 with this share of all nodes behind NAT; kept in swarm_sim.json as "
                          "\"lab_validation\" and \"nat_rows\" beside the other rows")
     ap.add_argument("--notify-s", type=float, default=0.0, help="--nat: a node's delay in learning of a step")
+    ap.add_argument("--relay", action="store_true",
+                    help="--nat: each case without and with relay circuits (NATed nodes hold a reservation on the "
+                         "coordinator's hop), side by side, as \"relay_lab_validation\" and \"relay_rows\"")
+    ap.add_argument("--budget-s", type=float, default=100.0, help="--nat: wall-clock limit of one N >= 1,000 run")
+    ap.add_argument("--sizes", default="16,100,1000,4000", help="--nat: node counts, comma-separated")
     args = ap.parse_args()
     if args.nat is not None:
-        nat_main(args.nat, args.notify_s)
+        nat_main(args.nat, args.notify_s, args.relay, args.budget_s, tuple(int(x) for x in args.sizes.split(",")))
         return
     val = [] if args.skip_validation else validation()
     for v in val:

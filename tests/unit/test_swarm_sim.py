@@ -66,3 +66,26 @@ def test_explicit_sites_and_step_overhead_delay_the_first_request():
     slow = Sim(tiny(nodes=2, sites=sites, step_rtts=2, notify_s=0.5)).run()
     fast = Sim(tiny(nodes=2, sites=sites)).run()
     assert slow["seconds"] >= fast["seconds"] + 0.5
+
+
+def test_relay_circuits_let_natted_nodes_hold_first_copies_and_serve_everyone():
+    """Without relay the seeder never gives a NATed node a first copy (the coordinator's dial-back) and no NATed
+    node fetches from another; with relay (a reservation on the hop, the coordinator's `can_serve`) they get first
+    copies, serve through the hop (capped by `relay_cap`) and punch holes for some pairs."""
+    kw = dict(nodes=20, nat_share=0.6, seed=2)
+    plain = Sim(tiny(**kw))
+    plain.run()
+    natted = [n for n in plain.nodes if n.natted]
+    assert natted and all(plain.servable(n.id) is False for n in natted)
+    assert plain.relayed_bytes == 0 and not plain.punched
+    sim = Sim(tiny(relay=True, punch_fraction=0.5, **kw))
+    r = sim.run()
+    assert all(n.held == sim.num_shards for n in sim.nodes)
+    assert all(sim.servable(n.id) is None for n in sim.nodes)
+    assert r["relay"] and r["relayed_transfers"] > 0 and 0 < r["relayed_bytes"] <= r["natted_served_bytes"]
+    assert r["relayed_pairs"] == len(sim.punched) and 0 <= r["punched_pairs"] <= r["relayed_pairs"]
+    assert r["seconds"] >= r["lower_bound_seconds"]
+    assert not sim.hop.ups  # every relayed flow left the hop
+    # a thin hop makes relayed transfers, and so the broadcast, slower
+    thin = Sim(tiny(relay=True, punch_fraction=0.0, relay_cap=0.1 * 125_000.0, **kw)).run()
+    assert thin["seconds"] > r["seconds"]
