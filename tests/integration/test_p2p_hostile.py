@@ -5,7 +5,6 @@ validator); the victim is an unmodified P2PNode. Each attack ran against the cod
 and succeeded there (honest fetches BUSY, every junk message checked and logged).
 """
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -18,6 +17,7 @@ import pytest
 from node.p2p.announce import encode_have_announcement
 from node.p2p.host import P2PNode
 from protocol.identity import Identity
+from tests.p2p_helpers import running
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(120)]
 
@@ -25,15 +25,6 @@ RUN = "run-hostile"
 KIB = 1024
 H = "cd" * 32
 
-
-@contextlib.asynccontextmanager
-async def running(*nodes: P2PNode):
-    try:
-        for n in nodes:
-            await n.start()
-        yield nodes
-    finally:
-        await asyncio.gather(*(n.stop() for n in nodes))
 
 
 def node(**kw) -> P2PNode:

@@ -1,6 +1,5 @@
 """Shard exchange over `/prime-node/shard/1.0.0` between real libp2p hosts on 127.0.0.1."""
 import asyncio
-import contextlib
 import hashlib
 import os
 import threading
@@ -21,6 +20,7 @@ from node.p2p.host import P2PNode
 from node.p2p.shard_store import manifest_hash
 from protocol.identity import Identity
 from protocol.signing import canonical_json
+from tests.p2p_helpers import running
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 
@@ -44,16 +44,6 @@ def write_checkpoint(root, step: int, n_shards: int, raw_size: int) -> tuple[dic
                            for i, z in enumerate(shards)]}
     (root / str(step) / "manifest.json").write_bytes(canonical_json(manifest))
     return manifest, shards
-
-
-@contextlib.asynccontextmanager
-async def running(*nodes: P2PNode):
-    try:
-        for node in nodes:
-            await node.start()
-        yield nodes
-    finally:
-        await asyncio.gather(*(node.stop() for node in nodes))
 
 
 def node(**kw) -> P2PNode:

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import aiohttp
 import pytest
@@ -24,6 +23,7 @@ from node.p2p.host import P2PNode
 from node.p2p.nat import is_circuit
 from protocol.identity import Identity
 from tests.integration.coordinator_harness import REPO, RawNode, running_coordinator
+from tests.p2p_helpers import running, until
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 
@@ -38,26 +38,6 @@ def node(**kw) -> P2PNode:
     return P2PNode(Identity.generate(), run_id=RUN, listen=[], allow_private_addrs=True, nat_interval_s=0.2, **kw)
 
 
-@contextlib.asynccontextmanager
-async def running(*nodes: P2PNode):
-    try:
-        for n in nodes:
-            await n.start()
-        yield nodes
-    finally:
-        await asyncio.gather(*(n.stop() for n in nodes))
-
-
-async def until(what: str, cond, deadline_s: float = 15.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline_s:
-        got = cond()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
 
 
 @contextlib.asynccontextmanager

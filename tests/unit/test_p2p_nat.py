@@ -3,7 +3,6 @@ connections to reachable peers and serves over them; it reserves a slot on a rel
 another outbound-only node fetches from it through that relay; the relay's limits hold; a peer that is not our
 relay cannot open connections to us over STOP streams."""
 import asyncio
-import contextlib
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from node.p2p.errors import P2PError, PeerUnavailable, ShardPeerGone
 from node.p2p.host import P2PNode
 from node.p2p.nat import RelayHopLimits, is_circuit
 from protocol.identity import Identity
+from tests.p2p_helpers import running, until
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 
@@ -31,15 +31,6 @@ def serving(**kw) -> P2PNode:
     return node(shard_source=lambda step, index: SHARDS.get(index) if step == 1 else None, **kw)
 
 
-@contextlib.asynccontextmanager
-async def running(*nodes: P2PNode):
-    try:
-        for n in nodes:
-            await n.start()
-        yield nodes
-    finally:
-        await asyncio.gather(*(n.stop() for n in nodes))
-
 
 def learn_have(of: P2PNode, at: P2PNode, addrs) -> None:
     """`at` records the signed `have` that `of` would gossip (the gossip path itself is tested elsewhere)."""
@@ -49,17 +40,6 @@ def learn_have(of: P2PNode, at: P2PNode, addrs) -> None:
     assert at.table.record_have(of.peer_id, decode_announcement(raw, run_id=RUN, coordinator_key=None,
                                                                 origin_node_id=of.node_id, max_age_s=60))
 
-
-async def until(what: str, cond, deadline_s: float = 15.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline_s:
-        got = cond()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
 
 
 async def test_a_home_fetches_from_another_home_through_a_relay():
