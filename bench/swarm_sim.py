@@ -51,7 +51,8 @@ Model (every number is a parameter of `Case`):
   (default: the origin's cap) divided among all relayed flows at once. After a pair's first relayed
   transfer a hole is punched (DCUtR) with probability `punch_fraction` (0.7: most home routers keep the
   source port) and the pair's later transfers are direct. The fetcher ranks holders it can reach directly
-  before relayed ones (P2PNode.peers_with).
+  before relayed ones (P2PNode.peers_with). `relay_first_copies = False` (a what-if, not what the coordinator
+  does): circuits as above, but the seeder still gives first copies to reachable nodes only.
 
 Not modelled: TCP dynamics (slow start, loss, RTT-limited windows), CPU cost (hashing, Noise,
 py-libp2p: the cause of the real N = 16 miss), the hop's limits other than bandwidth
@@ -128,6 +129,7 @@ class Case:
     relay: bool = False
     relay_cap: float = 0.0
     punch_fraction: float = 0.7
+    relay_first_copies: bool = True  # False: circuits, but the seeder gives first copies to reachable nodes only
     # Before its first shard request a node learns of the step (`notify_s` after publication, then the
     # announcement's gossip hops) and spends `step_rtts` round trips to the origin (the listing and manifest).
     notify_s: float = 0.0
@@ -244,7 +246,7 @@ class Sim:
         """The super-seeder's `reachable` callback, as the coordinator's `can_serve`: False for a NATed node
         without a relay reservation (here: without `relay`), None (unknown: servable) otherwise."""
         if isinstance(node_id, int) and 0 <= node_id < len(self.nodes) and self.nodes[node_id].natted:
-            return None if self.relaying else False
+            return None if self.relaying and self.c.relay_first_copies else False
         return None
 
     # ---- plumbing -------------------------------------------------------------------------------
@@ -713,7 +715,8 @@ class Sim:
             "origin_bytes": round(self.origin_bytes), "origin_copies": round(self.origin_bytes / self.total, 3),
             "peer_bytes": round(self.peer_bytes), "natted_served_bytes": round(self.natted_bytes),
             "natted_nodes": sum(n.natted for n in initial),
-            "relay": self.relaying, "relayed_bytes": round(self.relayed_bytes),
+            "relay": self.relaying, "relay_first_copies": self.relaying and c.relay_first_copies,
+            "relayed_bytes": round(self.relayed_bytes),
             "relayed_transfers": self.relayed_transfers, "punched_pairs": sum(self.punched.values()),
             "relayed_pairs": len(self.punched),
             "origin_sends": self.origin_sends, "origin_sends_of_held_shards": self.origin_sends_held,
@@ -907,10 +910,14 @@ def write(rows: list[dict], val: list[dict]) -> None:
     (REPO / "bench/results/swarm_sim.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
+def relay_label(r: dict) -> str:
+    return "relay      " if r["relay_first_copies"] else "relay, NFC " if r["relay"] else "no relay   "
+
+
 def nat_line(r: dict) -> str:
     if r["seconds"] is None:
-        return f"N={r['nodes']:5d} 1 GB {r['kind']:5s} NAT {r['nat_share']:.0%} relay={r['relay']!s:5s} {r['note']}"
-    return (f"N={r['nodes']:5d} 1 GB {r['kind']:5s} NAT {r['nat_share']:.0%} relay={r['relay']!s:5s} {r['seconds']:9.1f} s  "
+        return f"N={r['nodes']:5d} 1 GB {r['kind']:5s} NAT {r['nat_share']:.0%} {relay_label(r)} {r['note']}"
+    return (f"N={r['nodes']:5d} 1 GB {r['kind']:5s} NAT {r['nat_share']:.0%} {relay_label(r)} {r['seconds']:9.1f} s  "
             f"bound {r['lower_bound_seconds']:9.1f} s  ratio {r['ratio']:.2f}  origin {r['origin_copies']:.2f} copies  "
             f"NATed served {r['natted_served_bytes'] / max(1, r['peer_bytes']):.1%} of peer bytes, relayed "
             f"{r['relayed_bytes'] / max(1, r['peer_bytes']):.1%} (wall {r['wall_seconds']} s, {r['sim_events']:,} events)")
@@ -921,8 +928,8 @@ def nat_main(share: float, notify_s: float, relay: bool, budget_s: float, sizes:
     "relay_lab_validation" and "relay_rows", each case without and with relay circuits side by side (same seed)."""
     path = REPO / "bench/results/swarm_sim.json"
     doc = json.loads(path.read_text())
-    variants = (False, True) if relay else (False,)
-    val = [v for rl in variants for v in lab_validation(notify_s, relay=rl)]
+    variants = ((False, True), (True, True), (True, False)) if relay else ((False, True),)  # (relay, first copies)
+    val = [v for rl, _ in variants[:2] for v in lab_validation(notify_s, relay=rl)]
     for v in val:
         print(v, flush=True)
     doc["relay_lab_validation" if relay else "lab_validation"] = {"notify_s": notify_s, "rows": val}
@@ -934,15 +941,17 @@ def nat_main(share: float, notify_s: float, relay: bool, budget_s: float, sizes:
     rows = []
     for n in sizes:
         for kind in ("full", "delta"):
-            for rl in variants:
+            for rl, first in variants:
                 case = Case(nodes=n, checkpoint_bytes=1 * GB, kind=kind, nat_share=share, notify_s=notify_s,
-                            step_rtts=1.0, budget_s=budget_s if n >= 1000 else 0.0, relay=rl)
+                            step_rtts=1.0, budget_s=budget_s if n >= 1000 else 0.0, relay=rl,
+                            relay_first_copies=first)
                 t0 = time.perf_counter()
                 sim = Sim(case)
                 try:
                     r = sim.run()
                 except OverBudget as e:
-                    r = {"nodes": n, "checkpoint_bytes": 1 * GB, "kind": kind, "relay": rl, "seconds": None,
+                    r = {"nodes": n, "checkpoint_bytes": 1 * GB, "kind": kind, "relay": rl,
+                         "relay_first_copies": rl and first, "seconds": None,
                          "note": str(e), "sim_events": sim.events, "sim_t": round(sim.now, 1),
                          "wall_seconds": round(time.perf_counter() - t0, 1)}
                 r["nat_share"] = share
@@ -964,8 +973,9 @@ def main() -> None:
                          "\"lab_validation\" and \"nat_rows\" beside the other rows")
     ap.add_argument("--notify-s", type=float, default=0.0, help="--nat: a node's delay in learning of a step")
     ap.add_argument("--relay", action="store_true",
-                    help="--nat: each case without and with relay circuits (NATed nodes hold a reservation on the "
-                         "coordinator's hop), side by side, as \"relay_lab_validation\" and \"relay_rows\"")
+                    help="--nat: each case without relay circuits, with them (NATed nodes hold a reservation on the "
+                         "coordinator's hop and get first copies), and with them but first copies to reachable nodes "
+                         "only (NFC), side by side, as \"relay_lab_validation\" and \"relay_rows\"")
     ap.add_argument("--budget-s", type=float, default=100.0, help="--nat: wall-clock limit of one N >= 1,000 run")
     ap.add_argument("--sizes", default="16,100,1000,4000", help="--nat: node counts, comma-separated")
     args = ap.parse_args()
