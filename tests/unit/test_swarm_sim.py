@@ -72,7 +72,7 @@ def test_relay_circuits_let_natted_nodes_hold_first_copies_and_serve_everyone():
     """Without relay the seeder never gives a NATed node a first copy (the coordinator's dial-back) and no NATed
     node fetches from another; with relay (a reservation on the hop, the coordinator's `can_serve`) they get first
     copies, serve through the hop (capped by `relay_cap`) and punch holes for some pairs."""
-    kw = dict(nodes=20, nat_share=0.6, seed=2)
+    kw = {"nodes": 20, "nat_share": 0.6, "seed": 2}
     plain = Sim(tiny(**kw))
     plain.run()
     natted = [n for n in plain.nodes if n.natted]
