@@ -14,7 +14,8 @@ runs in each node's namespace and records every TCP packet to and from the coord
 each HTTP request. From that, per node:
 * steps: the distinct steps whose shards the node asked for; requests/step: checkpoint requests (the listing,
   manifests, shards, including listings that found nothing new) per step fetched; connects/step: TCP connections
-  the node opened to the coordinator's HTTP port (any request, heartbeats included) per step fetched.
+  the node opened to the coordinator's HTTP port (any request, heartbeats included) per step fetched; fetch
+  connects/step: those of them whose first request was a checkpoint's (the fetcher's own).
 * a fetch: from a listing request that is followed by a manifest request to the last byte of the last
   checkpoint response before the next listing. s/step: a fetch's wire time over the steps it fetched; round
   trips/step: that over the round-trip time, and the same after taking away the transfer time at the line's
@@ -116,7 +117,8 @@ def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -
     step but a fetch's first counts as one)."""
     current: dict[int, tuple[str, int | None]] = {}  # local port -> (kind of the request in flight, its fetch)
     fetches: list[Fetch] = []
-    connects = requests = listings = 0
+    connects = requests = listings = fetch_connects = 0
+    fresh: set[int] = set()  # local ports of new connections that have sent nothing yet
     steps: set[int] = set()
     last = None  # the last manifest or shard request: (time, local port, step, what)
     for t, way, lport, rport, syn, size, line in packets:
@@ -125,7 +127,11 @@ def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -
         if way == "out":
             if syn:
                 connects += 1
+                fresh.add(lport)
             m = _GET.match(line.encode("latin-1")) if line else None
+            if lport in fresh and size > 0:  # a connection's first request: the fetcher's, or the API's
+                fresh.discard(lport)
+                fetch_connects += m is not None
             if not m:
                 if size > 0:  # another request (a POST, its body, an API GET): what answers it is not a checkpoint's
                     current[lport] = ("api", None)
@@ -182,6 +188,7 @@ def analyse(packets: list[list], rtt_s: float, deltas: set[int] | None = None) -
     return {"rtt_ms": round(rtt_s * 1e3), "steps_fetched": len(steps), "fetches": len(useful),
             "requests_per_step": round(requests / n, 2), "listings": listings,
             "connects_per_step": round(connects / n, 2), "connects": connects,
+            "fetch_connects_per_step": round(fetch_connects / n, 2), "fetch_connects": fetch_connects,
             "delta_s_per_step": med(one, "s_per_step"), "delta_rtts": med(one, "rtts_per_step"),
             "delta_rtts_beyond_transfer": med(one, "rtts_beyond_transfer"), "delta_fetches": len(one),
             "delta_waves": med(one, "waves_per_step"),
@@ -290,7 +297,10 @@ def _run_loop(lab, root: Path, delays_ms: list[float], steps: int, workdir: Path
     for n in nodes:
         m = re.search(r"joined run \S+ as ([0-9a-f]{8})", lab.log(f"worker-{n.name}"))
         ids[n.name] = m.group(1) if m else None
-    deltas = {c["step"] for c in s.get("checkpoints", []) if c.get("encoding") != "full"}
+    # every step published as a delta (the status lists only the steps still kept, the last k + 2)
+    deltas = {int(n) for n, enc in re.findall(r"step (\d+) published \(([\w-]+),", lab.log("coordinator"))
+              if enc != "full"}
+    deltas |= {c["step"] for c in s.get("checkpoints", []) if c.get("encoding") != "full"}
     rows = {r["node_id"][:8]: r for r in s.get("nodes", [])}
     fetcher_lines = {n.name: re.findall(r"fetched steps (\S+) in ([\d.]+) s: (\d+) requests, (\d+) new conn",
                                         lab.log(f"worker-{n.name}")) for n in nodes}

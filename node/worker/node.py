@@ -307,18 +307,12 @@ class WorkerNode:
             await sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds * (0.8 + 0.4 * random.random()))
 
     async def _work_loop(self) -> None:
-        """Ask for work, generate, submit. Neither round trip waits for the engine: the next assignment is asked
-        for while this one generates, and an assignment's submission is in flight while the next one generates
-        (one of each at a time). A node 200 ms away no longer idles two round trips per assignment, so its round
-        trip stops deciding how much it can do (docs/BENCHMARKS.md, "WAN lab: work shared by compute").
-
-        The coordinator allows run.max_assignments_per_node = 2 open assignments: the one being submitted and the
-        one generating. So the request ahead is sent once the previous submission is answered (`_ask_after`).
-        The submission task is owned here: awaited before the next one starts and when the loop ends (bounded by
-        the assignment's deadline and the stop event, `_submit`); an error in it ends the loop."""
+        """Ask for work, generate, submit. The next assignment is asked for while this one generates (one
+        request ahead, within the coordinator's run.max_assignments_per_node = 2): a node 200 ms away no longer
+        idles a round trip between assignments, so its round trip stops deciding how much it can do
+        (docs/BENCHMARKS.md, "WAN lab: work shared by compute")."""
         backoff = Backoff(0.5, 30.0)
         ahead: asyncio.Task | None = None  # the next assignment, asked for while generating
-        sending: asyncio.Task | None = None  # the last assignment's submission, in flight while the next generates
         try:
             while not self.stop_event.is_set():
                 self.new_weights.clear()  # set again by a step that arrives from here on (the idle wait below)
@@ -366,31 +360,15 @@ class WorkerNode:
                     await wait_any(self.new_weights, self.stop_event, timeout=0.2 + random.random() * 0.3)
                     continue
                 if self._ask_ahead:
-                    ahead = asyncio.create_task(self._ask_after(sending), name="work-ahead")
-                sub = await self._generate(assignment)
-                if sending is not None:
-                    task, sending = sending, None
-                    await task
-                if sub is not None:
-                    sending = asyncio.create_task(self._deliver(sub, assignment.deadline_ms), name="submit")
+                    ahead = asyncio.create_task(self.client.work(self.policy_step), name="work-ahead")
+                await self._do_assignment(assignment)
         finally:
             if ahead is not None:
                 ahead.cancel()
                 if ahead.done() and not ahead.cancelled():
                     ahead.exception()  # retrieved: an abandoned request's error is not worth a warning
-            if sending is not None:
-                await sending  # delivered, or counted lost at the deadline or on stop (_submit)
 
-    async def _ask_after(self, sending: asyncio.Task | None) -> M.Assignment | None:
-        """The next assignment, asked for once `sending` (the previous submission) is answered: until then the
-        coordinator counts that assignment as open. Waiting does not cancel the submission if this is cancelled."""
-        if sending is not None:
-            await asyncio.wait({sending})
-        return await self.client.work(self.policy_step)
-
-    async def _generate(self, a: M.Assignment) -> M.SubmitRequest | None:
-        """Play every prompt of `a` on the engine; the submission, or None when stopping (the coordinator
-        re-issues the prompts after the deadline)."""
+    async def _do_assignment(self, a: M.Assignment) -> None:
         self.state = "generating"
         step = self.backend.policy_step
         sampling = dict(temperature=a.sampling.temperature, top_p=a.sampling.top_p,
@@ -406,7 +384,7 @@ class WorkerNode:
         self.stats.tokens += sum(len(e.first.completion_ids) + sum(len(r.completion_ids) for _, r in e.rest)
                                  for e in played)
         if self.stop_event.is_set():
-            return None  # abandon: the coordinator re-issues the prompts after the deadline
+            return  # abandon: the coordinator re-issues the prompts after the deadline
         rollouts, it = [], iter(played)
         for p in a.prompts:
             for j in range(len(p.seeds)):
@@ -416,11 +394,8 @@ class WorkerNode:
                     logprobs=e.first.logprobs, finish_reason=e.first.finish_reason, commitment=e.first.commitment,
                     turns=[M.EnvTurn(env_ids=env, completion_ids=r.completion_ids, logprobs=r.logprobs,
                                      finish_reason=r.finish_reason, commitment=r.commitment) for env, r in e.rest]))
-        return M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
-
-    async def _deliver(self, sub: M.SubmitRequest, deadline_ms: int) -> None:
-        """Submit `sub` and count what the coordinator said of it."""
-        resp = await self._submit(sub, deadline_ms)
+        sub = M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
+        resp = await self._submit(sub, a.deadline_ms)
         if resp is None:
             return
         self.stats.assignments += 1

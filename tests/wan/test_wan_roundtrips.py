@@ -16,10 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_delta_step_costs_at_most_three_round_trips_plus_its_transfer(tmp_path):
-    r = run_loop(REPO, [50.0], steps=10, workdir=tmp_path / "run", timeout_s=150, extra=("--set=p2p.enabled=false",))
+    # 14 steps: enough fetches of exactly one delta (3-7 of 10 steps were) however the fetches group the steps
+    r = run_loop(REPO, [50.0], steps=14, workdir=tmp_path / "run", timeout_s=180, extra=("--set=p2p.enabled=false",))
     node = r["nodes"]["50"]
     print("round trips at 100 ms:", node)
-    assert r["trainer_steps"] >= 10, r
+    assert r["trainer_steps"] >= 14, r
     assert node["delta_fetches"] >= 3, node  # the steady state was seen, not only the catch-up
     # The target: a delta step costs at most 3 round trips plus its transfer time. Round trips on the
     # critical path (request waves: listing and the guessed manifest together, then every shard together)
@@ -30,5 +31,9 @@ def test_a_delta_step_costs_at_most_three_round_trips_plus_its_transfer(tmp_path
     # 2 waves (2.6 and 3.9 here, 5.05 on the CI machine; the old fetcher, 4 waves, ~6.2). The structural claim
     # is the wave count above; this bound catches a fetch that waits on a timer (a 1 s poll is 10 round trips).
     assert node["delta_rtts_beyond_transfer"] <= 8.0, node
-    # kept-alive connections: not a new TCP connection for every step
-    assert node["connects_per_step"] < 1.0, node
+    # kept-alive connections: the fetcher's requests (~8 a step) reuse connections. Counted: connections whose first
+    # request is a checkpoint's. Measured 0.6-0.8 a step (a wave of 5 parallel shard requests sometimes finds
+    # fewer idle pooled connections, and the client drops idle ones after 4 s); a connection per request would be
+    # ~8. The API's connections are in connects_per_step (printed).
+    assert node["fetch_connects_per_step"] <= 2.0, node
+    assert node["fetch_connects"] < 0.25 * node["requests_per_step"] * node["steps_fetched"], node
