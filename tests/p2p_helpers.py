@@ -5,6 +5,8 @@ import asyncio
 import contextlib
 import time
 
+from node.p2p.announce import decode_announcement, encode_have_announcement
+
 
 @contextlib.asynccontextmanager
 async def running(*nodes):
@@ -29,3 +31,13 @@ async def until(what: str, cond, deadline_s: float = 15.0):
             return got
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+
+
+def learn_have(of, at, addrs, *, run_id: str, manifest_hash: str, indices, step: int = 1) -> None:
+    """`at` records the signed `have` that `of` would gossip for `indices` of `step` (the gossip path itself is
+    tested elsewhere)."""
+    raw = encode_have_announcement(of.identity, run_id=run_id, step=step, manifest_hash=manifest_hash,
+                                   indices=list(indices), addrs=list(addrs))
+    at.table.note_manifest(step, manifest_hash)
+    assert at.table.record_have(of.peer_id, decode_announcement(raw, run_id=run_id, coordinator_key=None,
+                                                                origin_node_id=of.node_id, max_age_s=60))

@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 
 from node.config import ConfigError, load_config
-from node.p2p.announce import decode_announcement, encode_have_announcement
 from node.p2p.config import P2PConfig
 from node.p2p.errors import P2PError, PeerUnavailable, ShardPeerGone
 from node.p2p.host import P2PNode
 from node.p2p.nat import is_circuit
 from protocol.identity import Identity
+from tests import p2p_helpers
 from tests.integration.coordinator_harness import REPO, RawNode, running_coordinator
 from tests.p2p_helpers import running, until
 
@@ -94,12 +94,8 @@ async def hop_stats(relay_url: str) -> dict:
 
 
 def learn_have(of: P2PNode, at: P2PNode, addrs) -> None:
-    """`at` records the signed `have` that `of` would gossip (the gossip path itself is tested elsewhere)."""
-    raw = encode_have_announcement(of.identity, run_id=RUN, step=1, manifest_hash=H, indices=list(SHARDS),
-                                   addrs=list(addrs))
-    at.table.note_manifest(1, H)
-    assert at.table.record_have(of.peer_id, decode_announcement(raw, run_id=RUN, coordinator_key=None,
-                                                                origin_node_id=of.node_id, max_age_s=60))
+    """`at` records the signed `have` that `of` would gossip for step 1's SHARDS."""
+    p2p_helpers.learn_have(of, at, addrs, run_id=RUN, manifest_hash=H, indices=SHARDS)
 
 
 async def test_a_nated_node_serves_another_through_the_hop_of_prime_node_relay_within_its_limits(tmp_path):

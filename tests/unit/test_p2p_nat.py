@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from node.p2p.announce import decode_announcement, encode_have_announcement
 from node.p2p.errors import P2PError, PeerUnavailable, ShardPeerGone
 from node.p2p.host import P2PNode
 from node.p2p.nat import RelayHopLimits, is_circuit
 from protocol.identity import Identity
+from tests import p2p_helpers
 from tests.p2p_helpers import running, until
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
@@ -33,12 +33,8 @@ def serving(**kw) -> P2PNode:
 
 
 def learn_have(of: P2PNode, at: P2PNode, addrs) -> None:
-    """`at` records the signed `have` that `of` would gossip (the gossip path itself is tested elsewhere)."""
-    raw = encode_have_announcement(of.identity, run_id=RUN, step=1, manifest_hash=H, indices=list(SHARDS),
-                                   addrs=list(addrs))
-    at.table.note_manifest(1, H)
-    assert at.table.record_have(of.peer_id, decode_announcement(raw, run_id=RUN, coordinator_key=None,
-                                                                origin_node_id=of.node_id, max_age_s=60))
+    """`at` records the signed `have` that `of` would gossip for step 1's SHARDS."""
+    p2p_helpers.learn_have(of, at, addrs, run_id=RUN, manifest_hash=H, indices=SHARDS)
 
 
 
