@@ -237,6 +237,84 @@ def run_lr(lr: float, steps: int, quick: bool, tokens, vocab: int, batch: int, s
     return rows, info
 
 
+def real_groups(n_prompts: int, samples: int, max_tokens: int) -> tuple[str, list]:
+    """RL groups from the real model (node/real_model.py): reasoning-gym basic_arithmetic prompts through its chat
+    template, `samples` completions each from its own seeded sampler (the transformers backend). The reward is the
+    task's score plus a shaped 0.1 x the share of digits in the answer (a 135M model scores ~0 on the task itself,
+    and a group whose rewards are all equal has no advantage to learn from)."""
+    from node.envs import load_task
+    from node.envs.prompt import decode_completion, encode_prompt
+    from node.real_model import model_dir
+    from node.trainer import Group, Rollout
+    from node.trainer.tokenizer import load_tokenizer
+    from node.worker.backends.base import GenRequest
+    from node.worker.backends.transformers_backend import TransformersBackend
+
+    src = model_dir()
+    tok = load_tokenizer(src)
+    task = load_task("reasoning-gym:basic_arithmetic", {})
+    backend = TransformersBackend(src, dtype="float32", device="cpu")
+    groups = []
+    for i in range(n_prompts):
+        problem = task.sample(0, i)
+        prompt = encode_prompt(tok, problem)
+        res = backend.generate([GenRequest(prompt, i * 100 + j) for j in range(samples)], temperature=1.0, top_p=1.0,
+                               max_tokens=max_tokens, eos_token_id=int(tok.eos_token_id))
+        rollouts = []
+        for r in res:
+            text = decode_completion(tok, r.completion_ids)
+            reward = task.score(problem, text) + 0.1 * sum(c.isdigit() for c in text) / max(1, len(text))
+            rollouts.append(Rollout(completion_ids=r.completion_ids, inference_logprobs=r.logprobs, reward=reward,
+                                    finish_reason=r.finish_reason))
+        groups.append(Group(prompt_id=f"p{i}", prompt_ids=prompt, rollouts=rollouts))
+    return str(src), groups
+
+
+def run_lr_real(lr: float, steps: int, groups: list, src: str, per_step: int, work: Path, key, shard_size: int,
+                level: int) -> tuple[list[dict], dict]:
+    """RL steps of the project's own Trainer (node.trainer.Trainer: the run's loss, advantages and AdamW) on the
+    real model, `per_step` groups a step taken in turn from `groups` (generated once, by the step-0 policy)."""
+    import torch
+
+    from node.trainer import Group, Trainer
+    from node.trainer.config import TrainerConfig
+
+    cfg = TrainerConfig(lr=lr, buffer={"online_difficulty_filtering": False})
+    trainer = Trainer(src, cfg, batch_prompts=per_step)
+    rows: list[dict] = []
+    info = {"params": sum(p.numel() for p in trainer.model.parameters()), "losses": [], "train_seconds": []}
+    prev = None
+    for step in range(steps + 1):
+        if step > 0:
+            t0 = time.perf_counter()
+            for j in range(per_step):
+                g = groups[((step - 1) * per_step + j) % len(groups)]
+                trainer.add_group(Group(g.prompt_id, list(g.prompt_ids), list(g.rollouts)))
+            m = trainer.step()
+            info["losses"].append(float(m.get("loss", 0.0)))
+            info["train_seconds"].append(time.perf_counter() - t0)
+        with torch.no_grad():
+            state = trainer.weights_for_broadcast()
+        step_rows, payload, stats = measure_step(work, key, step, state, prev, shard_size, level)
+        del state
+        if prev is not None:
+            prev.unlink()
+        prev = payload
+        for r in step_rows:
+            r["lr"] = lr
+            if stats:
+                r.update({k: v for k, v in stats.items() if k.startswith("bound") or k == "value_entropy_bits"})
+        rows.extend(step_rows)
+        if step > 0:
+            by = {r["encoding"]: r for r in step_rows}
+            print(f"lr {lr:g} step {step:2d} changed {stats['changed_fraction']:6.2%}  "
+                  + "  ".join(f"{e} {by[e]['ratio_vs_raw']:6.1f}x" for e in ENCODINGS + PROTOTYPES),
+                  file=sys.stderr, flush=True)
+    prev.unlink()
+    info["config"] = {"model": Path(src).name, "groups_per_step": per_step}
+    return rows, info
+
+
 def summarize(rows: list[dict], lrs: list[float]) -> list[dict]:
     import statistics as st
 
@@ -304,6 +382,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="a 2-layer model and 3 steps (smoke run, writes nothing)")
+    ap.add_argument("--real", action="store_true", help="RL steps of the Trainer on the real model (node/real_model.py)"
+                    " -> bench/results/deltas_real.json (no plot)")
+    ap.add_argument("--real-groups", type=int, default=4, help="--real: prompts generated once (groups)")
+    ap.add_argument("--real-samples", type=int, default=4, help="--real: samples per prompt")
+    ap.add_argument("--real-tokens", type=int, default=24, help="--real: tokens per completion")
     args = ap.parse_args()
     import torch
 
@@ -316,7 +399,12 @@ def main() -> None:
     shard_size, level = 32 * 1024 * 1024, 1
     started = time.perf_counter()
     load_before = os.getloadavg()
-    tokens, corpus = corpus_tokens(vocab)
+    if args.real:
+        src, groups = real_groups(args.real_groups, args.real_samples, args.real_tokens)
+        corpus = {"source": f"{len(groups)} groups of {args.real_samples} rollouts x <= {args.real_tokens} tokens, "
+                  "reasoning-gym basic_arithmetic, generated once by the step-0 policy (bench/deltas.py real_groups)"}
+    else:
+        tokens, corpus = corpus_tokens(vocab)
     rows: list[dict] = []
     infos = {}
     with tempfile.TemporaryDirectory(prefix="bench-deltas-") as tmp:
@@ -324,8 +412,11 @@ def main() -> None:
         for lr in lrs:
             work = Path(tmp) / f"lr{lr:g}"
             work.mkdir()
-            lr_rows, infos[f"{lr:g}"] = run_lr(lr, steps, args.quick, tokens, vocab, args.batch, args.seq, work, key,
-                                               shard_size, level)
+            if args.real:
+                lr_rows, infos[f"{lr:g}"] = run_lr_real(lr, steps, groups, src, 2, work, key, shard_size, level)
+            else:
+                lr_rows, infos[f"{lr:g}"] = run_lr(lr, steps, args.quick, tokens, vocab, args.batch, args.seq, work,
+                                                   key, shard_size, level)
             rows.extend(lr_rows)
     summary = summarize(rows, lrs)
     params = next(iter(infos.values()))["params"]
@@ -350,6 +441,18 @@ def main() -> None:
               f"{s['min_ratio_vs_raw']:8.1f}..{s['max_ratio_vs_raw']:<6.1f}{s['mean_compressed_bytes'] / 1e6:9.2f}"
               f"{s['mean_changed_fraction']:9.2%}{speed}")
     if args.quick:
+        return
+    if args.real:
+        result = {"benchmark": "deltas_real", "machine": {"cpus": os.cpu_count()},
+                  "model": {"name": Path(src).name, "params": params, "payload_bytes": raw, "dtype": "bfloat16"},
+                  "training": {"trainer": "node.trainer.Trainer (RL, default loss and advantages), 2 groups per step",
+                               "steps": steps, "rollouts": corpus, "per_lr": infos},
+                  "codec": {"shard_size": shard_size, "zstd_level": level, "threads": 2},
+                  "rows": rows, "summary": summary, "total_seconds": time.perf_counter() - started,
+                  "load_average": {"before": load_before, "after": os.getloadavg()}}
+        out = REPO / "bench" / "results" / "deltas_real.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out.relative_to(REPO)}")
         return
     result = {
         "benchmark": "deltas",
