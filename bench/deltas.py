@@ -190,29 +190,22 @@ def measure_step(work: Path, key, step: int, state: dict, prev_payload: Path | N
     return rows, payload, stats
 
 
-def run_lr(lr: float, steps: int, quick: bool, tokens, vocab: int, batch: int, seq: int, work: Path, key,
-           shard_size: int, level: int) -> tuple[list[dict], dict]:
+def run_steps(lr: float, steps: int, train, weights, work: Path, key, shard_size: int, level: int,
+              info: dict) -> list[dict]:
+    """Step 0's weights, then `steps` times: `train(step)` (one optimizer step; its loss) and the new weights
+    (`weights()`, as the trainer broadcasts them) packed against the previous payload by `measure_step`. Losses and
+    training seconds go into `info`; returns the rows of every step and encoding."""
     import torch
 
-    model, cfg = build_model(quick, vocab)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rows: list[dict] = []
-    info = {"params": sum(p.numel() for p in model.parameters()), "losses": [], "train_seconds": []}
     prev = None
     for step in range(steps + 1):
         if step > 0:
-            start = ((step - 1) * batch * seq) % (len(tokens) - batch * seq - 1)
-            x = tokens[start:start + batch * seq].view(batch, seq)
             t0 = time.perf_counter()
-            loss = model(input_ids=x, labels=x).loss  # next-token loss (labels shifted inside)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            info["losses"].append(float(loss.detach()))
+            info["losses"].append(train(step))
             info["train_seconds"].append(time.perf_counter() - t0)
         with torch.no_grad():
-            state = broadcast_state(model)
+            state = weights()
         step_rows, payload, stats = measure_step(work, key, step, state, prev, shard_size, level)
         del state
         if prev is not None:
@@ -231,6 +224,28 @@ def run_lr(lr: float, steps: int, quick: bool, tokens, vocab: int, batch: int, s
                   + "  ".join(f"{e} {by[e]['ratio_vs_raw']:6.1f}x" for e in ENCODINGS + PROTOTYPES)
                   + f"  bound {stats['bound_ratio_iid_positions']:.0f}x", file=sys.stderr, flush=True)
     prev.unlink()
+    return rows
+
+
+def run_lr(lr: float, steps: int, quick: bool, tokens, vocab: int, batch: int, seq: int, work: Path, key,
+           shard_size: int, level: int) -> tuple[list[dict], dict]:
+    import torch
+
+    model, cfg = build_model(quick, vocab)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    info = {"params": sum(p.numel() for p in model.parameters()), "losses": [], "train_seconds": []}
+
+    def train(step: int) -> float:
+        start = ((step - 1) * batch * seq) % (len(tokens) - batch * seq - 1)
+        x = tokens[start:start + batch * seq].view(batch, seq)
+        loss = model(input_ids=x, labels=x).loss  # next-token loss (labels shifted inside)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    rows = run_steps(lr, steps, train, lambda: broadcast_state(model), work, key, shard_size, level, info)
     info["config"] = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                      "num_key_value_heads", "intermediate_size", "vocab_size",
                                                      "tie_word_embeddings", "initializer_range")}
@@ -274,43 +289,20 @@ def run_lr_real(lr: float, steps: int, groups: list, src: str, per_step: int, wo
                 level: int) -> tuple[list[dict], dict]:
     """RL steps of the project's own Trainer (node.trainer.Trainer: the run's loss, advantages and AdamW) on the
     real model, `per_step` groups a step taken in turn from `groups` (generated once, by the step-0 policy)."""
-    import torch
-
     from node.trainer import Group, Trainer
     from node.trainer.config import TrainerConfig
 
     cfg = TrainerConfig(lr=lr, buffer={"online_difficulty_filtering": False})
     trainer = Trainer(src, cfg, batch_prompts=per_step)
-    rows: list[dict] = []
     info = {"params": sum(p.numel() for p in trainer.model.parameters()), "losses": [], "train_seconds": []}
-    prev = None
-    for step in range(steps + 1):
-        if step > 0:
-            t0 = time.perf_counter()
-            for j in range(per_step):
-                g = groups[((step - 1) * per_step + j) % len(groups)]
-                trainer.add_group(Group(g.prompt_id, list(g.prompt_ids), list(g.rollouts)))
-            m = trainer.step()
-            info["losses"].append(float(m.get("loss", 0.0)))
-            info["train_seconds"].append(time.perf_counter() - t0)
-        with torch.no_grad():
-            state = trainer.weights_for_broadcast()
-        step_rows, payload, stats = measure_step(work, key, step, state, prev, shard_size, level)
-        del state
-        if prev is not None:
-            prev.unlink()
-        prev = payload
-        for r in step_rows:
-            r["lr"] = lr
-            if stats:
-                r.update({k: v for k, v in stats.items() if k.startswith("bound") or k == "value_entropy_bits"})
-        rows.extend(step_rows)
-        if step > 0:
-            by = {r["encoding"]: r for r in step_rows}
-            print(f"lr {lr:g} step {step:2d} changed {stats['changed_fraction']:6.2%}  "
-                  + "  ".join(f"{e} {by[e]['ratio_vs_raw']:6.1f}x" for e in ENCODINGS + PROTOTYPES),
-                  file=sys.stderr, flush=True)
-    prev.unlink()
+
+    def train(step: int) -> float:
+        for j in range(per_step):
+            g = groups[((step - 1) * per_step + j) % len(groups)]
+            trainer.add_group(Group(g.prompt_id, list(g.prompt_ids), list(g.rollouts)))
+        return float(trainer.step().get("loss", 0.0))
+
+    rows = run_steps(lr, steps, train, trainer.weights_for_broadcast, work, key, shard_size, level, info)
     info["config"] = {"model": Path(src).name, "groups_per_step": per_step}
     return rows, info
 
