@@ -25,6 +25,7 @@ from protocol.identity import Identity
 # The demo's settings; present in a source checkout (make demo installs it editable).
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
 DEMO_DIR = Path("demo-out")  # everything the demo writes: logs, coordinator and worker storage, plot
+FINAL_EVAL_WAIT_S = 600.0  # the last step's held-out evaluation (SmolLM2 on 2 cores: ~15 s for 40 prompts)
 
 
 class DemoError(PrimeNodeError):
@@ -245,7 +246,7 @@ def _run_demo(args, stopping: Stopping) -> int:
                 stdout=open(vlog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
         pool = f" and {len(verifier_keys)} verifiers" if verifier_keys else ""
         print(f"started {nodes} worker nodes{pool}; training {steps} steps (async level {cfg.run.async_level})")
-        status = _follow(url, steps, procs, stopping)
+        status = _follow(url, steps, procs, stopping, evaluates=cfg.eval.every_steps > 0)
         stopping.pause(1.5)  # one more heartbeat, so byte counts include the last download
         status = _get_json(url + "/v1/status")
     except DemoStopped:
@@ -275,7 +276,29 @@ def _write_default(out: Path) -> str:
     return str(path)
 
 
-def _follow(url: str, steps: int, procs: list[subprocess.Popen], stopping: Stopping | None = None) -> dict:
+def _final_eval(url: str, steps: int, coord: subprocess.Popen, stopping: Stopping,
+                timeout: float = FINAL_EVAL_WAIT_S) -> dict:
+    """The status once the coordinator has evaluated the last step's policy (it always does,
+    node/coordinator/evaluation.py), so the summary's curve ends with the policy the run ends with. Bounded:
+    after `timeout` s, or if the coordinator exits, the summary goes on without that point (and says so)."""
+    print(f"waiting for the held-out evaluation of step {steps}", file=sys.stderr)
+    deadline = time.monotonic() + timeout
+    status: dict = {}
+    while time.monotonic() < deadline and coord.poll() is None:
+        try:
+            status = _get_json(url + "/v1/status")
+        except OSError:
+            status = {}
+        if any(e["step"] >= steps for e in status.get("eval_curve", [])):
+            return status
+        stopping.pause(0.5)
+    print(f"WARNING: no evaluation of step {steps} within {timeout:.0f} s; the summary's curve ends earlier",
+          file=sys.stderr)
+    return status or _get_json(url + "/v1/status")
+
+
+def _follow(url: str, steps: int, procs: list[subprocess.Popen], stopping: Stopping | None = None,
+            evaluates: bool = False) -> dict:
     stopping = stopping or Stopping()
     from tqdm import tqdm
 
@@ -312,7 +335,7 @@ def _follow(url: str, steps: int, procs: list[subprocess.Popen], stopping: Stopp
             warned_at = time.monotonic()
         if step >= steps:
             bar.close()
-            return status
+            return _final_eval(url, steps, procs[0], stopping) if evaluates else status
         if all(p.poll() is not None for p in procs[1:]):
             bar.close()
             raise DemoError("every worker exited; see demo-out/worker-*.log")

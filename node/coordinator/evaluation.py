@@ -1,6 +1,7 @@
 """Evaluation during training: greedy decoding of held-out prompts with the coordinator's current policy.
 
-Every `eval.every_steps` published steps (and once for θ_0) the training thread, between two steps,
+Every `eval.every_steps` published steps (and once for θ_0 and once for the run's last step,
+`run.max_steps`, so a run's curve ends with the policy it ends with) the training thread, between two steps,
 decodes `eval.prompts` held-out prompts greedily with the trainer's own model (the fp32 weights of
 θ_n, of which workers sample the broadcast dtype) and scores them with the task's reward. That is the
 simplest correct choice: the trainer thread owns the model, so nothing is copied or locked, and on the
@@ -63,9 +64,10 @@ class Evaluator:
     thread (a list that is only ever appended to or replaced whole)."""
 
     def __init__(self, *, task, tokenizer, run_seed: int, prompts: int, every_steps: int, max_tokens: int,
-                 batch_size: int, root: Path | None = None, metrics=None):
+                 batch_size: int, root: Path | None = None, metrics=None, final_step: int = 0):
         self.task = task
         self.every_steps = every_steps
+        self.final_step = final_step  # run.max_steps (0: none): the policy a run ends with is always evaluated
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.metrics = metrics
@@ -86,7 +88,7 @@ class Evaluator:
             return None
         return cls(task=model.task, tokenizer=model.tokenizer, run_seed=cfg.run.seed, prompts=e.prompts,
                    every_steps=e.every_steps, max_tokens=cfg.sampling.max_tokens, batch_size=e.batch_size,
-                   root=storage, metrics=metrics)
+                   root=storage, metrics=metrics, final_step=cfg.run.max_steps)
 
     # -- persistence -------------------------------------------------------------------------------
     def restore(self, published_step: int) -> None:
@@ -108,7 +110,10 @@ class Evaluator:
             self._export(rows[-1])
 
     def due(self, step: int) -> bool:
-        return self.every_steps > 0 and step % self.every_steps == 0 and (not self.curve or self.curve[-1]["step"] < step)
+        """Every `every_steps` steps, θ_0, and the run's last step (`run.max_steps`), each once."""
+        if self.every_steps <= 0 or (self.curve and self.curve[-1]["step"] >= step):
+            return False
+        return step % self.every_steps == 0 or step == self.final_step
 
     # -- evaluation --------------------------------------------------------------------------------
     def run(self, model, step: int) -> dict:

@@ -88,3 +88,16 @@ def test_eval_config_section():
     for bad in ("eval.every_steps=-1", "eval.prompts=0", "eval.prompts=100000", "eval.batch_size=0", "eval.what=1"):
         with pytest.raises(ConfigError):
             load_config(None, [bad])
+
+
+def test_the_last_step_of_a_run_is_evaluated_off_the_grid(tiny):
+    """A run of 7 steps with an evaluation every 5 ends with the policy of step 7: its curve must end there
+    (make demo-real's summary reads the last point as the trained policy's score)."""
+    _, tok = tiny
+    task = load_task("reverse-text", {})
+    ev = Evaluator(task=task, tokenizer=tok, run_seed=0, prompts=2, every_steps=5, max_tokens=4, batch_size=2,
+                   final_step=7)
+    assert [s for s in range(9) if ev.due(s)] == [0, 5, 7]
+    open_ended = Evaluator(task=task, tokenizer=tok, run_seed=0, prompts=2, every_steps=5, max_tokens=4,
+                           batch_size=2)  # run.max_steps = 0: no last step
+    assert [s for s in range(11) if open_ended.due(s)] == [0, 5, 10]
