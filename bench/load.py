@@ -1,6 +1,6 @@
 """Coordinator under load: N simulated nodes against a real coordinator process on 127.0.0.1.
 
-Each simulated node does what a worker does on the wire, signed (run-bound v2, DESIGN §4):
+Each simulated node does what a worker does on the wire, signed (run-bound v2, docs/PROTOCOL.md, "Signed requests"):
 GET /v1/status and join once (as the worker's client does); a heartbeat every --heartbeat seconds (its phase drawn at random, so the N heartbeats
 are spread over the period and not synchronised); and the work cycle: POST /v1/work, "generate"
 for a time drawn per assignment from --gen (no model runs), then POST /v1/submit with one rollout

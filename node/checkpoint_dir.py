@@ -2,7 +2,7 @@
 checkpoints uses it: the coordinator's publisher, a worker's fetcher, a relay, and the peer shard store.
 
     ROOT/checkpoints/{step}/manifest.json        a complete, verified (or self-published) checkpoint
-    ROOT/checkpoints/{step}/shards/NNNNN.zst     (DESIGN §6 names)
+    ROOT/checkpoints/{step}/shards/NNNNN.zst     (docs/PROTOCOL.md, "Layout")
     ROOT/checkpoints/.partial-{step}/            a download in progress: verified shards + *.part
     ROOT/payloads/{step}.safetensors             the reconstructed weights (the next delta's base)
 

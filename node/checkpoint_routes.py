@@ -1,5 +1,5 @@
-"""The three checkpoint routes of DESIGN §5, for every server that holds a `CheckpointDir`: the
-coordinator and relays serve exactly the same paths, answers and errors.
+"""The three checkpoint routes (docs/PROTOCOL.md, "HTTP API"), for every server that holds a `CheckpointDir`:
+the coordinator and relays serve exactly the same paths, answers and errors.
 
     GET /v1/checkpoints                         the servable steps and their listing
     GET /v1/checkpoints/{step}/manifest         the signed manifest's bytes

@@ -151,8 +151,8 @@ class DistributionConfig(_Section):
 
 
 class AdmissionConfig(_Section):
-    """Who may join (DESIGN §4). In every mode at most `joins_per_address_per_minute` joins per client
-    address (429 above it)."""
+    """Who may join (docs/PROTOCOL.md, "Admission"). In every mode at most `joins_per_address_per_minute` joins
+    per client address (429 above it)."""
 
     mode: str = Field("open", pattern="^(open|allowlist|token)$")
     # open: a new key's proof of work (protocol/admission.py), memory-hard: 2**pow_bits scrypt tries on average,

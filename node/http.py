@@ -5,8 +5,8 @@ connection limits (per client address, a share of the open-file limit, a minimum
 reading a byte of body and caps the body bytes being read at once, and a shard response that honours
 Range and a shared upload cap.
 
-No client input gives a 500 (DESIGN §5): numbers from clients are ASCII digits, bodies are bounded in
-size, time and nesting, and every refusal is `{"error": code, "detail": sentence}`."""
+No client input gives a 500 (docs/PROTOCOL.md, "HTTP API"): numbers from clients are ASCII digits,
+bodies are bounded in size, time and nesting, and every refusal is `{"error": code, "detail": sentence}`."""
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +49,8 @@ _RANGE = re.compile(r"bytes=[ \t]*([0-9]{0,40})[ \t]*-[ \t]*([0-9]{0,40})[ \t]*"
 
 
 class ApiError(Exception):
-    """An error meant for the client: status + short code + one human sentence (DESIGN §5)."""
+    """An error meant for the client: status + short code + one human sentence (docs/PROTOCOL.md,
+    "HTTP API")."""
 
     def __init__(self, status: int, code: str, detail: str, headers: dict[str, str] | None = None):
         super().__init__(detail)

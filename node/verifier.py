@@ -3,7 +3,7 @@
 It does what the coordinator does in-process when no pool is configured: replay chosen submissions
 against the claimed step's weights (verify.rollouts.judge) and answer with one verdict per rollout. Its
 key must be listed in the run's `verification.verifier_keys`. Jobs come over the signed API
-(POST /v1/verify/jobs, POST /v1/verify/verdicts; DESIGN §5); checkpoints come with the worker's own
+(POST /v1/verify/jobs, POST /v1/verify/verdicts; docs/PROTOCOL.md, "HTTP API"); checkpoints come with the worker's own
 fetcher, which verifies every shard against the coordinator-signed manifest, holding every step of the
 async window (not only the newest: a jump to a newest full checkpoint would skip the steps before it)
 plus one. A job for a step it cannot get (older than that, or not arrived within STEP_WAIT_S) is answered

@@ -1,4 +1,5 @@
-"""Admission to a run (DESIGN §4): proof of work for new keys of open runs, join tokens for token runs.
+"""Admission to a run (docs/PROTOCOL.md, "Admission"): proof of work for new keys of open runs, join
+tokens for token runs.
 
 Proof of work (memory-hard): the join body carries `"pow": "<hex nonce>"` such that
     scrypt(password = raw public key ‖ run_id bytes ‖ nonce bytes, salt = POW_SALT,
@@ -74,7 +75,7 @@ def check_pow(public_hex: str, run_id: str, nonce_hex: str | None, bits: int, lo
         return
     if not nonce_hex:
         raise AdmissionError("pow_required", f"a new key joins this run with a proof of work of {bits} bits "
-                                             f"(the \"pow\" field; see DESIGN §4)")
+                                             f"(the \"pow\" field; see docs/PROTOCOL.md, \"Admission\")")
     if len(nonce_hex) > MAX_POW_NONCE_HEX:
         raise AdmissionError("bad_pow", f"pow nonce longer than {MAX_POW_NONCE_HEX} hex characters")
     try:

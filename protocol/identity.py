@@ -1,6 +1,6 @@
 """Ed25519 identities: key files, node ids, sign/verify of raw bytes.
 
-A node id is the lowercase hex of the 32-byte raw public key (DESIGN §4).
+A node id is the lowercase hex of the 32-byte raw public key (docs/PROTOCOL.md, "Signed requests").
 Key files are PKCS#8 PEM, mode 0600; a key readable by group or others is refused.
 """
 from __future__ import annotations

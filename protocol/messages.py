@@ -1,4 +1,5 @@
-"""Pydantic models of every request and response body (DESIGN §5, §7).
+"""Pydantic models of every request and response body (docs/PROTOCOL.md, "HTTP API" and "Work and
+submissions").
 
 Every model forbids unknown fields and bounds every value: each integer and float has an explicit range
 (floats are finite), each string, list and dict a maximum length. A hostile body is rejected with a clear
@@ -278,7 +279,7 @@ class SubmitResponse(Wire):
     rejected: Annotated[list[Rejection], Field(max_length=MAX_ROLLOUTS_PER_SUBMISSION)]
 
 
-# --- the verifier pool (DESIGN §5: POST /v1/verify/jobs, POST /v1/verify/verdicts; verifier keys only) ------
+# --- the verifier pool (POST /v1/verify/jobs, POST /v1/verify/verdicts; verifier keys only; docs/PROTOCOL.md) -
 MAX_JOB_ITEMS = 4096 * MAX_TURNS  # one job is one submission's model turns (one per single-turn rollout)
 
 
@@ -352,7 +353,8 @@ class VerdictsResponse(Wire):
 
 
 class ErrorBody(Wire):
-    """Every 4xx/5xx answer of the coordinator and the relays (DESIGN §5): servers build it, clients parse it."""
+    """Every 4xx/5xx answer of the coordinator and the relays (docs/PROTOCOL.md, "HTTP API"): servers build it,
+    clients parse it."""
 
     error: Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
     detail: Annotated[str, Field(max_length=MAX_DETAIL_CHARS)]

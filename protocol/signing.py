@@ -1,4 +1,4 @@
-"""Canonical JSON and signed HTTP requests (DESIGN §4, run-bound v2).
+"""Canonical JSON and signed HTTP requests (docs/PROTOCOL.md, "Signed requests", run-bound v2).
 
 The signed string is  METHOD \n PATH \n TIMESTAMP \n NONCE \n RUN_ID \n sha256_hex(BODY)
 where PATH has no scheme/host and keeps its query string, and RUN_ID travels in `X-Prime-Run`: a

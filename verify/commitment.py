@@ -1,4 +1,4 @@
-"""Activation commitments (TOPLOC scheme, DESIGN §7), with a prime modulus always.
+"""Activation commitments (TOPLOC scheme, docs/PROTOCOL.md, "Work and submissions"), with a prime modulus always.
 
 What is committed: the final hidden states (the input of the LM head) at the positions that produced
 each completion token, i.e. sequence positions P-1 .. P+N-2 for a prompt of P tokens and a

@@ -1,4 +1,4 @@
-"""Per-rollout verification without trusting the worker (DESIGN §7).
+"""Per-rollout verification without trusting the worker (docs/PROTOCOL.md, "Work and submissions").
 
 One recomputed prefill (prompt + completion, batched over rollouts) with the claimed step's weights
 gives, at every completion position, the logits and the final hidden states. From them:
@@ -154,7 +154,8 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class RolloutClaim:
-    """What a worker submits for one sample (DESIGN §7 `rollouts[]` minus the ids)."""
+    """What a worker submits for one sample (`rollouts[]` of docs/PROTOCOL.md, "Work and submissions",
+    minus the ids)."""
 
     completion_ids: list[int]
     logprobs: list[float]

@@ -15,7 +15,8 @@ Line format (one JSON object per line; blank lines are skipped; unknown fields a
                    "finish_reason": "stop", "commitment": "<base64>"}, ...]}
 
 i.e. the assignment's context (`prompts` and `sampling` exactly as in the POST /v1/work answer, plus
-the run's `eos_token_id`) and the POST /v1/submit body (`policy_step`, `rollouts`; DESIGN §7).
+the run's `eos_token_id`) and the POST /v1/submit body (`policy_step`, `rollouts`; docs/PROTOCOL.md, "Work
+and submissions").
 A rollout is checked with `prompts[prompt_id].seeds[sample_index]`. A line whose `policy_step` is not
 the checkpoint's step has every rollout reported invalid with reason "step". A multi-turn rollout (`turns`,
 docs/PROTOCOL.md) has every model turn replayed (turn i with `turn_seed(seed, i)`, its prompt everything

@@ -1,4 +1,5 @@
-"""Seeded, replayable sampling: two-level Gumbel-max with a counter-based hash (DESIGN §7).
+"""Seeded, replayable sampling: two-level Gumbel-max with a counter-based hash (docs/PROTOCOL.md, "Work
+and submissions").
 
 The coordinator hands out one integer seed per sample. Every random number is a pure function of
 (seed, t, what) where t is the 0-based position within the completion:

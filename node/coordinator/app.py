@@ -1,4 +1,5 @@
-"""The coordinator's aiohttp application: DESIGN §5 routes, each a thin translation to Coordinator."""
+"""The coordinator's aiohttp application: the routes of docs/PROTOCOL.md, "HTTP API", each a thin
+translation to Coordinator."""
 from __future__ import annotations
 
 import asyncio

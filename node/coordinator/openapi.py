@@ -1,11 +1,11 @@
-"""GET /openapi.json: an OpenAPI 3.1 description of the coordinator's HTTP API (DESIGN §5).
+"""GET /openapi.json: an OpenAPI 3.1 description of the coordinator's HTTP API (docs/PROTOCOL.md, "HTTP API").
 
-Generated, not written by hand: the paths and status codes come from `ROUTES` below (the DESIGN §5
-table; tests/integration/test_fuzz_api.py checks it against the application's router), the request and
-response bodies are the JSON schemas pydantic makes from the wire models of `protocol.messages` and
-the checkpoint `Manifest`, and the signed-request headers (DESIGN §4, run-bound v2) are five header
-`apiKey` security schemes that every signed operation requires together. Every error answer is
-`ErrorBody` (`{"error": code, "detail": sentence}`).
+Generated, not written by hand: the paths and status codes come from `ROUTES` below (the table of
+docs/PROTOCOL.md, "HTTP API"; tests/integration/test_fuzz_api.py checks it against the application's
+router), the request and response bodies are the JSON schemas pydantic makes from the wire models of
+`protocol.messages` and the checkpoint `Manifest`, and the signed-request headers (docs/PROTOCOL.md,
+"Signed requests") are five header `apiKey` security schemes that every signed operation requires
+together. Every error answer is `ErrorBody` (`{"error": code, "detail": sentence}`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from protocol.signing import (CLOCK_WINDOW_MS, HEADER_KEY, HEADER_NONCE, HEADER_
 OPENAPI_VERSION = "3.1.0"
 SCHEMA_REF = "#/components/schemas/{model}"
 
-# Status codes of the DESIGN §5 table, with what each means on this API.
+# Status codes of docs/PROTOCOL.md, "HTTP API", with what each means on this API.
 SIGNED_ERRORS = {
     400: "malformed: not JSON, NaN, an unknown field, a value out of range, an ambiguous header",
     401: "signature: missing_headers, bad_key, bad_timestamp, bad_nonce, clock_skew, wrong_run, "
@@ -93,7 +93,7 @@ ROUTES: tuple[Route, ...] = (
            404: "unknown_job", 409: "not_your_job: the lease ran out and the job went to another verifier"}),
     Route("get", "/v1/checkpoints", "The steps a node may fetch.",
           responses={200: ("available checkpoints", M.CheckpointList)}),
-    Route("get", "/v1/checkpoints/{step}/manifest", "The signed manifest of a step (DESIGN §6).",
+    Route("get", "/v1/checkpoints/{step}/manifest", "The signed manifest of a step (docs/PROTOCOL.md, \"Manifest\").",
           responses={200: ("the signed manifest", Manifest)},
           errors={400: "step is not a number", 404: "no such step"}, parameters=(STEP_PARAM,)),
     Route("get", "/v1/checkpoints/{step}/shards/{index}", "Compressed shard bytes (HTTP Range supported).",
@@ -189,8 +189,8 @@ def build_openapi(*, run_id: str | None = None, max_body_bytes: int | None = Non
         "info": {
             "title": "prime-node coordinator",
             "version": pkg_version,
-            "description": "Decentralized RL coordinator (DESIGN §5). Signed requests carry the five X-Prime-* "
-                           "headers (DESIGN §4, run-bound v2). Every error is a JSON ErrorBody; no client input "
+            "description": "Decentralized RL coordinator (docs/PROTOCOL.md, \"HTTP API\"). Signed requests carry the "
+                           "five X-Prime-* headers (run-bound v2). Every error is a JSON ErrorBody; no client input "
                            "produces a 500." + run + limits,
         },
         "paths": paths,

@@ -1,4 +1,4 @@
-"""Hands out work inside the async window (DESIGN §1).
+"""Hands out work inside the async window (docs/ARCHITECTURE.md, "Step semantics and the async window").
 
 Step semantics. Trainer step n consumes batch n and produces θ_n; while batch n is being collected
 the freshest policy that can exist is θ_{n-1}. A rollout made with θ_m therefore has staleness
@@ -7,8 +7,8 @@ s = (n − 1) − m for batch n, and batch n accepts it only while s ≤ k (k = 
     m ≥ max(0, n − 1 − k)
 
 k = 0 is on-policy (batch n comes from θ_{n-1} only); k = 2 lets nodes keep generating with θ_{n-1}
-and θ_{n-2} while θ_n is still crossing the WAN. (DESIGN §1 writes the bound as m ≥ n − k; read
-literally that makes k = 0 impossible, because θ_n does not exist before batch n is trained, so we
+and θ_{n-2} while θ_n is still crossing the WAN. (The original design wrote the bound as m ≥ n − k;
+read literally that makes k = 0 impossible, because θ_n does not exist before batch n is trained, so we
 count staleness from the newest policy that can exist. docs/ARCHITECTURE.md explains this.)
 
 Open batches: with θ_p published, batches p+1 … p+1+k can still be generated. Admission control

@@ -132,8 +132,8 @@ class SuperSeeder:
 
 class SeedingGate:
     """The shard route's gate (node/checkpoint_routes.py `ShardGate`): a swarm request signed by a joined
-    node (DESIGN §4, empty body) goes through the `SuperSeeder`; an unsigned one is served like any
-    HTTP client's and never holds a first copy; a signature that does not verify is a 401."""
+    node (docs/PROTOCOL.md, "Signed requests"; empty body) goes through the `SuperSeeder`; an unsigned one
+    is served like any HTTP client's and never holds a first copy; a signature that does not verify is a 401."""
 
     def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000,
                  allow_private_addrs: bool = False, verified: Callable[[str, str], bool] | None = None):

@@ -276,7 +276,7 @@ class Coordinator:
             task_kwargs=dict(self.cfg.task.kwargs), max_turns=max_turns_of(self.model.task), reachability=reach,
         )
 
-    # -- the verifier pool (DESIGN §5: verifier keys only) -------------------------------------------
+    # -- the verifier pool (docs/PROTOCOL.md, "HTTP API": verifier keys only) ------------------------
     def _board(self, key: str) -> JobBoard:
         if self.verifier_board is None:
             raise ApiError(403, "not_a_verifier", "this run has no verifier pool (verification.verifier_keys is empty)")
@@ -318,8 +318,9 @@ class Coordinator:
             self._pow_waiting -= 1
 
     async def _admit(self, node_id: str, req: M.JoinRequest, *, known: bool) -> None:
-        """DESIGN §4 admission: a new key of an open run pays a proof of work; an allowlist run admits
-        its listed keys only (checked at every join); a token run admits a new key with a join token."""
+        """Admission (docs/PROTOCOL.md, "Admission"): a new key of an open run pays a proof of work; an
+        allowlist run admits its listed keys only (checked at every join); a token run admits a new key with a
+        join token."""
         a = self.cfg.admission
         try:
             if a.mode == "allowlist" and node_id not in a.allowlist:

@@ -25,7 +25,7 @@ from .errors import AnnouncementRejected
 
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
 MAX_INDICES = 4096  # a 7B bf16 model is ~430 shards of 32 MiB; 4096 indices still fit in 64 KiB
-MAX_SHARD_INDEX = 99_999  # shard files are named NNNNN.zst (DESIGN §6)
+MAX_SHARD_INDEX = 99_999  # shard files are named NNNNN.zst (docs/PROTOCOL.md, "Layout")
 MAX_ADDRS = 8
 MAX_STEP = 2**53  # JSON-safe integer
 

@@ -44,7 +44,7 @@ class P2PConfig(BaseModel):
     request_timeout_s: float = Field(2.0, gt=0, le=60)
     # Total bytes/s this node uploads to peers (0 = unlimited).
     upload_limit: int = Field(0, ge=0)
-    # Largest compressed shard served or accepted (DESIGN §6 shards are 32 MiB raw by default).
+    # Largest compressed shard served or accepted (shards are 32 MiB raw by default: docs/PROTOCOL.md, "Manifest").
     max_shard_bytes: int = Field(64 * MIB, ge=1, le=1024 * MIB)
     # Seconds a single read may stall before the transfer is abandoned (not the whole transfer).
     read_timeout_s: float = Field(10.0, gt=0, le=600)

@@ -1,7 +1,7 @@
 """Where served shards come from: a callable, or a checkpoint directory tree.
 
 Nothing from the network becomes a path: the server only hands us two validated ints (step,
-index) and we format the file name ourselves (`<root>/<step>/shards/NNNNN.zst`, DESIGN §6), then
+index) and we format the file name ourselves (`<root>/<step>/shards/NNNNN.zst`, docs/PROTOCOL.md, "Layout"), then
 check that the resolved file still lies under the root (a symlink cannot lead outside).
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
 
 
 class CoordinatorClient:
-    """Signed requests (DESIGN §4, run-bound): the run id and the admission rules come from the
+    """Signed requests (docs/PROTOCOL.md, "Signed requests"): the run id and the admission rules come from the
     coordinator's GET /v1/status before the first signed request."""
     def __init__(self, base_url: str, identity: Identity, session: aiohttp.ClientSession):
         self.base = base_url.rstrip("/")

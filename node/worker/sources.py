@@ -80,7 +80,7 @@ def _holder(value: str | None) -> tuple[str, str] | None:
 
 
 class HttpSource:
-    """A coordinator or relay serving DESIGN §5's /v1/checkpoints paths."""
+    """A coordinator or relay serving the /v1/checkpoints paths (docs/PROTOCOL.md, "HTTP API")."""
 
     def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession, *, swarm: bool = False,
                  signer: Callable[[str, str], dict[str, str]] | None = None,

@@ -1,4 +1,4 @@
-"""Signed, sharded, zstd-compressed safetensors checkpoints (DESIGN §6, docs/PROTOCOL.md).
+"""Signed, sharded, zstd-compressed safetensors checkpoints (docs/PROTOCOL.md, "Checkpoint format").
 
 A checkpoint is `CKPT/manifest.json` + `CKPT/shards/NNNNN.zst`. The raw payload is a deterministic
 safetensors file of the full model state; it is cut into `shard_size` pieces, each compressed as one zstd

@@ -1,4 +1,5 @@
-"""The signed checkpoint manifest (DESIGN §6): strict schema, signing, and the checks that need no shard.
+"""The signed checkpoint manifest (docs/PROTOCOL.md, "Manifest"): strict schema, signing, and the checks that
+need no shard.
 
 Everything here treats the manifest as untrusted input: it is size-bounded before parsing, validated by
 a pydantic model with extra="forbid" and strict types (no bool-as-int, no float-as-int), and checked for
@@ -61,8 +62,9 @@ class Compression(_Strict):
 
 
 def manifest_hash(doc: dict[str, Any]) -> str:
-    """sha256 hex of a manifest document's canonical JSON without its `signature` (DESIGN §6's `parent`;
-    what peers name a step by). Defined once: `Manifest.canonical_hash` and the peer shard stores use it."""
+    """sha256 hex of a manifest document's canonical JSON without its `signature` (the manifest's
+    `parent`, docs/PROTOCOL.md, "Manifest"; what peers name a step by). Defined once: `Manifest.canonical_hash`
+    and the peer shard stores use it."""
     return hashlib.sha256(canonical_json({k: v for k, v in doc.items() if k != "signature"})).hexdigest()
 
 

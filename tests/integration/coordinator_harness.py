@@ -1,5 +1,6 @@
 """A real coordinator on 127.0.0.1 (ephemeral port) for integration tests, plus a raw signed client
-written from DESIGN §4 directly (cryptography + hashlib), independent of the project's helpers."""
+written from docs/PROTOCOL.md, "Signed requests" directly
+(cryptography + hashlib), independent of the project's helpers."""
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class RawNode:
-    """Signs requests exactly as DESIGN §4 says (run-bound v2), nothing else. `run_id`: the run of
-    configs/local.toml unless told otherwise (a client learns it from GET /v1/status)."""
+    """Signs requests exactly as docs/PROTOCOL.md, "Signed requests" says (run-bound v2), nothing else.
+    `run_id`: the run of configs/local.toml unless told otherwise (a client learns it from GET /v1/status)."""
 
     def __init__(self, base: str, session: aiohttp.ClientSession, run_id: str = "local-demo"):
         self.base, self.session, self.run_id = base, session, run_id

@@ -1,6 +1,7 @@
-"""Admission and run binding against a live coordinator (DESIGN §4): a new key pays a proof of work in
-an open run, allowlist and token runs admit only whom they should, joins per address are limited, and a
-request captured from one run is refused by a coordinator of another."""
+"""Admission and run binding against a live coordinator (docs/PROTOCOL.md, "Admission" and "Signed
+requests"): a new key pays a proof of work in an open run, allowlist and token runs admit only whom they
+should, joins per address are limited, and a request captured from one run is refused by a coordinator of
+another."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Contract tests of DESIGN §5 with a raw HTTP client: every status code and the happy path."""
+"""Contract tests of docs/PROTOCOL.md, "HTTP API" with a raw HTTP client: every status code and the happy path."""
 import random
 import time
 

@@ -1,5 +1,5 @@
-"""Hostile peers against a live coordinator (DESIGN §5: no endpoint ever returns 500 for a client's bad
-input): one regression test per finding, each sent over a real socket to a real server on 127.0.0.1.
+"""Hostile peers against a live coordinator (docs/PROTOCOL.md, "HTTP API": no endpoint ever returns 500 for a
+client's bad input): one regression test per finding, each sent over a real socket to a real server on 127.0.0.1.
 
 The coordinator runs in a background thread with its own event loop, so these tests can use blocking
 clients (raw sockets, and schemathesis, whose requests are synchronous)."""
@@ -126,7 +126,7 @@ def split_response(raw: bytes) -> tuple[int, dict, bytes]:
 
 
 def assert_json_error(status: int, headers: dict, body: bytes, *expected: int) -> dict:
-    """A 4xx whose body is DESIGN §5's {"error", "detail"}; `expected`: the allowed codes."""
+    """A 4xx whose body is the {"error", "detail"} of docs/PROTOCOL.md, "HTTP API"; `expected`: the allowed codes."""
     assert 400 <= status < 500, (status, body[:300])
     if expected:
         assert status in expected, (status, body[:300])
@@ -386,7 +386,7 @@ def test_openapi_document_describes_every_route(live):
     assert set(work["responses"]) == {"200", "204", "400", "401", "403", "408", "409", "413", "429"}
     assert work["responses"]["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert set(schemas["ErrorBody"]["required"]) == {"error", "detail"}
-    # signed operations require the five X-Prime-* headers (DESIGN §4, run-bound v2)
+    # signed operations require the five X-Prime-* headers (docs/PROTOCOL.md, "Signed requests", run-bound v2)
     assert set(work["security"][0]) == {"X-Prime-Key", "X-Prime-Timestamp", "X-Prime-Nonce", "X-Prime-Run",
                                         "X-Prime-Signature"}
     assert doc["components"]["securitySchemes"]["X-Prime-Run"] == {
@@ -399,7 +399,8 @@ def test_openapi_document_describes_every_route(live):
 
 class SignV2:
     """requests auth: signs the request exactly as it goes out (final path with query, final body bytes)
-    with the run-bound v2 scheme, through the harness's RawNode (a signer written from DESIGN §4)."""
+    with the run-bound v2 scheme, through the harness's RawNode (a signer written from docs/PROTOCOL.md,
+    "Signed requests")."""
 
     def __init__(self, node: RawNode):
         self.node = node

@@ -29,7 +29,7 @@ KIB = 1024
 
 
 def write_checkpoint(root, step: int, n_shards: int, raw_size: int) -> tuple[dict, list[bytes]]:
-    """A checkpoint directory as DESIGN §6 lays it out: real zstd shards and a manifest."""
+    """A checkpoint directory as docs/PROTOCOL.md, "Layout" lays it out: real zstd shards and a manifest."""
     rng = os.urandom(raw_size // 4)
     shards = []
     (root / str(step) / "shards").mkdir(parents=True)

@@ -339,7 +339,7 @@ async def test_realistic_profile_real_worker_joins_and_trains(tmp_path, bpe_mode
 
 @pytest.mark.slow
 async def test_realistic_profile_full_length_submissions_accepted(tmp_path, bpe_model_dir):
-    """8 prompts x 16 samples x 512 tokens per submission, over real HTTP with DESIGN §4 signatures, on
+    """8 prompts x 16 samples x 512 tokens per submission, over real HTTP with signed requests, on
     the 100k-vocabulary run: every rollout is accepted."""
     import torch
 

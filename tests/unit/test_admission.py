@@ -1,4 +1,4 @@
-"""Admission primitives (DESIGN §4): proof of work bound to key and run, join tokens signed by the
+"""Admission primitives (docs/PROTOCOL.md, "Admission"): proof of work bound to key and run, join tokens signed by the
 coordinator with expiry."""
 import pytest
 

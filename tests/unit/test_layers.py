@@ -1,4 +1,4 @@
-"""Data flows one way (DESIGN §2, docs/ARCHITECTURE.md): no module imports from a layer above it.
+"""Data flows one way (docs/ARCHITECTURE.md, "Layers"): no module imports from a layer above it.
 
 Every import statement counts, function-local ones too (the lazy imports of torch or libp2p are of other
 packages and do not matter here). A module belongs to the longest prefix listed in LAYERS; it may import
