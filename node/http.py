@@ -306,6 +306,37 @@ class _HardenedServer(web.Server):
             handler._fds = 0
 
 
+AIOHTTP_PATCHED_VERSIONS = "3.14"  # the aiohttp releases harden_aiohttp_server was written for (3.14.x)
+
+
+def harden_aiohttp_server(server: web.Server | None, *, peer_log: PeerEventLog, limits: ConnectionLimits,
+                          fds: FdBudget) -> _HardenedServer:
+    """Turn the `web.Server` an AppRunner built into a _HardenedServer, in place: the same object and state,
+    with the connection accounting and request handler class above. Targets aiohttp 3.14 (3.14.5 in use;
+    pyproject.toml accepts >=3.10,<4); called by HardenedAppRunner.setup, i.e. by every HTTP server this
+    project starts (coordinator, relay, node shard server), before any site listens. Idempotent: a server
+    already hardened is returned as it is.
+
+    The upstream defect it works around: aiohttp has no hook below the application for a connection. Its
+    `web.Server.__call__` builds a stock `RequestHandler` for every connection (the class is hard-coded; no
+    argument chooses another), so there is no per-address connection
+    limit, no share of the open-file limit, no floor on the send rate, and a request the HTTP parser refuses
+    gets a text/plain answer and a logged traceback per request. AppRunner builds its Server inside
+    `setup()` (the private `_make_server`), so the public way in is its result, `runner.server`, whose class
+    is swapped here. tests/integration/test_attack_connections.py fails if the swap stops taking effect."""
+    if server is None:
+        raise RuntimeError("harden_aiohttp_server: the runner has no server (call it after AppRunner.setup)")
+    if isinstance(server, _HardenedServer):
+        return server
+    if type(server) is not web.Server:  # a subclass may override what the swap replaces: refuse it, loudly
+        raise TypeError(f"harden_aiohttp_server expects aiohttp's own web.Server, not {type(server).__name__}")
+    server.__class__ = _HardenedServer  # same state; connection accounting and handler class added
+    hardened: _HardenedServer = server  # type: ignore[assignment]
+    hardened.peer_log, hardened.limits, hardened.fds = peer_log, limits, fds
+    hardened.by_address, hardened.refused, hardened.slow_readers_cut = {}, {}, 0
+    return hardened
+
+
 class HardenedAppRunner(web.AppRunner):
     """`web.AppRunner` for a server that strangers reach: malformed HTTP gets JSON errors (logged at most once
     per peer address per `log_interval_s`), and every connection is held to `limits` (ConnectionLimits;
@@ -321,15 +352,10 @@ class HardenedAppRunner(web.AppRunner):
         self.fd_budget = fd_budget
         self._hardened: _HardenedServer | None = None
 
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _HardenedServer  # same state; connection accounting and handler class added
-        server.peer_log = self.peer_log
-        server.limits = self.limits
-        server.fds = self.fd_budget or serving_budget()
-        server.by_address, server.refused, server.slow_readers_cut = {}, {}, 0
-        self._hardened = server
-        return server
+    async def setup(self) -> None:
+        await super().setup()
+        self._hardened = harden_aiohttp_server(self.server, peer_log=self.peer_log, limits=self.limits,
+                                               fds=self.fd_budget or serving_budget())
 
     def connection_stats(self) -> dict:
         """Open connections, the most from one address, refusals by code, slow readers cut."""

@@ -253,7 +253,9 @@ class P2PNode:
         """Start the host and dial `bootstrap` (best effort); return the listen multiaddrs (with
         /p2p/<peer id>; empty if outbound-only). A P2PNode is started once: make a new one to restart."""
         from .service import P2PService, ServiceSettings  # libp2p + trio load here, not at import
+        from .service import patch_libp2p_signed_record_memo
 
+        patch_libp2p_signed_record_memo()  # process-wide, idempotent: the one third-party patch p2p needs
         self._loop = asyncio.get_running_loop()
         settings = ServiceSettings(
             listen_addrs=self.listen, run_id=self.run_id, coordinator_key=self.coordinator_key,

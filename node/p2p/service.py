@@ -98,22 +98,38 @@ def remembering(check: Callable[[Any, Any, ID], bool], kept: int = _SIGNED_RECOR
     return remembering_check
 
 
-def _remember_signed_records() -> None:
-    """py-libp2p attaches the sender's signed peer record to every pubsub RPC and checks its Ed25519 signature
-    on arrival, twice for an RPC with control messages (pubsub, then gossipsub): in a 16-node swarm that was
-    ~10 % of a node's CPU (py-spy), and remembering the records that passed cut the nodes' CPU in a
-    broadcast round by ~40 % (bench/broadcast.py). A peer sends the same record bytes every time."""
+LIBP2P_PATCHED_VERSION = "0.8.1"  # the py-libp2p release patch_libp2p_signed_record_memo was written for
+
+
+def patch_libp2p_signed_record_memo() -> bool:
+    """Put `remembering` in front of py-libp2p's signed-peer-record check, for the whole process. Targets
+    libp2p==0.8.1 (pinned in pyproject.toml); called by P2PNode.start (node/p2p/host.py), the one place a
+    host is started, never at import. Idempotent: a second call changes nothing.
+
+    The upstream defect: py-libp2p 0.8 attaches the sender's signed peer record to every pubsub RPC and
+    verifies its Ed25519 signature on arrival every time, twice for an RPC with control messages
+    (`Pubsub.continuously_read_stream`, then `GossipSub.handle_rpc`), although a peer sends the same record
+    bytes every time. In a 16-node swarm that was ~10 % of a node's CPU (py-spy); remembering the records
+    that passed cut the nodes' CPU in a broadcast round by ~40 % (bench/broadcast.py). Both modules bind
+    `maybe_consume_signed_record` by `from ... import`, so the name is replaced in each.
+
+    Returns whether the memo is in place. When upstream no longer has the name (renamed, moved), nothing is
+    replaced and this logs a warning and returns False: hosts still work, only slower
+    (tests/unit/test_p2p_signed_records.py fails on it, so an upgrade cannot pass CI unnoticed)."""
     import libp2p.pubsub.gossipsub as gossipsub_module
     import libp2p.pubsub.pubsub as pubsub_module
     from libp2p.pubsub import utils
 
+    targets = (pubsub_module, gossipsub_module)
+    if not all(hasattr(m, "maybe_consume_signed_record") for m in (utils, *targets)):
+        log.warning("py-libp2p has no maybe_consume_signed_record where libp2p==%s had it: signed peer "
+                    "records are checked on every RPC (node/p2p/service.py)", LIBP2P_PATCHED_VERSION)
+        return False
     if not getattr(pubsub_module.maybe_consume_signed_record, "remembers", False):
         check = remembering(utils.maybe_consume_signed_record)
-        pubsub_module.maybe_consume_signed_record = check
-        gossipsub_module.maybe_consume_signed_record = check
-
-
-_remember_signed_records()
+        for module in targets:
+            module.maybe_consume_signed_record = check
+    return True
 
 
 @dataclass(frozen=True)
