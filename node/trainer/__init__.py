@@ -36,7 +36,7 @@ _LAZY = {
     "TrainerError": "node.trainer.trainer",
     "build_tiny_model_dir": "node.trainer.model",
     "load_model": "node.trainer.model",
-    "ModelLoadError": "node.trainer.model",
+    "ModelLoadError": "node.trainer.model_dir",
     "load_tokenizer": "node.trainer.tokenizer",
     "eos_token_ids": "node.trainer.tokenizer",
     "sft_warm_start": "node.trainer.warm_start",

@@ -32,7 +32,7 @@ single-rank run to float32 rounding (tests/unit/test_fsdp_trainer.py: 1e-5 after
 Trainer state (sharded): STATE_DIR/LATEST and STATE_DIR/step-NNNNNNNN/ as in node.trainer.state, with
 `dcp/` (model + optimizer through torch.distributed.checkpoint, one file per rank: resumable on any
 number of ranks), `model/` (config + tokenizer, no weights), rng.safetensors and trainer.json
-(format FSDP_FORMAT). The single-rank Trainer keeps its own safetensors format (see the report in
+(format distributed_state.FSDP_FORMAT). The single-rank Trainer keeps its own safetensors format (see the report in
 issue #15): DCP's `.metadata` file is a pickle, which the single-rank format avoids on purpose.
 
 All ranks live on one machine (MASTER_ADDR 127.0.0.1): gloo on CPU, NCCL with one GPU per rank.
@@ -62,7 +62,6 @@ from node.trainer.types import Group
 
 log = logging.getLogger("prime_node.trainer")
 
-FSDP_FORMAT = "prime-node/trainer-state/fsdp-v1"
 LOOPBACK = "127.0.0.1"
 # Followers wait in a broadcast while rank 0 collects a batch, which may take long: the process-group
 # timeout must outlast the slowest batch. A dead rank 0 is noticed sooner: its sockets close (and a
@@ -550,6 +549,12 @@ class DistributedTrainer(Trainer):
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+
+    def save_shards(self, path: Path) -> None:
+        """Rank 0, collective: every rank writes its shard of model + optimizer under `path` (DCP; the
+        snapshot layout around it is node.trainer.distributed_state's)."""
+        self._send(OP_SAVE, text=str(path))
+        self._save_sharded(path)
 
     def _save_sharded(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp

@@ -30,11 +30,8 @@ def save(trainer, state_dir: Path) -> Path:
     """Rank 0 (collective: the followers write their shards under the same path)."""
     import torch.distributed as dist
 
-    from node.trainer.distributed import OP_SAVE
-
     def write(tmp: Path) -> None:
-        trainer._send(OP_SAVE, text=str(tmp / "dcp"))
-        trainer._save_sharded(tmp / "dcp")
+        trainer.save_shards(tmp / "dcp")  # DistributedTrainer's collective (this module imports none of it)
         (tmp / "model").mkdir()
         trainer.model.config.save_pretrained(str(tmp / "model"))
 

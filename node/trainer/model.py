@@ -4,22 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import PrimeNodeError
+from node.trainer.model_dir import ModelLoadError, check_model_dir
 
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ModelLoadError(PrimeNodeError):
-    pass
-
-
-def check_model_dir(model_dir: str | Path) -> Path:
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ModelLoadError(f"model directory {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
-    return path
 
 
 def torch_dtype(name: str):

@@ -76,7 +76,7 @@ def load_tokenizer(model_dir: str | Path):
     """Load the tokenizer saved beside a model (local files only, never the Hub)."""
     from transformers import AutoTokenizer
 
-    from node.trainer.model import ModelLoadError, check_model_dir
+    from node.trainer.model_dir import ModelLoadError, check_model_dir
 
     path = check_model_dir(model_dir)
     try:

@@ -108,16 +108,18 @@ async def test_hardening_is_idempotent_and_refuses_what_it_was_not_written_for()
     try:
         server = runner.server
         server.by_address["127.0.0.1"] = 1  # state a second call must not reset
-        again = harden_aiohttp_server(server, peer_log=runner.peer_log, limits=ConnectionLimits(), fds=FdBudget(8))
+        again = harden_aiohttp_server(server, peer_log=runner.peer_log, limits=ConnectionLimits(),
+                                      fds=FdBudget(8))
         assert again is server and server.by_address == {"127.0.0.1": 1} and server.limits is runner.limits
     finally:
         await runner.cleanup()
+    log = PeerEventLog(logging.getLogger("test"), "x")
     with pytest.raises(RuntimeError):
-        harden_aiohttp_server(None, peer_log=PeerEventLog(logging.getLogger("test"), "x"), limits=ConnectionLimits(), fds=FdBudget(8))
+        harden_aiohttp_server(None, peer_log=log, limits=ConnectionLimits(), fds=FdBudget(8))
 
     class OtherServer(web.Server):
         pass
 
     other = OtherServer(lambda request: None)
     with pytest.raises(TypeError):
-        harden_aiohttp_server(other, peer_log=PeerEventLog(logging.getLogger("test"), "x"), limits=ConnectionLimits(), fds=FdBudget(8))
+        harden_aiohttp_server(other, peer_log=log, limits=ConnectionLimits(), fds=FdBudget(8))
