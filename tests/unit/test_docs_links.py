@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import unicodedata
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import pytest
@@ -66,7 +66,7 @@ def slug(heading: str) -> str:
     return keep.replace(" ", "-")
 
 
-@lru_cache(maxsize=None)
+@cache
 def anchors(rel: str) -> frozenset[str]:
     seen: dict[str, int] = {}
     out = set()
@@ -78,7 +78,7 @@ def anchors(rel: str) -> frozenset[str]:
     return frozenset(out)
 
 
-@lru_cache(maxsize=None)
+@cache
 def section_names(rel: str) -> tuple[str, ...]:
     """What a citation may name: a heading, or a bold lead-in (`**The dial-back.**`) that opens a paragraph."""
     md = read(rel)
@@ -88,7 +88,8 @@ def section_names(rel: str) -> tuple[str, ...]:
 
 def resolves(section: str, rel: str) -> bool:
     """A citation names a section by its heading, or by the heading's start up to a word boundary
-    ("Broadcast" for "Broadcast (origin-only vs relay ...)", "Signed requests" for "Signed requests (run-bound, v2)")."""
+    ("Broadcast" for "Broadcast (origin-only vs relay ...)", "Signed requests" for "Signed requests (run-bound,
+    v2)")."""
     want = plain(section).lower()
     for name in section_names(rel):
         name = name.lower()
