@@ -153,7 +153,7 @@ def test_every_markdown_link_between_the_docs_resolves():
     for rel in tracked_files():
         if not rel.endswith(".md"):
             continue
-        for m in LINK.finditer(read(rel)):
+        for m in LINK.finditer(re.sub(r"<!--.*?-->", "", read(rel), flags=re.DOTALL)):  # not HTML comments
             target, frag = m.group(1), m.group(2)
             if target is None and frag is None:
                 continue
