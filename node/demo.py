@@ -24,7 +24,9 @@ from protocol.identity import Identity
 
 # The demo's settings; present in a source checkout (make demo installs it editable).
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
-DEMO_DIR = Path("demo-out")  # everything the demo writes: logs, coordinator and worker storage, plot
+DEMO_DIR = Path("demo-out")  # everything the demo writes (logs, coordinator and worker storage, plot), unless
+# storage.dir is set: then there (configs/local.toml sets it to demo-out)
+DEMO_MARK = ".prime-node-demo"  # in every directory the demo made: the only non-empty ones the next demo empties
 FINAL_EVAL_WAIT_S = 600.0  # the last step's held-out evaluation (SmolLM2 on 2 cores: ~15 s for 40 prompts)
 
 
@@ -38,6 +40,7 @@ class DemoStopped(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.out = DEMO_DIR  # where the demo's logs and storage are (set by _run_demo once it knows)
 
 
 class Stopping:
@@ -187,7 +190,7 @@ def cmd_demo(args) -> int:
         return _run_demo(args, stopping)
     except DemoStopped as e:
         print(f"prime-node demo: stopped by {e} before the end; its coordinator and workers were stopped "
-              f"(logs and storage in {DEMO_DIR})", file=sys.stderr)
+              f"(logs and storage in {e.out})", file=sys.stderr)
         return 128 + e.signum
 
 
@@ -206,9 +209,8 @@ def _run_demo(args, stopping: Stopping) -> int:
         print(f"model {cfg.model.path}: preparing (node/real_model.py; built once, then cached)")
         overrides.append(f"model.path={resolve_model_path(cfg.model.path)}")
         ready_timeout = 900.0
-    out = DEMO_DIR
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = demo_dir(cfg)
+    _fresh_dir(out)
     common = ["--config", config_path or _write_default(out)] + [f"--set={o}" for o in overrides]
     # DIE_WITH_ENV: each process asks Linux for SIGTERM when the demo dies, even by SIGKILL (node/lifecycle.py)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", DIE_WITH_ENV: str(os.getpid())}
@@ -246,11 +248,12 @@ def _run_demo(args, stopping: Stopping) -> int:
                 stdout=open(vlog, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
         pool = f" and {len(verifier_keys)} verifiers" if verifier_keys else ""
         print(f"started {nodes} worker nodes{pool}; training {steps} steps (async level {cfg.run.async_level})")
-        status = _follow(url, steps, procs, stopping, evaluates=cfg.eval.every_steps > 0)
+        status = _follow(url, steps, procs, stopping, evaluates=cfg.eval.every_steps > 0, out=out)
         stopping.pause(1.5)  # one more heartbeat, so byte counts include the last download
         status = _get_json(url + "/v1/status")
-    except DemoStopped:
+    except DemoStopped as e:
         _stop(procs)  # all at once: one grace period, not one per process
+        e.out = out
         raise
     finally:
         _stop(procs[1:])  # workers first, so they do not retry against a coordinator already gone
@@ -267,6 +270,26 @@ def _run_demo(args, stopping: Stopping) -> int:
         Path(args.summary).write_text(json.dumps(summary, indent=2))
     _report(summary, ratio, plot, args.summary)
     return 0
+
+
+def demo_dir(cfg: Config) -> Path:
+    """Where the demo writes everything: storage.dir when a config file or --set gives it (the coordinator's
+    storage is its coordinator/, each worker's its worker-N/), else demo-out/."""
+    return Path(cfg.storage.dir) if "dir" in cfg.storage.model_fields_set else DEMO_DIR
+
+
+def _fresh_dir(out: Path) -> None:
+    """Empty `out` for a new demo. Only a directory the demo made (it holds DEMO_MARK), the default demo-out/
+    or an empty one is emptied: storage.dir may name anything, and the demo never deletes what it did not write."""
+    if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARK).is_file() \
+            and out.resolve() != DEMO_DIR.resolve():
+        raise DemoError(f"{out} (storage.dir) is not empty and was not made by prime-node demo, which starts from "
+                        "an empty directory: remove it or set storage.dir to another")
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"{out} (storage.dir) is a file, not a directory")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out / DEMO_MARK).write_text("made by prime-node demo: the next demo with this storage.dir empties it\n")
 
 
 def _write_default(out: Path) -> str:
@@ -298,7 +321,7 @@ def _final_eval(url: str, steps: int, coord: subprocess.Popen, stopping: Stoppin
 
 
 def _follow(url: str, steps: int, procs: list[subprocess.Popen], stopping: Stopping | None = None,
-            evaluates: bool = False) -> dict:
+            evaluates: bool = False, out: Path = DEMO_DIR) -> dict:
     stopping = stopping or Stopping()
     from tqdm import tqdm
 
@@ -309,7 +332,8 @@ def _follow(url: str, steps: int, procs: list[subprocess.Popen], stopping: Stopp
     while True:
         if procs[0].poll() is not None:
             bar.close()
-            raise DemoError(f"the coordinator exited early (code {procs[0].returncode}); see demo-out/coordinator.log")
+            raise DemoError(f"the coordinator exited early (code {procs[0].returncode}); "
+                            f"see {out / 'coordinator.log'}")
         try:
             status = _get_json(url + "/v1/status")
         except OSError:
@@ -338,7 +362,7 @@ def _follow(url: str, steps: int, procs: list[subprocess.Popen], stopping: Stopp
             return _final_eval(url, steps, procs[0], stopping) if evaluates else status
         if all(p.poll() is not None for p in procs[1:]):
             bar.close()
-            raise DemoError("every worker exited; see demo-out/worker-*.log")
+            raise DemoError(f"every worker exited; see {out / 'worker-*.log'}")
         stopping.pause(0.5)
 
 

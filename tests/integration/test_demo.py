@@ -78,3 +78,34 @@ def test_demo_of_the_multi_turn_task_with_a_verifier_pool(tmp_path):
         turns = [1 + len(r.get("turns", [])) for (data,) in db.execute("select data from groups")
                  for r in json.loads(data)["rollouts"]]
     assert max(turns) > 1, "no episode had a second turn"
+
+
+def test_demo_writes_everything_under_storage_dir(tmp_path):
+    """`--set storage.dir=X`: the demo's logs, its coordinator's storage and its workers' are under X (the demo
+    used to write demo-out/ whatever storage.dir said). A second demo with the same X starts it afresh."""
+    fast = ("--nodes", "1", "--steps", "1", "--set", "storage.dir=mine", "--set", "eval.every_steps=0",
+            "--set", "trainer.warm_start_steps=0")
+    _, s = run_demo(tmp_path, *fast)
+    assert s["steps_completed"] == 1
+    mine = tmp_path / "mine"
+    assert (mine / "coordinator.log").is_file() and (mine / "coordinator" / "ledger.sqlite").is_file()
+    assert (mine / "worker-0").is_dir() and (mine / "reward_curve.png").is_file()
+    assert not (tmp_path / "demo-out").exists()
+    (mine / "stale.txt").write_text("from the first demo")
+    run_demo(tmp_path, *fast)
+    assert not (mine / "stale.txt").exists() and (mine / "coordinator" / "ledger.sqlite").is_file()
+
+
+def test_demo_never_empties_a_storage_dir_it_did_not_make(tmp_path):
+    """storage.dir may name any directory; the demo starts from an empty one and refuses one holding files it
+    did not write (before any process starts), rather than deleting them."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("not the demo's")
+    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--nodes", "1", "--steps", "1",
+                        "--set", f"storage.dir={precious}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1 and "not made by prime-node demo" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert sorted(precious.iterdir()) == [precious / "keep.txt"]
+    assert (precious / "keep.txt").read_text() == "not the demo's"
+    assert not (tmp_path / "demo-out").exists()
