@@ -357,6 +357,14 @@ class HardenedAppRunner(web.AppRunner):
         self._hardened = harden_aiohttp_server(self.server, peer_log=self.peer_log, limits=self.limits,
                                                fds=self.fd_budget or serving_budget())
 
+    def bound_port(self) -> int:
+        """The TCP port this runner's (first) site listens on, e.g. after asking for port 0. Read from aiohttp's
+        public `addresses`, not from the private `site._server`."""
+        addresses = self.addresses
+        if not addresses:
+            raise RuntimeError("this runner has no listening site yet (start a site first)")
+        return int(addresses[0][1])
+
     def connection_stats(self) -> dict:
         """Open connections, the most from one address, refusals by code, slow readers cut."""
         s = self._hardened

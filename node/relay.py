@@ -150,7 +150,7 @@ class Relay:
             await runner.setup()
             site = web.TCPSite(runner, host, port, backlog=listen_backlog())
             await site.start()
-            self.url = f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
+            self.url = f"http://{host}:{runner.bound_port()}"
             try:
                 if self.p2p_cfg is not None:
                     await self._start_hop(key, host)

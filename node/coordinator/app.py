@@ -169,6 +169,6 @@ async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]
     # the backlog bounds the sockets a connection flood holds beyond the serving budget (node/fdlimits.py)
     site = web.TCPSite(runner, host, port, backlog=listen_backlog())
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]
+    bound = runner.bound_port()
     coord.url = f"http://{host}:{bound}"
     return runner, bound

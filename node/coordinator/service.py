@@ -79,6 +79,7 @@ class Coordinator:
         self._pow_waiting = 0
         self.supervisor = Supervisor(on_failure=self._on_failure)
         self.p2p = None
+        self.url: str | None = None  # its HTTP server's base URL, set by app.start_server once the port is bound
         self.started_ms = now_ms()
         self._status: tuple[float, dict] | None = None
         self._liveness: dict[str, tuple] = {}  # node id -> (node id, last seen ms, step, tokens/s, state)

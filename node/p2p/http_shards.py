@@ -132,11 +132,11 @@ class HttpShardServer:
     async def start(self, host: str, port: int = 0) -> int:
         app = web.Application(client_max_size=1024, middlewares=[error_middleware])  # JSON errors, never a bare 500
         app.router.add_get(PATH, self.handle)
-        self._runner = HardenedAppRunner(app, access_log=None, handle_signals=False, limits=self.limits)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, backlog=listen_backlog())
+        runner = self._runner = HardenedAppRunner(app, access_log=None, handle_signals=False, limits=self.limits)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=listen_backlog())
         await site.start()
-        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return runner.bound_port()
 
     async def stop(self) -> None:
         if self._runner is not None:

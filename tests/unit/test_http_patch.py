@@ -74,9 +74,11 @@ async def test_the_patch_takes_effect_on_a_real_server():
     await runner.setup()
     try:
         assert type(runner.server) is _HardenedServer  # the swap happened in setup, before any site listens
+        with pytest.raises(RuntimeError):
+            runner.bound_port()  # no site yet
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        [(_, port)] = runner.addresses
+        port = runner.bound_port()  # the kernel's choice: the connections below reach the server on it
         # Over the per-address limit: 429 JSON before a request is read (stock aiohttp serves it).
         _, first = await asyncio.open_connection("127.0.0.1", port)
         try:
