@@ -10,6 +10,7 @@ from aiohttp import web
 
 from node.checkpoint_routes import CheckpointRoutes
 from node.coordinator.openapi import build_openapi
+from node.coordinator.refusals import Refused
 from node.coordinator.seeding import SeedingGate
 from node.fdlimits import listen_backlog
 from node.http import (BODY_BUDGET, BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, BodyBudget, ConnectionLimits,
@@ -17,7 +18,6 @@ from node.http import (BODY_BUDGET, BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, Body
 from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
 from protocol import messages as M
 from protocol.signing import RequestVerifier
-
 
 # /v1/status and /metrics are built at most once per this many seconds, however many dashboards poll.
 STATUS_MAX_AGE_S = 1.0
@@ -34,6 +34,30 @@ def _json(model_or_dict, status: int = 200) -> web.Response:
 def _json_or_204(answer) -> web.Response:
     """An answer, or 204 No Content when there is nothing (no work, no job) right now."""
     return web.Response(status=204) if answer is None else _json(answer)
+
+
+# A domain refusal's HTTP status (node/coordinator/refusals.py says why each is what it is): the only place a
+# code meets a status line. Complete for RefusalCode (tests/unit/test_refusals.py).
+REFUSAL_STATUS: dict[str, int] = {
+    "unknown_node": 403, "banned": 403, "not_a_verifier": 403, "not_your_assignment": 403,
+    "not_allowlisted": 403, "token_required": 403, "bad_token": 403, "token_expired": 403, "token_used": 403,
+    "pow_required": 403, "bad_pow": 403,
+    "unknown_assignment": 404, "unknown_job": 404,
+    "stale_policy": 409, "unpublished_policy": 409, "policy_went_back": 409, "duplicate": 409, "expired": 409,
+    "declined": 409, "not_your_job": 409,
+    "wrong_verdict_count": 400,
+    "too_many_assignments": 429, "busy": 503,
+}
+
+
+@web.middleware
+async def refusals_to_http(request: web.Request, handler):
+    """A Refused from the domain, as the API's error (error_middleware, outside this one, writes the body)."""
+    try:
+        return await handler(request)
+    except Refused as e:
+        headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+        raise ApiError(REFUSAL_STATUS[e.code], e.code, e.detail, headers) from None
 
 
 def build_app(coord) -> web.Application:
@@ -59,7 +83,7 @@ def build_app(coord) -> web.Application:
         return await handler(request)
 
     # count_requests is outermost so it also counts the JSON error responses.
-    app = web.Application(middlewares=[count_requests, error_middleware, refuse_when_failed],
+    app = web.Application(middlewares=[count_requests, error_middleware, refusals_to_http, refuse_when_failed],
                           client_max_size=cfg.max_body_bytes)
     app[MAX_BODY_BYTES] = cfg.max_body_bytes
     app[BODY_TIMEOUT] = cfg.body_timeout_s

@@ -76,7 +76,7 @@ ROUTES: tuple[Route, ...] = (
           {200: ("the coordinator's newest step", M.HeartbeatResponse)}, SIGNED_ERRORS),
     Route("post", "/v1/work", "Ask for an assignment.", True, M.WorkRequest,
           {200: ("an assignment", M.Assignment), 204: ("no work right now", NO_BODY)},
-          {**SIGNED_ERRORS, 409: "stale_policy: fetch a newer checkpoint",
+          {**SIGNED_ERRORS, 409: "stale_policy: fetch a newer checkpoint; unpublished_policy, policy_went_back",
            429: "rate_limited, or too many assignments in flight"}),
     Route("post", "/v1/submit", "Submit rollouts for an assignment.", True, M.SubmitRequest,
           {200: ("a verdict per rollout", M.SubmitResponse)},

@@ -24,17 +24,17 @@ from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.node_bytes import NodeBytes
 from node.coordinator.publisher import Publisher
 from node.coordinator.reachability import DialBack
+from node.coordinator.refusals import Refused
 from node.coordinator.run_model import load_run_model
 from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.seeding import SuperSeeder
 from node.coordinator.status import build_status
 from node.coordinator.supervisor import Failure, Supervisor
 from node.coordinator.training import TrainingLoop
-from node.coordinator.verifier_jobs import JobBoard
 from node.coordinator.verification import PolicyStore, VerdictQueue
+from node.coordinator.verifier_jobs import JobBoard
 from node.envs import encode_prompt
 from node.envs.episode import max_turns_of
-from node.http import ApiError
 from protocol import messages as M
 from protocol.admission import AdmissionError, check_join_token, check_pow
 from protocol.identity import Identity
@@ -242,9 +242,9 @@ class Coordinator:
     def _known_node(self, node_id: str) -> NodeRow:
         node = self.ledger.node(node_id)
         if node is None:
-            raise ApiError(403, "unknown_node", "this key has not joined; POST /v1/join first")
+            raise Refused("unknown_node", "this key has not joined; POST /v1/join first")
         if node.banned:
-            raise ApiError(403, "banned", "this node is banned after repeated failed verification")
+            raise Refused("banned", "this node is banned after repeated failed verification")
         return node
 
     async def join(self, node_id: str, req: M.JoinRequest, *, remote: str | None = None,
@@ -254,7 +254,7 @@ class Coordinator:
         a wildcard)."""
         existing = self.ledger.node(node_id)
         if existing and existing.banned:
-            raise ApiError(403, "banned", "this node is banned after repeated failed verification")
+            raise Refused("banned", "this node is banned after repeated failed verification")
         await self._admit(node_id, req, known=existing is not None)
         info = req.node.model_dump() if req.node else {}
         self.ledger.upsert_node(node_id, self.cfg.verification.reputation_start, info)
@@ -280,7 +280,7 @@ class Coordinator:
     # -- the verifier pool (docs/PROTOCOL.md, "HTTP API": verifier keys only) ------------------------
     def _board(self, key: str) -> JobBoard:
         if self.verifier_board is None:
-            raise ApiError(403, "not_a_verifier", "this run has no verifier pool (verification.verifier_keys is empty)")
+            raise Refused("not_a_verifier", "this run has no verifier pool (verification.verifier_keys is empty)")
         self.verifier_board.check_verifier(key)
         return self.verifier_board
 
@@ -309,8 +309,7 @@ class Coordinator:
         if a.pow_bits <= 0:
             return
         if self._pow_waiting >= POW_MAX_WAITING:
-            raise ApiError(503, "busy", "too many joins are being checked; try again in a moment",
-                           headers={"Retry-After": "1"})
+            raise Refused("busy", "too many joins are being checked; try again in a moment", retry_after_s=1)
         self._pow_waiting += 1
         try:
             async with self._pow_checks:
@@ -337,7 +336,7 @@ class Coordinator:
                 if not self.ledger.use_join_token(token_id, node_id):
                     raise AdmissionError("token_used", "this join token has already admitted another key")
         except AdmissionError as e:
-            raise ApiError(403, e.code, e.detail) from None
+            raise Refused(e.code, e.detail) from None  # type: ignore[arg-type]  # admission's codes are RefusalCodes
 
     async def _start_p2p(self) -> None:
         """A libp2p host that nodes bootstrap from and that gossips "step n is out". It serves no
@@ -414,15 +413,15 @@ class Coordinator:
         node = self._known_node(node_id)
         m = req.policy_step
         if m > self.published_step:
-            raise ApiError(400, "malformed", f"policy step {m} has not been published (newest {self.published_step})")
+            raise Refused("unpublished_policy", f"policy step {m} has not been published (newest {self.published_step})")
         claimed = self._claimed_step(node)
         if claimed is not None and m < claimed:  # a node never goes back in time
-            raise ApiError(400, "malformed", f"policy step {m} is older than step {claimed}, which this "
-                                             f"node already reported holding")
+            raise Refused("policy_went_back", f"policy step {m} is older than step {claimed}, which this "
+                                              f"node already reported holding")
         cap = self.cfg.run.max_assignments_per_node
         if self.ledger.open_assignments_of(node_id) >= cap:
-            raise ApiError(429, "too_many_assignments", f"this node already has {cap} assignments in flight; "
-                                                        f"submit one first")
+            raise Refused("too_many_assignments", f"this node already has {cap} assignments in flight; "
+                                                  f"submit one first")
         if m > self.scheduler.published_step:
             return None  # published a moment ago; the scheduler hears of it on its next loop turn
         self._seen(node_id, m)
@@ -431,8 +430,8 @@ class Coordinator:
             picked = self.scheduler.assign(m, aid, node_id)  # shared fairly when scarce
         except StaleNode:
             need = min_policy_for_batch(self.published_step + 1, self.k)
-            raise ApiError(409, "stale_policy",
-                           f"policy step {m} is too old: fetch step {need} or newer (newest {self.published_step})")
+            raise Refused("stale_policy",
+                          f"policy step {m} is too old: fetch step {need} or newer (newest {self.published_step})")
         if picked is None:
             return None
         batch, slots = picked
@@ -475,21 +474,21 @@ class Coordinator:
         aid = req.assignment_id
         a = self.ledger.assignment(aid)
         if a is None:
-            raise ApiError(404, "unknown_assignment", f"no assignment {aid}")
+            raise Refused("unknown_assignment", f"no assignment {aid}")
         if a.node_id != node_id:
-            raise ApiError(403, "not_your_assignment", "this assignment was given to another node")
+            raise Refused("not_your_assignment", "this assignment was given to another node")
         if a.state == "submitted" or aid in self._submitting:
-            raise ApiError(409, "duplicate", "this assignment was already submitted")
+            raise Refused("duplicate", "this assignment was already submitted")
         if a.state == "expired":
-            raise ApiError(409, "expired", "the assignment's deadline passed; its prompts were given to another node")
+            raise Refused("expired", "the assignment's deadline passed; its prompts were given to another node")
         if a.state == "declined":
-            raise ApiError(409, "declined", "this assignment was already declined (submitted outside the window)")
+            raise Refused("declined", "this assignment was already declined (submitted outside the window)")
         m = req.policy_step
         oldest_usable = max(a.min_policy_step, self.published_step - self.k)
         if m > self.published_step or m < oldest_usable:
             self._decline(node_id, aid, never_published=m > self.published_step, n_rollouts=len(req.rollouts))
-            raise ApiError(409, "stale_policy",
-                           f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
+            raise Refused("stale_policy",
+                          f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
         self._submitting.add(aid)
         try:
             result = await self.intake.process(node, a, req)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from node.coordinator.ledger import now_ms
-from node.http import ApiError
+from node.coordinator.refusals import Refused
 from protocol import messages as M
 
 log = logging.getLogger("prime_node.verifier_jobs")
@@ -66,7 +66,7 @@ class JobBoard:
 
     def check_verifier(self, key: str) -> None:
         if key not in self.keys:
-            raise ApiError(403, "not_a_verifier", "this key is not in the run's verification.verifier_keys")
+            raise Refused("not_a_verifier", "this key is not in the run's verification.verifier_keys")
         self.last_seen[key] = self.clock()
 
     async def replay(self, step: int, items: list[M.ReplayItem], sampling: M.Sampling) -> list[M.ReplayVerdict] | None:
@@ -98,12 +98,12 @@ class JobBoard:
     def complete(self, key: str, req: M.VerdictsRequest) -> None:
         job = self._jobs.get(req.job_id)
         if job is None or job.future.done():
-            raise ApiError(404, "unknown_job", "no open job has this id (decided, or from before a restart)")
+            raise Refused("unknown_job", "no open job has this id (decided, or from before a restart)")
         if job.leased_by != key:
-            raise ApiError(409, "not_your_job", "this job's lease is held by another verifier (yours ran out)")
+            raise Refused("not_your_job", "this job's lease is held by another verifier (yours ran out)")
         if not req.unavailable and len(req.verdicts) != len(job.items):
-            raise ApiError(400, "wrong_verdict_count",
-                           f"the job has {len(job.items)} rollouts; {len(req.verdicts)} verdicts were sent")
+            raise Refused("wrong_verdict_count",
+                          f"the job has {len(job.items)} rollouts; {len(req.verdicts)} verdicts were sent")
         self.answered[key] += 1
         if req.unavailable:
             self._refused(key, job)

@@ -102,8 +102,8 @@ async def test_contract_status_codes(tmp_path):
             assert coord.published_step >= 3
             st, err = await node.post("/v1/work", {"policy_step": 0})
             assert st == 409 and err["error"] == "stale_policy"
-            st, err = await node.post("/v1/work", {"policy_step": 9})
-            assert st == 400
+            st, err = await node.post("/v1/work", {"policy_step": 9})  # a conflict with the run, not bad syntax
+            assert st == 409 and err["error"] == "unpublished_policy"
             # unsigned GETs: status, metrics, checkpoints, manifest, shards with Range, 404s
             async with s.get(base + "/v1/status") as r:
                 assert r.status == 200 and (await r.json())["async_level"] == 2

@@ -80,9 +80,9 @@ async def test_a_node_cannot_claim_an_older_step_than_it_reported(tmp_path):
             st, _ = await node.post("/v1/heartbeat", {"policy_step": 1})
             assert st == 200
             st, body = await node.post("/v1/work", {"policy_step": 0})
-            assert st == 400 and "older than step 1" in body["detail"]
+            assert (st, body["error"]) == (409, "policy_went_back") and "older than step 1" in body["detail"]
             st, body = await node.post("/v1/work", {"policy_step": 5})
-            assert st == 400  # not published: a node cannot hold it
+            assert (st, body["error"]) == (409, "unpublished_policy")  # not published: a node cannot hold it
 
 
 async def test_prompts_to_hand_out_again_survive_a_restart(tmp_path):
