@@ -22,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import os
+from typing import Any
 
 from .errors import PrimeNodeError, SignatureError
 from .identity import Identity, parse_public_key
@@ -106,7 +107,7 @@ def make_join_token(identity: Identity, run_id: str, expires_ms: int, node_id: s
     return _token_spelling(doc)
 
 
-def _token_spelling(doc: dict) -> str:
+def _token_spelling(doc: dict[str, Any]) -> str:
     """The one spelling of a signed token document: base64url, no padding, of its canonical JSON."""
     return base64.urlsafe_b64encode(canonical_json(doc)).decode().rstrip("=")
 

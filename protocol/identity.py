@@ -84,7 +84,7 @@ class Identity:
         return self.private_key.sign(message).hex()
 
     # --- key files ---------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write the key as PEM with mode 0600 (atomically; never world-readable, not even briefly)."""
         path = Path(path)
         if path.exists() and not overwrite:
@@ -105,7 +105,7 @@ class Identity:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Identity":
+    def load(cls, path: str | os.PathLike[str]) -> "Identity":
         path = Path(path)
         try:
             st = path.stat()
@@ -126,7 +126,7 @@ class Identity:
         return cls(key)
 
     @classmethod
-    def load_or_create(cls, path: str | os.PathLike) -> tuple["Identity", bool]:
+    def load_or_create(cls, path: str | os.PathLike[str]) -> tuple["Identity", bool]:
         """Load the key at `path`, or create one there. Returns (identity, created)."""
         if Path(path).exists():
             return cls.load(path), False

@@ -107,9 +107,10 @@ def decode(model: type[_M], body: bytes, *, limit: int) -> _M:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors(include_url=False, include_input=False)[0] if e.error_count() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())) or "document"
-        raise WireError(f"not a valid {model.__name__}: {where}: {first.get('msg', 'invalid')}"[:300]) from None
+        errors = e.errors(include_url=False, include_input=False)
+        loc, msg = (errors[0]["loc"], errors[0]["msg"]) if errors else ((), "invalid")
+        where = ".".join(str(x) for x in loc) or "document"
+        raise WireError(f"not a valid {model.__name__}: {where}: {msg}"[:300]) from None
     except (ValueError, RecursionError, MemoryError) as e:
         raise WireError(f"not a valid {model.__name__}: {type(e).__name__}") from None
 

@@ -13,7 +13,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import SignatureError
 from .identity import Identity, PUBLIC_KEY_HEX_LEN, verify_bytes
@@ -82,7 +82,8 @@ class RequestVerifier:
     that could still be replayed.
     """
 
-    def __init__(self, run_id: str, *, window_ms: int = CLOCK_WINDOW_MS, max_nonces: int = 1_000_000, clock=None):
+    def __init__(self, run_id: str, *, window_ms: int = CLOCK_WINDOW_MS, max_nonces: int = 1_000_000,
+                 clock: Callable[[], int] | None = None):
         self.run_id = run_id
         self.window_ms = window_ms
         self.max_nonces = max_nonces
@@ -145,7 +146,8 @@ def _is_hex(s: str) -> bool:
         return False
 
 
-def sign_document(identity: Identity, doc: dict, *, field: str = "signature", signer_field: str = "signer") -> dict:
+def sign_document(identity: Identity, doc: Mapping[str, Any], *, field: str = "signature",
+                  signer_field: str = "signer") -> dict[str, Any]:
     """Return a copy of `doc` with `signer` and a signature over the canonical JSON of every other field."""
     out = {k: v for k, v in doc.items() if k != field}
     out[signer_field] = identity.public_hex
@@ -153,7 +155,7 @@ def sign_document(identity: Identity, doc: dict, *, field: str = "signature", si
     return out
 
 
-def verify_document(doc: Mapping, trusted_keys: set[str] | None, *, field: str = "signature",
+def verify_document(doc: Mapping[str, Any], trusted_keys: set[str] | None, *, field: str = "signature",
                     signer_field: str = "signer") -> str:
     """Verify a document signed by `sign_document`; return the signer. Raises SignatureError."""
     signer = doc.get(signer_field)

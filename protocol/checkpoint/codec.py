@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Iterator
+from typing import IO, Iterator
 
 import numpy as np
 import zstandard
 
 from .errors import CheckpointError
-from .manifest import Manifest
+from .manifest import Manifest, ShardEntry
 
 _local = threading.local()
 
@@ -31,12 +31,12 @@ def compress_shard(raw: bytes | bytearray | memoryview, level: int) -> bytes:
 class _HashingWriter:
     """File-like sink for zstd's stream writer: hashes and writes each compressed chunk as it comes."""
 
-    def __init__(self, f):
+    def __init__(self, f: IO[bytes]):
         self.f = f
         self.sha = hashlib.sha256()
         self.size = 0
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         self.sha.update(data)
         self.size += len(data)
         return self.f.write(data)
@@ -45,7 +45,7 @@ class _HashingWriter:
         self.f.flush()
 
 
-def compress_shard_to(raw: bytes | bytearray | memoryview, level: int, f) -> tuple[int, str]:
+def compress_shard_to(raw: bytes | bytearray | memoryview, level: int, f: IO[bytes]) -> tuple[int, str]:
     """Compress `raw` as one zstd frame straight into the open binary file `f`; return (zsize, sha256).
 
     Streams through zstd's small output buffer instead of materializing the compressed shard, which
@@ -53,7 +53,8 @@ def compress_shard_to(raw: bytes | bytearray | memoryview, level: int, f) -> tup
     """
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
     sink = _HashingWriter(f)
-    with cctx.stream_writer(sink, size=len(raw), write_size=1 << 20, closefd=False) as writer:
+    # zstandard's stub asks for IO[bytes]; the stream writer only calls write() and flush() on its sink.
+    with cctx.stream_writer(sink, size=len(raw), write_size=1 << 20, closefd=False) as writer:  # type: ignore[arg-type]
         writer.write(raw)
     return sink.size, sink.sha.hexdigest()
 
@@ -66,7 +67,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def _entry(manifest: Manifest, index: int):
+def _entry(manifest: Manifest, index: int) -> ShardEntry:
     if not (type(index) is int and 0 <= index < manifest.num_shards):
         raise CheckpointError("shard_index", f"shard {index!r} does not exist (the manifest lists "
                                              f"{manifest.num_shards})", shard=None)
@@ -95,6 +96,7 @@ def decompress_shard(manifest: Manifest, index: int, compressed: bytes | bytearr
     """
     entry = _entry(manifest, index)
     size = entry.size
+    buf: bytearray | memoryview
     if out is None:
         buf = bytearray(size)
         out = memoryview(buf)

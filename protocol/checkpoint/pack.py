@@ -17,7 +17,7 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..identity import Identity
 from .codec import compress_shard_to, xor_into
@@ -30,8 +30,11 @@ from .reconstruct import BasePayload, open_base
 from .shard_files import MANIFEST_NAME, SHARDS_DIR, shard_file_name
 from .sparse import encode_block, word_size_for
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
-def _progress_bar(enabled: bool, total: int, desc: str):
+
+def _progress_bar(enabled: bool, total: int, desc: str) -> tqdm[Any]:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not enabled,
@@ -54,10 +57,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identity, step: int, run_id: str,
+def pack_checkpoint(source: Any, out_dir: str | os.PathLike[str], *, identity: Identity, step: int, run_id: str,
                     parent: Manifest | None = None, base_payload: Any = None, base_step: int | None = None,
                     shard_size: int = DEFAULT_SHARD_SIZE, level: int = 1, threads: int = 2,
-                    progress: bool = False, payload_out: str | os.PathLike | None = None,
+                    progress: bool = False, payload_out: str | os.PathLike[str] | None = None,
                     created_at: int | None = None, encoding: str | None = None) -> Manifest:
     """Pack `source` (state dict, .safetensors file or HF model dir) as a signed checkpoint in `out_dir`.
 
@@ -119,10 +122,11 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
             index, buf, size = item
             try:
                 data = memoryview(buf)[:size]
-                # after the payload hash saw the plain bytes, before compression
-                if encoding == "xor-delta":
+                # after the payload hash saw the plain bytes, before compression (a delta step has its base:
+                # checked above)
+                if base is not None and encoding == "xor-delta":
                     xor_into(data, base.read(index * shard_size, size))
-                elif encoding == "sparse-delta":
+                elif base is not None and encoding == "sparse-delta":
                     data = memoryview(encode_block(data, base.read(index * shard_size, size), word))
                 with open(tmp / SHARDS_DIR / shard_file_name(index), "xb") as f:
                     zsize, digest = compress_shard_to(data, level, f)
@@ -130,7 +134,7 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
                 buffers.release(buf)
             return {"index": index, "size": len(data), "zsize": zsize, "sha256": digest}
 
-        def produce():
+        def produce() -> Iterator[tuple[int, bytearray, int]]:
             # Runs in this thread, lazily, as the pool asks for more: fill, hash the plain bytes, hand over.
             for index in range(num_shards):
                 offset = index * shard_size
@@ -172,7 +176,7 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike, *, identity: Identi
                 raise CheckpointError("out_exists", f"{out_dir} appeared while packing; not overwritten") from None
             raise
         _fsync_dir(out_dir.parent)
-        if payload_tmp is not None:
+        if payload_tmp is not None and payload_out is not None:  # payload_tmp is set only for payload_out
             os.replace(payload_tmp, payload_out)
             payload_tmp = None
         return manifest

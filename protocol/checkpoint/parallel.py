@@ -5,19 +5,19 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Generator, Iterable, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], *, threads: int,
-                window: int | None = None) -> Iterator[tuple[T, "Future[R]"]]:
+                window: int | None = None) -> Generator[tuple[T, "Future[R]"], None, None]:
     """Yield (item, finished future) in input order. Memory stays bounded by `window` results (default
     threads + 1) because new work is only submitted as old results are consumed. Abandoning the
     iterator cancels whatever has not started."""
     window = max(1, window or threads + 1)
-    pending: deque[tuple[T, Future]] = deque()
+    pending: deque[tuple[T, Future[R]]] = deque()
     pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpt")
     try:
         it = iter(items)

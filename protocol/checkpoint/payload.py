@@ -13,6 +13,7 @@ Only safetensors is ever read (no pickle). torch is imported only by the functio
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import os
@@ -39,7 +40,7 @@ DTYPES: dict[str, tuple[int, str]] = {
 }
 _TORCH_TO_CODE = {name: code for code, (_, name) in DTYPES.items()}
 
-PayloadSource = Union[bytes, bytearray, memoryview, str, os.PathLike]
+PayloadSource = Union[bytes, bytearray, memoryview, str, os.PathLike[str]]
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def parse_header(prefix: bytes, file_size: int, *, what: str = "payload") -> Saf
     return SafetensorsHeader(8 + n, tensors, metadata)
 
 
-def read_header_file(path: str | os.PathLike) -> SafetensorsHeader:
+def read_header_file(path: str | os.PathLike[str]) -> SafetensorsHeader:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
@@ -194,7 +195,7 @@ class PayloadLayout:
     def __enter__(self) -> "PayloadLayout":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -233,7 +234,7 @@ def layout_from_state(state: Mapping[str, "torch.Tensor"]) -> PayloadLayout:
 
     entries, parts, aliases = [], [], {}
     by_dtype: dict[str, int] = {}
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     for name in sorted(state):
         t = state[name]
         if not isinstance(t, torch.Tensor):
@@ -251,7 +252,7 @@ def layout_from_state(state: Mapping[str, "torch.Tensor"]) -> PayloadLayout:
                 continue
             seen[key] = name
         flat = t.cpu().contiguous().reshape(-1).view(torch.uint8)
-        view = memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+        view = flat.numpy().data if flat.numel() else memoryview(b"")
         entries.append((name, code, tuple(t.shape), len(view)))
         parts.append((len(view), _memory_fill(view)))
         by_dtype[code] = by_dtype.get(code, 0) + len(view)
@@ -261,7 +262,7 @@ def layout_from_state(state: Mapping[str, "torch.Tensor"]) -> PayloadLayout:
     return _build(encode_header(entries, metadata), parts, by_dtype)
 
 
-def model_files(source: str | os.PathLike) -> list[Path]:
+def model_files(source: str | os.PathLike[str]) -> list[Path]:
     """The safetensors files of a model: the file itself, or every *.safetensors in a model directory."""
     path = Path(source)
     if path.is_file():
@@ -277,9 +278,10 @@ def model_files(source: str | os.PathLike) -> list[Path]:
     return files
 
 
-def layout_from_files(source: str | os.PathLike) -> PayloadLayout:
+def layout_from_files(source: str | os.PathLike[str]) -> PayloadLayout:
     """Layout of a .safetensors file or a (possibly sharded) HF model directory, read with os.preadv."""
-    entries, parts, metadata = [], [], {}
+    entries, parts = [], []
+    metadata: dict[str, str] = {}
     by_dtype: dict[str, int] = {}
     found: dict[str, tuple[TensorInfo, int, int]] = {}
     fds: list[int] = []
@@ -306,7 +308,7 @@ def layout_from_files(source: str | os.PathLike) -> PayloadLayout:
         for fd in fds:
             os.close(fd)
         raise
-    layout._closers.extend(lambda fd=fd: os.close(fd) for fd in fds)
+    layout._closers.extend(functools.partial(os.close, fd) for fd in fds)
     return layout
 
 

@@ -15,9 +15,10 @@ import sys
 import tempfile
 import threading
 import uuid
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .codec import decompress_chunks, decompress_shard, verify_shard, xor_into
 from .sparse import ParsedBlock, apply_block
@@ -26,6 +27,9 @@ from .manifest import Manifest, verify_manifest
 from .parallel import BufferPool, ordered_map
 from .payload import MAX_HEADER_BYTES
 from .shard_files import MANIFEST_NAME, DirShardReader, load_manifest, scan_shard_dir
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 PAYLOAD_FILE_NAME = "model.safetensors"
 ShardReader = Callable[[int], bytes]
@@ -54,6 +58,7 @@ class BasePayload:
                                                    f"byte {offset + length} was needed")
 
     def _pread_into(self, offset: int, view: memoryview) -> None:
+        assert self._fd is not None  # a base is either in memory (_data) or an open file (_fd)
         done, length = 0, len(view)
         while done < length:
             n = os.preadv(self._fd, [view[done:]], offset + done)
@@ -128,7 +133,8 @@ def open_base(base: Any) -> BasePayload:
     raise CheckpointError("base_mismatch", f"a base payload must be bytes or a path, not {type(base).__name__}")
 
 
-def pooled_reader(manifest: Manifest, shard_reader: ShardReader):
+def pooled_reader(manifest: Manifest, shard_reader: ShardReader,
+                  ) -> Callable[[int], AbstractContextManager[bytes | memoryview]]:
     """`read(i)` as a context manager giving the compressed bytes of shard i.
 
     Readers that offer `read_into(index, buffer) -> memoryview` (DirShardReader does) fill a reusable
@@ -142,7 +148,7 @@ def pooled_reader(manifest: Manifest, shard_reader: ShardReader):
     largest = max(s.zsize for s in manifest.shards)
 
     @contextlib.contextmanager
-    def read(index: int):
+    def read(index: int) -> Iterator[bytes | memoryview]:
         if read_into is None:
             yield shard_reader(index)
             return
@@ -173,6 +179,11 @@ class ShardDecoder:
         self._read = pooled_reader(manifest, shard_reader)
         self._local = threading.local()
 
+    def _delta_base(self) -> BasePayload:
+        """The base of a delta step (__init__ refused a delta step without one)."""
+        assert self.base is not None
+        return self.base
+
     def _block_buffer(self, size: int) -> memoryview:
         buf = getattr(self._local, "block", None)
         if buf is None or len(buf) < size:
@@ -193,9 +204,9 @@ class ShardDecoder:
             else:
                 decompress_shard(m, index, compressed, out=dest)
         if m.encoding == "xor-delta":
-            self.base.xor_into(offset, dest)
+            self._delta_base().xor_into(offset, dest)
         elif m.encoding == "sparse-delta":
-            self.base.read_into(offset, dest)
+            self._delta_base().read_into(offset, dest)
             try:
                 apply_block(block, dest, index)
             finally:
@@ -222,15 +233,16 @@ class ShardDecoder:
             if m.encoding != "sparse-delta":
                 for pos, piece in decompress_chunks(m, index, compressed, scratch):
                     if m.encoding == "xor-delta":
-                        self.base.xor_into(offset + pos, piece)
+                        self._delta_base().xor_into(offset + pos, piece)
                     write(offset + pos, piece)
                 return
             block = self._block_buffer(m.shards[index].size)
             decompress_shard(m, index, compressed, out=block)
         parsed = ParsedBlock(block, raw, index)
+        base = self._delta_base()
         for pos in range(0, raw, WRITE_CHUNK):
             piece = scratch[:min(WRITE_CHUNK, raw - pos)]
-            self.base.read_into(offset + pos, piece)
+            base.read_into(offset + pos, piece)
             parsed.apply(piece, pos)
             write(offset + pos, piece)
 
@@ -302,7 +314,7 @@ class _OrderedHash:
     holds the lock; the lock only guards who the head is and which shards are finished.
     """
 
-    def __init__(self, manifest: Manifest, fd: int, digest):
+    def __init__(self, manifest: Manifest, fd: int, digest: hashlib._Hash):
         self.manifest = manifest
         self.fd = fd
         self.digest = digest
@@ -357,7 +369,8 @@ class _OrderedHash:
         return self.head == self.manifest.num_shards
 
 
-def _write_streamed(manifest: Manifest, decoder: ShardDecoder, fd: int, digest, bar, threads: int) -> None:
+def _write_streamed(manifest: Manifest, decoder: ShardDecoder, fd: int, digest: hashlib._Hash, bar: tqdm[Any],
+                    threads: int) -> None:
     """Decode every shard into the file at its offset, and hash the payload in order, all in the workers.
 
     Workers decompress (and un-delta) through a small cache-hot buffer and `pwrite` each piece: no
@@ -394,7 +407,7 @@ def _write_streamed(manifest: Manifest, decoder: ShardDecoder, fd: int, digest, 
                                           f"{manifest.num_shards}")
 
 
-def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path: str | os.PathLike | None,
+def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path: str | os.PathLike[str] | None,
                         *, base_payload: Any = None, threads: int = 2, progress: bool = False) -> str:
     """Rebuild the raw payload into `out_path` (atomically; None = only verify) and return its sha256.
 
@@ -428,7 +441,7 @@ def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path:
         got = digest.hexdigest()
         if got != manifest.sha256:
             raise _hash_mismatch(manifest, got)
-        if tmp is not None:
+        if tmp is not None and out_path is not None:  # tmp is set only when writing out_path
             os.replace(tmp, out_path)
             tmp = None
         return got
@@ -441,7 +454,7 @@ def reconstruct_payload(manifest: Manifest, shard_reader: ShardReader, out_path:
             tmp.unlink(missing_ok=True)
 
 
-def resolve_base(base: Any, trusted_keys: set[str] | None, workdir: str | os.PathLike,
+def resolve_base(base: Any, trusted_keys: set[str] | None, workdir: str | os.PathLike[str],
                  *, threads: int = 2, progress: bool = False) -> Any:
     """Turn what a user calls a base into a raw payload (bytes or file path).
 
@@ -471,9 +484,9 @@ def resolve_base(base: Any, trusted_keys: set[str] | None, workdir: str | os.Pat
                                            f"directory with {PAYLOAD_FILE_NAME}")
 
 
-def unpack_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, trusted_keys: set[str] | None,
-                      base: Any = None, previous: Manifest | None = None, threads: int = 2,
-                      progress: bool = False) -> Manifest:
+def unpack_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+                      trusted_keys: set[str] | None, base: Any = None, previous: Manifest | None = None,
+                      threads: int = 2, progress: bool = False) -> Manifest:
     """Verify a checkpoint directory and write its payload as `out_dir/model.safetensors`.
 
     Only the weights file is written; config.json / tokenizer files of a Hugging Face model are not part

@@ -111,12 +111,12 @@ def _check_shards_dir(ckpt_dir: Path) -> Path:
     return shards
 
 
-def read_manifest_bytes(ckpt_dir: str | os.PathLike) -> bytes:
+def read_manifest_bytes(ckpt_dir: str | os.PathLike[str]) -> bytes:
     return read_regular_file(Path(ckpt_dir) / MANIFEST_NAME, MAX_MANIFEST_BYTES,
                              what=f"{Path(ckpt_dir) / MANIFEST_NAME}", missing_code="missing_manifest")
 
 
-def load_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
+def load_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
     """Parse (not verify) the manifest of a checkpoint directory; a path to a manifest file also works."""
     path = Path(ckpt_dir)
     if path.is_file():
@@ -125,7 +125,7 @@ def load_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
     return Manifest.from_json_bytes(read_manifest_bytes(path))
 
 
-def scan_shard_dir(ckpt_dir: str | os.PathLike, manifest: Manifest) -> list[CheckpointError]:
+def scan_shard_dir(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> list[CheckpointError]:
     """Every naming problem in `shards/`: stray names, symlinks, extra and missing shard files."""
     try:
         shards = _check_shards_dir(Path(ckpt_dir))
@@ -156,7 +156,7 @@ def scan_shard_dir(ckpt_dir: str | os.PathLike, manifest: Manifest) -> list[Chec
 class DirShardReader:
     """`reader(i) -> compressed bytes` for a checkpoint directory. Thread-safe (no shared state)."""
 
-    def __init__(self, ckpt_dir: str | os.PathLike, manifest: Manifest):
+    def __init__(self, ckpt_dir: str | os.PathLike[str], manifest: Manifest):
         self.ckpt_dir = Path(ckpt_dir)
         self.manifest = manifest
         self.shards_dir = _check_shards_dir(self.ckpt_dir)

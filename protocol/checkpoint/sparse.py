@@ -28,6 +28,7 @@ is exactly 16 + k*(4+W) + (n mod W) bytes (sparse) or 16 + n (dense); anything e
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,10 @@ WORD_SIZES = (1, 2, 4, 8)
 GAP_BYTES = 4
 _HEADER = struct.Struct("<4sBBBBII")
 assert _HEADER.size == SPARSE_BLOCK_HEADER
-_UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
-_SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_UNSIGNED: dict[int, np.dtype[np.unsignedinteger[Any]]] = {
+    1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_SIGNED: dict[int, np.dtype[np.signedinteger[Any]]] = {
+    1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 
 
 def word_size_for(dtype_name: str) -> int:
@@ -87,9 +90,9 @@ def encode_block(new: memoryview, base: memoryview, word: int) -> bytearray:
     if sparse_size >= SPARSE_BLOCK_HEADER + n:  # dense: plain XOR of the range
         out = bytearray(SPARSE_BLOCK_HEADER + n)
         _HEADER.pack_into(out, 0, MAGIC, VERSION, MODE_DENSE, word, 0, n, 0)
-        body = memoryview(out)[SPARSE_BLOCK_HEADER:]
-        body[:] = new
-        xor_into(body, base)
+        dense = memoryview(out)[SPARSE_BLOCK_HEADER:]
+        dense[:] = new
+        xor_into(dense, base)
         return out
     out = bytearray(sparse_size)
     _HEADER.pack_into(out, 0, MAGIC, VERSION, MODE_SPARSE, word, 0, n, k)
@@ -133,7 +136,8 @@ class ParsedBlock:
         body = block[SPARSE_BLOCK_HEADER:]
         self.mode, self.word, self.n = mode, word, n
         self.m, t = divmod(n, word)
-        self.positions = self.delta = None
+        self.positions: np.ndarray | None = None  # both set in sparse mode, None in dense mode
+        self.delta: np.ndarray | None = None
         if mode == MODE_DENSE:
             if k != 0 or len(body) != n:
                 raise _bad(index, f"(dense) is {len(block)} bytes with k={k}; expected {SPARSE_BLOCK_HEADER + n}, k=0")
@@ -163,6 +167,7 @@ class ParsedBlock:
         if self.mode == MODE_DENSE:
             xor_into(dest, self.xor[start:end])
             return
+        assert self.positions is not None and self.delta is not None  # sparse mode sets both
         first, words = start // self.word, min(end, self.m * self.word) // self.word - start // self.word
         if len(self.positions) and words > 0:
             lo, hi = np.searchsorted(self.positions, [first, first + words])
