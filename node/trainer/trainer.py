@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -20,7 +20,7 @@ from node.trainer.buffer import DifficultyPools, KeepRate, uninformative
 from node.trainer.config import TrainerConfig
 from node.trainer.filters import apply_filters, build_filters
 from node.trainer.forward import micro_batch_logprobs
-from node.trainer.loss import LossInputs, LossOutputs, loss_mask_tensor, resolve_loss
+from node.trainer.loss import LossInputs, LossOutputs, loss_mask_tensor, resolve_loss, sft_loss
 from node.trainer.model import load_model
 from node.trainer.packing import TrainSample, build_micro_batches
 from node.trainer.state import load_state, save_state
@@ -148,6 +148,20 @@ class Trainer:
         if self.state_dir is None:
             raise TrainerError("this Trainer has no state_dir to save into")
         return save_state(self, self.state_dir)
+
+    def sft(self, batches: Iterable[list[Group]], lr: float | None = None) -> list[float]:
+        """Supervised steps (sft_loss), one per batch of groups, with an AdamW of their own (`lr`, default
+        cfg.warm_start_lr) so that the RL optimizer starts clean; `step_count` does not advance. Returns each
+        step's per-token NLL. The warm start (node/trainer/warm_start.py) runs it before RL step 1."""
+        optimizer = self._new_optimizer(lr or self.cfg.warm_start_lr)
+        losses = []
+        for groups in batches:
+            self._reset_window()
+            self.forward_backward(groups, sft_loss)
+            losses.append(self._win["loss_sum"] / max(self._win["loss_tokens"], 1))
+            self._apply_gradients(optimizer, self.cfg.max_grad_norm)
+        self._reset_window()
+        return losses
 
     # ----------------------------------------------------------------- training internals
 

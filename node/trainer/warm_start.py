@@ -8,7 +8,6 @@ RL optimizer starts clean; does not advance `trainer.step_count`.
 from __future__ import annotations
 
 from node.envs import encode_prompt
-from node.trainer.loss import sft_loss
 from node.trainer.types import Group, Rollout
 
 
@@ -31,13 +30,6 @@ def sft_warm_start(trainer, task, tokenizer, *, steps: int, batch_size: int = 16
 
     `seed` defaults to a range the RL run does not sample from (the RL run uses its own seed).
     """
-    optimizer = trainer._new_optimizer(lr or trainer.cfg.warm_start_lr)
-    losses = []
-    for s in range(steps):
-        groups = reference_groups(task, tokenizer, seed=seed, start=s * batch_size, count=batch_size)
-        trainer._reset_window()
-        trainer.forward_backward(groups, sft_loss)
-        losses.append(trainer._win["loss_sum"] / max(trainer._win["loss_tokens"], 1))
-        trainer._apply_gradients(optimizer, trainer.cfg.max_grad_norm)
-    trainer._reset_window()
-    return losses
+    batches = (reference_groups(task, tokenizer, seed=seed, start=s * batch_size, count=batch_size)
+               for s in range(steps))  # built one step at a time, as the steps run
+    return trainer.sft(batches, lr)

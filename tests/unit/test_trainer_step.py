@@ -173,6 +173,19 @@ def test_sft_mode_lowers_nll(model_dir):
     assert nll[-1] < nll[0]
 
 
+def test_sft_steps_use_their_own_optimizer_and_leave_the_rl_state_clean(model_dir):
+    """Trainer.sft (what the warm start runs): its NLL falls, step_count stays 0, the RL optimizer has taken no
+    step (no AdamW moments) and the next RL step's window starts empty."""
+    t = Trainer(model_dir, TrainerConfig(lr=1e-3), batch_prompts=2)
+    groups = [Group(g.prompt_id, g.prompt_ids, [Rollout(r.completion_ids, [0.0] * len(r.completion_ids), 1.0)
+                                               for r in g.rollouts[:1]], [0.0]) for g in make_groups(2, seed=11)]
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    nll = t.sft([groups] * 4, lr=1e-2)
+    assert len(nll) == 4 and nll[-1] < nll[0]
+    assert t.step_count == 0 and not t.optimizer.state and t._win["loss_tokens"] == 0
+    assert any(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
+
+
 def test_opd_mode_needs_teacher_and_moves_towards_it(model_dir):
     from node.trainer.forward import sequence_logprobs
 
