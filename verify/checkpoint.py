@@ -19,14 +19,15 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from http.client import HTTPMessage
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 from protocol.checkpoint import (MAX_MANIFEST_BYTES, CheckpointError, DirShardReader, Manifest, ShardDecoder,
                                  check_forward, check_parent, decompress_shard, load_manifest, open_base,
                                  read_manifest_bytes, resolve_base, scan_shard_dir, verify_shard, verify_signature)
 from protocol.checkpoint.parallel import BufferPool, ordered_map
-from protocol.checkpoint.reconstruct import pooled_reader
+from protocol.checkpoint.reconstruct import ShardReader, pooled_reader
 
 HTTP_TIMEOUT_S = 30.0
 _STEP_IN_URL = re.compile(r"/v1/checkpoints/([0-9]+)$")
@@ -59,13 +60,15 @@ class Report:
         what = self.manifest.describe()
         if self.ok:
             hashed = "payload sha256 verified" if self.payload_verified else "payload sha256 NOT checked"
-            return f"valid: {what}, signed by {self.signer[:16]}…, {self.shards_ok} shards verified, {hashed}"
+            signer = (self.signer or "?")[:16]  # set whenever ok: a bad signature is a failure
+            return f"valid: {what}, signed by {signer}…, {self.shards_ok} shards verified, {hashed}"
         return f"INVALID: {what}: {len(self.failures)} failure(s)"
 
 
 # --- sources ------------------------------------------------------------------------------------------
 class _NoUnsafeRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
+    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage,
+                         newurl: str) -> urllib.request.Request | None:
         if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
             raise CheckpointError("io_error", f"refusing redirect to {newurl[:80]}")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
@@ -84,7 +87,7 @@ def http_get(url: str, limit: int, *, what: str, shard: int | None = None,
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 raise CheckpointError("shard_size" if shard is not None else "manifest_too_large",
                                       f"{what}: server announces {declared} bytes, limit {limit}", shard=shard)
-            data = resp.read(limit + 1)
+            data: bytes = resp.read(limit + 1)
     except urllib.error.HTTPError as e:
         code = ("missing_shard" if shard is not None else "manifest_schema") if e.code == 404 else "io_error"
         raise CheckpointError(code, f"{what}: HTTP {e.code} from {url}", shard=shard) from None
@@ -206,7 +209,7 @@ def _check_shards_and_payload(report: Report, manifest: Manifest, reader: Callab
                             f"step {manifest.base_step}; pass the base to check it")
 
 
-def _verify(source: str, get_manifest: Callable[[], bytes], make_reader: Callable[[Manifest], Callable],
+def _verify(source: str, get_manifest: Callable[[], bytes], make_reader: Callable[[Manifest], ShardReader],
             scan: Callable[[Manifest], list[CheckpointError]] | None, trusted_keys: set[str], parent: Any,
             base: Any, previous: Manifest | None, threads: int, progress: bool,
             url_step: int | None = None) -> Report:

@@ -1,13 +1,14 @@
 """`prime-node verify ...` handlers. Light imports at module level: `verify checkpoint` must start fast."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from protocol.identity import public_key_arg
 from verify.checkpoint import verify_checkpoint
 
 
-def cmd_verify_checkpoint(args) -> int:
+def cmd_verify_checkpoint(args: argparse.Namespace) -> int:
     """Exit 0 when the checkpoint (directory or URL) is valid; 1 with one clear error line otherwise.
 
     Every failure is listed on stdout (one per line) when there is more than one; the last line on stderr

@@ -30,11 +30,15 @@ import contextlib
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from protocol.errors import PrimeNodeError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 VERSION = 1
 CHUNK_TOKENS = 32
@@ -127,7 +131,7 @@ def evaluate(coeffs: np.ndarray, xs: np.ndarray, p: int) -> np.ndarray:
     return acc
 
 
-def bf16_bits(hidden) -> np.ndarray:
+def bf16_bits(hidden: torch.Tensor) -> np.ndarray:
     """Any float tensor -> int64 array of its bf16 bit patterns (0..65535), same shape, flattened."""
     import torch
 
@@ -158,7 +162,7 @@ def chunk_bounds(n_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(s + CHUNK_TOKENS, n_tokens)) for s in range(0, n_tokens, CHUNK_TOKENS)]
 
 
-def build_proofs(hidden) -> list[ChunkProof]:
+def build_proofs(hidden: torch.Tensor) -> list[ChunkProof]:
     """hidden [N, H] final hidden states of the committed positions -> one proof per 32-token chunk."""
     if hidden.dim() != 2 or hidden.shape[0] == 0:
         raise CommitmentError("hidden states must be a non-empty [tokens, hidden] tensor")
@@ -209,7 +213,7 @@ def decode_proofs(data: bytes) -> list[ChunkProof]:
     return proofs
 
 
-def make_commitment(hidden) -> str:
+def make_commitment(hidden: torch.Tensor) -> str:
     """hidden [N, H] -> the base64 string carried in a rollout's `commitment` field."""
     return base64.b64encode(encode_proofs(build_proofs(hidden))).decode("ascii")
 
@@ -235,7 +239,7 @@ class ChunkScore:
 MISMATCH = ChunkScore(1.0, 128.0, 128.0, TOPK)  # what a structurally wrong proof scores
 
 
-def score_commitment(proofs: list[ChunkProof], hidden) -> list[ChunkScore]:
+def score_commitment(proofs: list[ChunkProof], hidden: torch.Tensor) -> list[ChunkScore]:
     """Compare proofs against recomputed hidden states [N, H], one score per 32-token chunk.
 
     Each chunk is judged on its own (one bad chunk fails the rollout). A chunk-count or point-count
@@ -265,14 +269,14 @@ def score_commitment(proofs: list[ChunkProof], hidden) -> list[ChunkScore]:
 
 
 @contextlib.contextmanager
-def capture_final_hidden(model) -> Iterator[list]:
+def capture_final_hidden(model: PreTrainedModel) -> Iterator[list[torch.Tensor]]:
     """Record the LM head's input (the final, normalised hidden states) on every forward call.
 
     A forward pre-hook on the output embedding works for any Hugging Face causal LM without knowing
     its module names; with `logits_to_keep` the head only sees the kept positions, which is exactly
     what decoding needs.
     """
-    captured: list = []
+    captured: list[torch.Tensor] = []
     head = model.get_output_embeddings()
     handle = head.register_forward_pre_hook(lambda _mod, inputs: captured.append(inputs[0].detach()))
     try:

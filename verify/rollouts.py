@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from .commitment import (TOPK, ChunkScore, CommitmentError, capture_final_hidden, chunk_bounds, parse_commitment,
                          score_commitment)
 from .sampler import check_sampling, check_seed, replay_scores, turn_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 REASONS = ("shape", "termination", "commitment", "logprobs", "sampling")
 # A token whose replay margin (logit units) is above this, yet within `sample_margin`, was not the seeded
@@ -74,7 +77,7 @@ def left_pad(seqs: Sequence[Sequence[int]], *, pad_id: int, device: torch.device
 
 
 @torch.inference_mode()
-def recompute(model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+def recompute(model: PreTrainedModel, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched prefill: fp32 logits [B, C, V] and final hidden states [B, C, H] at the positions
     that produced each completion token (row b is valid for its first len(completions[b]) entries).
@@ -100,7 +103,9 @@ def recompute(model: torch.nn.Module, prompts: Sequence[Sequence[int]], completi
         logits, hidden = out.logits.float()[owner], captured.pop()[owner]  # [B, 1, V], [B, 1, H]
         if c == 1:
             return logits, hidden
-        cache.reorder_cache(owner)  # one copy of each prompt's keys and values per row that shares it
+        # one copy of each prompt's keys and values per row that shares it (transformers annotates
+        # torch.LongTensor, a type no tensor has statically)
+        cache.reorder_cache(owner)  # type: ignore[arg-type]
         tail = torch.zeros((len(prompts), c - 1), dtype=torch.int64)
         tail_mask = torch.zeros_like(tail)
         for row, comp in enumerate(completions):
@@ -165,8 +170,13 @@ class RolloutClaim:
     @classmethod
     def of(cls, obj: Any) -> "RolloutClaim":
         """From a mapping, a pydantic model or any object with these attributes."""
-        get = obj.get if isinstance(obj, Mapping) else (lambda k: getattr(obj, k, None))
-        return cls(get("completion_ids"), get("logprobs"), get("finish_reason"), get("commitment"))
+        return cls(_field(obj, "completion_ids"), _field(obj, "logprobs"), _field(obj, "finish_reason"),
+                   _field(obj, "commitment"))
+
+
+def _field(obj: Any, key: str) -> Any:
+    """obj[key] of a mapping, else obj's attribute `key`; None when it has neither."""
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
 
 
 @dataclass(frozen=True)
@@ -188,10 +198,9 @@ def turn_items(prompt_ids: list[int], rollout: Any, seed: int, temperature: floa
     environment's `env_ids` before the model's turn): turn i is checked like a single-turn rollout whose prompt
     is everything before it, with seed `turn_seed(seed, i)` (node/envs/episode.py has the episode's rules).
     A single-turn rollout gives one item, itself."""
-    get = rollout.get if isinstance(rollout, Mapping) else (lambda k: getattr(rollout, k, None))
     before = list(prompt_ids)
     items = []
-    for i, turn in enumerate([rollout, *(get("turns") or [])]):
+    for i, turn in enumerate([rollout, *(_field(rollout, "turns") or [])]):
         claim = RolloutClaim.of(turn)
         if i:
             before = before + list(turn["env_ids"] if isinstance(turn, Mapping) else turn.env_ids)
@@ -215,7 +224,7 @@ class RolloutVerifier:
     [rows, completion, vocab] fp32 logits kept at once.
     """
 
-    def __init__(self, model: torch.nn.Module, *, thresholds: Thresholds | None = None,
+    def __init__(self, model: PreTrainedModel, *, thresholds: Thresholds | None = None,
                  max_batch_tokens: int = 32768, max_logit_elems: int = 2**27):
         self.model = model.eval()
         self.thresholds = thresholds or Thresholds()
@@ -294,7 +303,7 @@ class RolloutVerifier:
         return recompute(self.model, [items[i].prompt_ids for i in idx],
                          [items[i].rollout.completion_ids for i in idx])
 
-    def _verify_batch(self, items: Sequence[VerifyItem], idx: list[int], verdicts: list) -> None:
+    def _verify_batch(self, items: Sequence[VerifyItem], idx: list[int], verdicts: list[Verdict | None]) -> None:
         logits, hidden = self._prefill(items, idx)
         # Replay the sampler for every rollout sharing (temperature, top_p) in one vectorised call.
         groups: dict[tuple[float, float], list[int]] = {}
@@ -359,7 +368,7 @@ class Judgement:
     outlier: bool = False  # failed by one sampled token only: voided, not proof of forgery
 
 
-def judge(model: torch.nn.Module, items: Sequence[VerifyItem]) -> list[Judgement]:
+def judge(model: PreTrainedModel, items: Sequence[VerifyItem]) -> list[Judgement]:
     """Replay `items` against `model` (the claimed step's weights), one Judgement each, in order."""
     out = []
     for v in RolloutVerifier(model).verify_many(items):
@@ -375,5 +384,5 @@ def _int_list(xs: Any, vocab: int) -> bool:
     return isinstance(xs, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in xs)
 
 
-def verdict_dict(v: Verdict) -> dict:
+def verdict_dict(v: Verdict) -> dict[str, Any]:
     return asdict(v)

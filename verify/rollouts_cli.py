@@ -31,10 +31,11 @@ Output: one line per rollout on stdout ("ok" or "INVALID <reason>: <detail>"), a
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated, Iterator
+from typing import TYPE_CHECKING, Annotated, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,6 +43,9 @@ from protocol.errors import PrimeNodeError
 from protocol.identity import public_key_arg
 from protocol.messages import (MAX_PROMPTS_PER_ASSIGNMENT, MAX_ROLLOUTS_PER_SUBMISSION, PromptWork,
                                RolloutSubmission, Sampling, ShortStr, Step, TokenId)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MAX_LINE_BYTES = 256 * 1024 * 1024  # a full submission of long completions with commitments fits
 VERIFY_BATCH = 64  # rollouts handed to the verifier at once (it batches prefills within)
@@ -99,7 +103,8 @@ def _find_model_config(ckpt: Path, explicit: str | None) -> Path:
     raise RolloutFileError(f"no config.json (model architecture) in {where}; the checkpoint holds weights only")
 
 
-def load_model(ckpt: str, *, key: str | None, base: str | None, model_config: str | None, workdir: Path):
+def load_model(ckpt: str, *, key: str | None, base: str | None, model_config: str | None, workdir: Path,
+               ) -> tuple[PreTrainedModel, int | None, list[str]]:
     """Verify + unpack CKPT (or take a model dir as is) -> (fp32 eval model, step or None, notes)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -149,7 +154,7 @@ def _label(lineno: int, line: SubmissionLine, r: RolloutSubmission) -> str:
     return f"line {lineno}{aid} prompt {r.prompt_id} sample {r.sample_index}"
 
 
-def cmd_verify_rollouts(args) -> int:
+def cmd_verify_rollouts(args: argparse.Namespace) -> int:
     from verify.rollouts import RolloutVerifier, VerifyItem, turn_items
 
     key = public_key_arg("--key", args.key) if args.key else None
@@ -183,6 +188,7 @@ def cmd_verify_rollouts(args) -> int:
                     print(f"INVALID {problem} [{label}]")
                     invalid += 1
                     continue
+                assert p is not None  # a missing prompt is a problem above
                 if r.turns:
                     multi_turn += 1
                 pending.append((label, turn_items(list(p.prompt_ids), r, p.seeds[r.sample_index],
