@@ -117,15 +117,17 @@ async def run_node(args) -> None:
         p2p = announcer = None
         if args.mode.startswith("swarm"):  # a joined node: super-seeding counts only signed requests of joined nodes
             from node.p2p import P2PNode
+            from node.p2p.config import P2PConfig
             from node.p2p.shard_store import CheckpointShards
             from protocol.signing import sign_request
 
             await CoordinatorClient(args.origin, identity, session).join()
             sources.append(HttpSource(args.origin, "coordinator", session, swarm=True,
                                       signer=lambda m, path: sign_request(identity, m, path, b"", run_id=args.run_id)))
-            p2p = P2PNode(identity, run_id=args.run_id, coordinator_key=args.key,
-                          http=args.mode == "swarm-http",  # a worker with p2p.http = true
-                          shard_source=CheckpointShards(store.ckpt_dir), bootstrap=args.bootstrap)
+            # a worker's host, on 127.0.0.1; swarm-http: with p2p.http = true
+            cfg = P2PConfig(listen_host="127.0.0.1", http=args.mode == "swarm-http", bootstrap=args.bootstrap)
+            p2p = P2PNode(identity, cfg, run_id=args.run_id, coordinator_key=args.key,
+                          shard_source=CheckpointShards(store.ckpt_dir))
             await p2p.start()
             sources[0].shard_addr = lambda: p2p.http_shard_addr
             sources.append(PeerSource(p2p))

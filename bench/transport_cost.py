@@ -62,11 +62,12 @@ def write_shards(root: Path, raw_size: int) -> tuple[str, list[int]]:
 
 # --- servers (one process each; print where to connect, then the CPU used when told to stop) -------
 async def serve_libp2p(root: Path) -> None:
+    from node.p2p.config import P2PConfig
     from node.p2p.host import P2PNode
     from protocol.identity import Identity
 
-    node = P2PNode(Identity.generate(), run_id=RUN, shard_root=root, max_concurrent_streams=8,
-                   max_streams_per_peer=8)
+    node = P2PNode(Identity.generate(), P2PConfig(listen_host="127.0.0.1", max_concurrent_streams=8,
+                                                  max_streams_per_peer=8), run_id=RUN, shard_root=root)
     await node.start()
     try:
         await report_until_stopped(json.dumps(node.listen_addrs))
@@ -130,10 +131,11 @@ async def fetch_all(get, n: int, in_flight: int) -> dict:
 
 
 async def client_libp2p(where: str, manifest_hash: str, n: int, in_flight: int) -> dict:
+    from node.p2p.config import P2PConfig
     from node.p2p.host import P2PNode
     from protocol.identity import Identity
 
-    async with P2PNode(Identity.generate(), run_id=RUN, listen=[]) as node:
+    async with P2PNode(Identity.generate(), P2PConfig(listen=False), run_id=RUN) as node:
         [peer] = await node.connect(json.loads(where))
         return await fetch_all(lambda i: node.fetch_shard(peer, 3, i, max_bytes=1 << 26, manifest_hash=manifest_hash),
                                n, in_flight)

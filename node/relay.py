@@ -104,8 +104,8 @@ class Relay:
         joins the run's gossip topic, as the coordinator's host does: nodes that bootstrap from it mesh with it."""
         from node.p2p import P2PNode
 
-        hop = P2PNode.from_config(self.identity, self.p2p_cfg.model_copy(update={"http": False}),
-                                  run_id=self.run_id, coordinator_key=key, relay_hop=True)
+        hop = P2PNode(self.identity, self.p2p_cfg.model_copy(update={"http": False, "relay_hop": True}),
+                      run_id=self.run_id, coordinator_key=key)
         try:
             await hop.start()
         except BaseException:

@@ -6,6 +6,15 @@ import contextlib
 import time
 
 from node.p2p.announce import decode_announcement, encode_have_announcement
+from node.p2p.config import P2PConfig
+
+
+def p2p_config(**fields) -> P2PConfig:
+    """What a test host is given (P2PNode takes its P2PConfig whole): `fields` over the defaults, listening on
+    127.0.0.1 unless `listen_host` says otherwise (the config's default is every interface, which a host does
+    not announce). A misspelt or out-of-bounds field fails here, as it would in a config file."""
+    fields.setdefault("listen_host", "127.0.0.1")
+    return P2PConfig(**fields)
 
 
 @contextlib.asynccontextmanager

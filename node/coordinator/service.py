@@ -343,11 +343,10 @@ class Coordinator:
         shards: every byte the coordinator uploads goes over HTTP, under the one upload cap."""
         from node.p2p import P2PNode
 
-        self.p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=self.cfg.run.run_id,
-                                       coordinator_key=self.identity.public_hex,
-                                       # a circuit relay v2 hop for NATed nodes (docs/P2P.md "Relaying and hole
-                                       # punching"), within the p2p.relay_* limits, unless p2p.relay_hop = false
-                                       relay_hop=self.cfg.p2p.relay_hop is not False)
+        # A circuit relay v2 hop for NATed nodes (docs/P2P.md "Relaying and hole punching"), within the
+        # p2p.relay_* limits, unless p2p.relay_hop = false: the coordinator's role default.
+        cfg = self.cfg.p2p.model_copy(update={"relay_hop": self.cfg.p2p.relay_hop is not False})
+        self.p2p = P2PNode(self.identity, cfg, run_id=self.cfg.run.run_id, coordinator_key=self.identity.public_hex)
         await self.p2p.start()
         self.p2p.add_listener(self._on_announcement)
         if self.cfg.p2p.relay_hop is not False:

@@ -2,13 +2,8 @@
 
 Public API (asyncio side), see `node.p2p.host` for the full story:
 
-    P2PNode(identity, *, run_id, listen=["/ip4/127.0.0.1/tcp/0"], coordinator_key=None,
-            shard_root=None | shard_source=None, upload_limit=0, max_concurrent_streams=8,
-            max_shard_bytes=64 MiB, read_timeout_s=10, connect_timeout_s=10,
-            announce_max_age_s=600, heartbeat_interval_s=1, gossip_rate_limit=100,
-            bootstrap=(), announce_addrs=None, max_streams_per_peer=4, request_timeout_s=2,
-            log_interval_s=60)
-    P2PNode.from_config(identity, P2PConfig, *, run_id, coordinator_key, shard_root=None)
+    P2PNode(identity, cfg: P2PConfig, *, run_id, coordinator_key=None, shard_root=None | shard_source=None,
+            name=None)                 every setting comes from cfg (node/p2p/config.py: keys, bounds, meaning)
     await node.start() -> list[str]            listen multiaddrs with /p2p/<peer id>; dials bootstrap
     await node.stop()                          idempotent; joins the trio thread
     await node.connect(addrs) -> list[str]     peer ids reached

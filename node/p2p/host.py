@@ -1,7 +1,7 @@
 """`P2PNode`: the asyncio face of the libp2p host (which runs on trio in its own thread).
 
-    node = P2PNode(identity, listen=["/ip4/127.0.0.1/tcp/0"], run_id="run-1",
-                   coordinator_key=COORD_HEX, shard_root=Path("ckpts"), upload_limit=0)
+    node = P2PNode(identity, cfg.p2p, run_id="run-1",      # cfg.p2p: P2PConfig (node/p2p/config.py)
+                   coordinator_key=COORD_HEX, shard_root=Path("ckpts"))
     addrs = await node.start()                      # ["/ip4/127.0.0.1/tcp/40123/p2p/12D3Koo…"]
     await node.connect(bootstrap_addrs)             # -> peer ids reached
     sub = node.subscribe()                          # async iterator of AnnouncementEvent
@@ -11,8 +11,8 @@
     await node.stop()
 
 The coordinator runs one too and calls `await node.announce_manifest(step, manifest_hash)`.
-`listen=[]` makes an outbound-only node (it can still fetch from peers it dials, and serve them
-over those connections). Peer ids are base58 libp2p ids; a node id (64 hex) is accepted wherever a
+`p2p.listen = false` makes an outbound-only node (it can still fetch from peers it dials, and serve
+them over those connections). Peer ids are base58 libp2p ids; a node id (64 hex) is accepted wherever a
 peer is expected, since both name the same Ed25519 key. Importing this module is cheap: libp2p
 and trio load when the node starts.
 """
@@ -45,9 +45,8 @@ from .stats import P2PStats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 RUN_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # the announcement schema's RunId
-MIB = 1024 * 1024
+NAT_INTERVAL_S = 5.0  # a NATed node's keeper (nat.py) checks its connections and reservations this often
 # Our own announcements per second. Gossipsub drops, without telling anyone, what a peer sends
 # beyond its per-forwarder limit (10/s in stock py-libp2p, which we apply to ourselves as well):
 # pacing here turns a would-be silent loss into a short wait.
@@ -120,23 +119,18 @@ class AnnouncementSubscription:
 
 
 class P2PNode:
-    def __init__(self, identity: Identity, *, run_id: str, listen: Sequence[str] = DEFAULT_LISTEN,
-                 coordinator_key: str | None = None,
-                 shard_root: str | os.PathLike | None = None,
-                 shard_source: ShardStore | ShardGetter | None = None,
-                 upload_limit: int = 0, max_concurrent_streams: int = 8, max_shard_bytes: int = 64 * MIB,
-                 read_timeout_s: float = 10.0, connect_timeout_s: float = 10.0, announce_max_age_s: float = 600.0,
-                 heartbeat_interval_s: int = 1, gossip_rate_limit: int = 100, bootstrap: Sequence[str] = (),
-                 announce_addrs: Sequence[str] | None = None, name: str | None = None,
-                 max_streams_per_peer: int = 4, request_timeout_s: float = 2.0, log_interval_s: float = 60.0,
-                 http: bool = False, http_port: int = 0, allow_private_addrs: bool = False,
-                 dial_timeout_s: float = 3.0, dial_retry_s: float = 60.0, nat_keep_peers: int = 4,
-                 relay_hop: bool = False, relay_limits: Any = None, relay_reserve: bool = True,
-                 nat_interval_s: float = 5.0, stats_log_s: float = 60.0, hole_punch: bool = True):
+    def __init__(self, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None = None,
+                 shard_root: str | os.PathLike | None = None, shard_source: ShardStore | ShardGetter | None = None,
+                 name: str | None = None, nat_interval_s: float = NAT_INTERVAL_S, relay_reserve: bool = True):
+        """`cfg` is the node's `[p2p]` section (node/p2p/config.py), taken whole and read where each setting is
+        used: a new p2p setting is a field there plus its use, nothing in between (tests/unit/test_p2p_settings.py
+        fails on a field nobody reads or on one copied into a parameter list). `cfg.relay_hop` None means off
+        here; the coordinator and the relay resolve their role's default before passing it. The other arguments
+        are not settings: who we are (identity, run, the coordinator's key), what we serve (a shard directory
+        or source), the trio thread's name, and the NAT keeper's cadence and whether it reserves relay slots
+        (tests shorten the one and turn off the other)."""
         if shard_root is not None and shard_source is not None:
             raise ValueError("give shard_root or shard_source, not both")
-        if upload_limit < 0:
-            raise ValueError("upload_limit must be ≥ 0 (0 = unlimited)")
         if not RUN_ID_RE.fullmatch(run_id):
             raise P2PError(f"run id {run_id[:80]!r} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         if coordinator_key is not None:
@@ -144,34 +138,20 @@ class P2PNode:
                 parse_public_key(coordinator_key)
             except ValueError as e:  # a typo here would silently drop every manifest announcement
                 raise P2PError(f"coordinator key is not an Ed25519 public key: {e}") from None
+        # Our own copy: the values a host started with stay its values, whatever the caller's object does later.
+        self.cfg = cfg.model_copy(deep=True)
         self.identity = identity
         self.run_id = run_id
-        self.listen = tuple(listen)
         self.coordinator_key = coordinator_key.lower() if coordinator_key else None
         self.store = as_store(shard_root if shard_root is not None else shard_source)
-        self.upload_limit = upload_limit
-        self.max_concurrent_streams = max_concurrent_streams
-        self.max_shard_bytes = max_shard_bytes
-        self.read_timeout_s = read_timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.dial_timeout_s, self.dial_retry_s = dial_timeout_s, dial_retry_s
         # peer -> when our last dial to it failed (bounded): not dialled again for dial_retry_s, and ranked last
         self._dial_failed: collections.OrderedDict[str, float] = collections.OrderedDict()
         # The join's dial-back verdict on our libp2p port (apply_reachability): None until told.
         self.reachable: bool | None = None
-        self.announce_max_age_s = announce_max_age_s
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.gossip_rate_limit = gossip_rate_limit
-        if max_streams_per_peer < 1 or request_timeout_s <= 0 or log_interval_s <= 0:
-            raise ValueError("max_streams_per_peer must be ≥ 1, request_timeout_s and log_interval_s > 0")
-        self.max_streams_per_peer = max_streams_per_peer
-        self.request_timeout_s = request_timeout_s
-        self.log_interval_s = log_interval_s
         self.stats = P2PStats()
         # Peers' addresses (announced, or hinted by the origin) that are loopback/private/link-local are
         # dropped unless allowed (addrs.py): strangers must not steer this node at internal services.
-        self.allow_private_addrs = allow_private_addrs
-        self.table = PeerTable(allow_private_addrs=allow_private_addrs)
+        self.table = PeerTable(allow_private_addrs=cfg.allow_private_addrs)
         self._bridge = TrioBridge(name or identity.node_id[:8])
         self._service: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,60 +159,36 @@ class P2PNode:
         self._listeners: list[Callable[[AnnouncementEvent], None]] = []
         self._published: collections.deque[float] = collections.deque()
         self._publish_lock = asyncio.Lock()
-        self.bootstrap = tuple(bootstrap)
-        self._announce_override = tuple(announce_addrs) if announce_addrs is not None else None
         self.listen_addrs: list[str] = []
-        self.announce_addrs: list[str] = []
+        self.announce_addrs: list[str] = []  # what we announce now (the dial-back and relay circuits change it)
         # The HTTP data plane (http_shards.py): served if we listen and hold shards, used towards every
         # peer that announces it, until it fails for that peer (then libp2p carries its shards).
-        self.http, self.http_port = http, http_port
         self._http_server: Any = None
         self._http_port_bound: int | None = None
         self._http_session: Any = None
         self._http_failed: set[str] = set()
         # One upload cap for both planes: libp2p's streams and the HTTP server take from the same tokens.
         self._upload_bucket = None
-        if http and upload_limit > 0:
+        if cfg.http and cfg.upload_limit > 0:
             from node.rate_limit import SharedBucket
 
-            self._upload_bucket = SharedBucket(upload_limit, burst=max(64 * 1024, upload_limit * 0.05))
+            self._upload_bucket = SharedBucket(cfg.upload_limit, burst=max(64 * 1024, cfg.upload_limit * 0.05))
         # Announcers we dialled so that gossip has more paths than the bootstrap hub (shard fetches over
         # libp2p used to make those connections as a side effect; over HTTP they do not).
         self._dialled: set[str] = set()
         self._dials: set[asyncio.Task] = set()
         # NATed nodes serve too (nat.py): kept connections to reachable peers, relay reservations, circuits.
-        self.nat_keep_peers, self.relay_reserve, self.nat_interval_s = nat_keep_peers, relay_reserve, nat_interval_s
-        self.relay_hop, self.relay_limits, self.hole_punch = relay_hop, relay_limits, hole_punch
+        self._nat_interval_s, self._relay_reserve = nat_interval_s, relay_reserve
         # Peers we chose to connect to (bootstrap: the coordinator, relays): kept and asked for reservations.
         self._chosen: collections.OrderedDict[str, str] = collections.OrderedDict()  # peer -> the address reached
         self._nat_task: asyncio.Task | None = None
         self.nat_keeper: Any = None
-        self.stats_log_s = stats_log_s
         self._totals_task: asyncio.Task | None = None
 
-    @classmethod
-    def from_config(cls, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
-                    shard_root: str | os.PathLike | None = None, **kw: Any) -> "P2PNode":
-        from .nat import RelayHopLimits
-
-        listen = [f"/ip4/{cfg.listen_host}/tcp/{cfg.listen_port}"] if cfg.listen else []
-        kw.setdefault("bootstrap", cfg.bootstrap)
-        kw.setdefault("relay_hop", bool(cfg.relay_hop))  # the coordinator passes its own default (on)
-        if cfg.announce_addrs:
-            kw.setdefault("announce_addrs", cfg.announce_addrs)
-        return cls(identity, run_id=run_id, listen=listen, coordinator_key=coordinator_key, shard_root=shard_root,
-                   upload_limit=cfg.upload_limit, max_concurrent_streams=cfg.max_concurrent_streams,
-                   max_shard_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
-                   connect_timeout_s=cfg.connect_timeout_s, announce_max_age_s=cfg.announce_max_age_s,
-                   gossip_rate_limit=cfg.gossip_rate_limit, max_streams_per_peer=cfg.max_streams_per_peer,
-                   request_timeout_s=cfg.request_timeout_s, http=cfg.http, http_port=cfg.http_port,
-                   allow_private_addrs=cfg.allow_private_addrs, dial_timeout_s=cfg.dial_timeout_s,
-                   dial_retry_s=cfg.dial_retry_s, nat_keep_peers=cfg.nat_keep_peers,
-                   relay_limits=RelayHopLimits(
-                       max_reservations=cfg.relay_max_reservations, circuits_per_peer=cfg.relay_circuits_per_peer,
-                       circuit_seconds=cfg.relay_circuit_seconds, circuit_bytes=cfg.relay_circuit_bytes,
-                       reservation_ttl_s=cfg.relay_reservation_ttl_s),
-                   stats_log_s=cfg.stats_log_s, hole_punch=cfg.hole_punch, **kw)
+    @property
+    def listen_multiaddrs(self) -> list[str]:
+        """Where the host listens (port 0: any free one): [] for an outbound-only node (`listen = false`)."""
+        return [f"/ip4/{self.cfg.listen_host}/tcp/{self.cfg.listen_port}"] if self.cfg.listen else []
 
     # --- lifecycle -----------------------------------------------------------------------------
     @property
@@ -252,34 +208,26 @@ class P2PNode:
     async def start(self) -> list[str]:
         """Start the host and dial `bootstrap` (best effort); return the listen multiaddrs (with
         /p2p/<peer id>; empty if outbound-only). A P2PNode is started once: make a new one to restart."""
-        from .service import P2PService, ServiceSettings  # libp2p + trio load here, not at import
+        from .service import P2PService  # libp2p + trio load here, not at import
         from .service import patch_libp2p_signed_record_memo
 
         patch_libp2p_signed_record_memo()  # process-wide, idempotent: the one third-party patch p2p needs
         self._loop = asyncio.get_running_loop()
-        settings = ServiceSettings(
-            listen_addrs=self.listen, run_id=self.run_id, coordinator_key=self.coordinator_key,
-            max_concurrent_streams=self.max_concurrent_streams, upload_limit=self.upload_limit,
-            max_shard_bytes=self.max_shard_bytes, read_timeout_s=self.read_timeout_s,
-            connect_timeout_s=self.connect_timeout_s, announce_max_age_s=self.announce_max_age_s,
-            heartbeat_interval_s=self.heartbeat_interval_s, gossip_rate_limit=self.gossip_rate_limit,
-            request_timeout_s=self.request_timeout_s, max_streams_per_peer=self.max_streams_per_peer,
-            log_interval_s=self.log_interval_s, upload_bucket=self._upload_bucket,
-            allow_private_addrs=self.allow_private_addrs, dial_timeout_s=self.dial_timeout_s,
-            relay_hop=self.relay_hop, relay_limits=self.relay_limits, hole_punch=self.hole_punch)
-        self._service = P2PService(self.identity, settings, self.store, self.stats, self._from_trio)
+        self._service = P2PService(self.identity, self.cfg, run_id=self.run_id, coordinator_key=self.coordinator_key,
+                                   listen_addrs=self.listen_multiaddrs, store=self.store, stats=self.stats,
+                                   on_announcement=self._from_trio, upload_bucket=self._upload_bucket)
         try:
             self.listen_addrs = await self._bridge.start(self._service.run)
         except OSError as e:  # e.g. the listen port is taken
-            raise P2PError(f"p2p host could not start on {list(self.listen)}: {e}") from None
+            raise P2PError(f"p2p host could not start on {self.listen_multiaddrs}: {e}") from None
         self.announce_addrs = self._addrs_to_announce()
-        if self.http:
+        if self.cfg.http:
             await self._start_http()
         log.info("p2p node %s listening on %s", self.peer_id, self.listen_addrs or "nothing (outbound-only)")
         self._totals_task = asyncio.get_running_loop().create_task(self._log_totals(), name="p2p-totals")
-        if self.bootstrap:
+        if self.cfg.bootstrap:
             try:
-                await self.connect(self.bootstrap)
+                await self.connect(self.cfg.bootstrap)
             except P2PError as e:  # the coordinator's list may be stale; the node can run without peers
                 log.warning("p2p bootstrap: %s", e)
         return list(self.listen_addrs)
@@ -302,17 +250,18 @@ class P2PNode:
         self._http_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
                                                    auto_decompress=False)
         host = next((h for h in map(_ip_of, self.announce_addrs) if h and h not in WILDCARD_IPS), None)
-        listen_host = next((_ip_of(a) for a in self.listen), None)
+        listen_host = next((_ip_of(a) for a in self.listen_multiaddrs), None)
         if self.store is None or not self.listen_addrs or listen_host is None:
             return
-        self._http_server = HttpShardServer(self.store, stats=self.stats, max_concurrent=self.max_concurrent_streams,
-                                            max_bytes=self.max_shard_bytes, read_timeout_s=self.read_timeout_s,
-                                            upload_limit=self.upload_limit, upload_bucket=self._upload_bucket)
+        cfg = self.cfg
+        self._http_server = HttpShardServer(self.store, stats=self.stats, max_concurrent=cfg.max_concurrent_streams,
+                                            max_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
+                                            upload_limit=cfg.upload_limit, upload_bucket=self._upload_bucket)
         try:
-            port = await self._http_server.start(listen_host, self.http_port)
+            port = await self._http_server.start(listen_host, cfg.http_port)
         except OSError as e:  # the node still serves over libp2p
             log.warning("p2p: HTTP shard server could not listen on %s:%s (%s); serving over libp2p only",
-                        listen_host, self.http_port, e)
+                        listen_host, cfg.http_port, e)
             self._http_server = None
             return
         self._http_port_bound = port
@@ -337,12 +286,12 @@ class P2PNode:
         self.reachable = libp2p
         if self._service is not None:  # what DCUtR advertises for hole punching (nat.py), with our listen port
             self._service.set_public_ip(observed_ip)
-        if libp2p is False and self._announce_override is None:
+        if libp2p is False and not self.cfg.announce_addrs:
             self._start_nat_keeper()
         elif libp2p and self._nat_task is not None:
             self._nat_task.cancel()
             self._nat_task = None
-        if self._announce_override is not None or (libp2p is None and http is None):
+        if self.cfg.announce_addrs or (libp2p is None and http is None):
             return self.announce_addrs
         proto = "ip6" if ":" in observed_ip else "ip4"
         ports = self.listen_ports()
@@ -352,17 +301,17 @@ class P2PNode:
             addrs.insert(0, f"/{proto}/{observed_ip}/tcp/{ports['libp2p']}/p2p/{self.peer_id}")
         if http and ports["http"]:
             addrs.append(http_addr(observed_ip, ports["http"]))
-        self.announce_addrs = [a for a in addrs if multiaddr_allowed(a, self.allow_private_addrs)][:8]
+        self.announce_addrs = [a for a in addrs if multiaddr_allowed(a, self.cfg.allow_private_addrs)][:8]
         return self.announce_addrs
 
     def _start_nat_keeper(self) -> None:
         """Unreachable: keep connections to reachable peers and relay reservations (nat.py), from now on."""
         from .nat import NatKeeper
 
-        if self._nat_task is not None or (self.nat_keep_peers <= 0 and not self.relay_reserve) or not self.running:
+        keep = self.cfg.nat_keep_peers
+        if self._nat_task is not None or (keep <= 0 and not self._relay_reserve) or not self.running:
             return
-        self.nat_keeper = NatKeeper(self, keep=self.nat_keep_peers, interval_s=self.nat_interval_s,
-                                    reserve=self.relay_reserve)
+        self.nat_keeper = NatKeeper(self, keep=keep, interval_s=self._nat_interval_s, reserve=self._relay_reserve)
         self._nat_task = asyncio.get_running_loop().create_task(self.nat_keeper.run(), name="p2p-nat")
 
     def set_circuit_addrs(self, circuits: Sequence[str]) -> None:
@@ -377,7 +326,7 @@ class P2PNode:
 
     def recently_failed(self, peer: str, now: float | None = None) -> bool:
         failed = self._dial_failed.get(peer)
-        return failed is not None and (now or time.monotonic()) - failed < self.dial_retry_s
+        return failed is not None and (now or time.monotonic()) - failed < self.cfg.dial_retry_s
 
     async def reserve_on(self, relay: str) -> float:
         """A circuit relay v2 reservation on `relay` (connected); its expiry in unix seconds (raises P2PError)."""
@@ -397,7 +346,7 @@ class P2PNode:
         they changed: what an operator (and the WAN lab) reads to see whether this node serves."""
         last = None
         while True:
-            await asyncio.sleep(self.stats_log_s)
+            await asyncio.sleep(self.cfg.stats_log_s)
             t = self.stats.totals()
             try:
                 relay = await self.relay_stats()
@@ -422,8 +371,8 @@ class P2PNode:
         """What peers should dial: the operator's public addresses if given, else our listen addresses
         minus wildcard ones (0.0.0.0 / :: mean "all interfaces" here, and "this machine" to a dialer)."""
         suffix = f"/p2p/{self.peer_id}"
-        if self._announce_override is not None:
-            return [a if a.endswith(suffix) else a + suffix for a in self._announce_override][:8]
+        if self.cfg.announce_addrs:
+            return [a if a.endswith(suffix) else a + suffix for a in self.cfg.announce_addrs][:8]
         return [a for a in self.listen_addrs if _ip_of(a) not in WILDCARD_IPS][:8]
 
     async def stop(self) -> None:
@@ -613,7 +562,7 @@ class P2PNode:
 
     async def _dial(self, addrs: list[str]) -> None:
         try:
-            await self.connect(addrs[:2], self.dial_timeout_s, chosen=False)
+            await self.connect(addrs[:2], self.cfg.dial_timeout_s, chosen=False)
         except P2PError as e:  # best effort: gossip still reaches us through the others
             log.debug("p2p: dialling an announcer failed: %s", e)
 
@@ -628,13 +577,13 @@ class P2PNode:
         pid = self._peer_id(peer)
         name = pid.to_base58()
         req = ShardRequest(step=step, index=index, manifest_hash=manifest_hash,
-                           max_bytes=min(max_bytes, self.max_shard_bytes))
+                           max_bytes=min(max_bytes, self.cfg.max_shard_bytes))
         addrs = self.table.addrs_of(name)
         data = await self._fetch_http(name, req, addrs)
         if data is not None:
             return data
         failed = self._dial_failed.get(name)
-        if failed is not None and time.monotonic() - failed < self.dial_retry_s:
+        if failed is not None and time.monotonic() - failed < self.cfg.dial_retry_s:
             # Remembered: not dialled again for a while, unless it has since connected to us (a NATed peer can).
             if not await self._bridge.call(self._async(lambda: self._service.is_connected(pid))):
                 raise PeerUnavailable(f"peer {name} could not be dialled {time.monotonic() - failed:.0f} s ago")
@@ -655,14 +604,14 @@ class P2PNode:
 
         if self._http_session is None or req.manifest_hash is None or peer in self._http_failed:
             return None
-        url = pick_url(addrs, allow_private=self.allow_private_addrs)
+        url = pick_url(addrs, allow_private=self.cfg.allow_private_addrs)
         if url is None:
             return None
         try:
             return await fetch_shard_http(self._http_session, url, peer=peer, step=req.step, index=req.index,
                                           manifest_hash=req.manifest_hash, max_bytes=req.max_bytes, stats=self.stats,
-                                          read_timeout_s=self.read_timeout_s,
-                                          connect_timeout_s=self.dial_timeout_s,
+                                          read_timeout_s=self.cfg.read_timeout_s,
+                                          connect_timeout_s=self.cfg.dial_timeout_s,
                                           on_have=lambda held: self._heard_have(peer, req, held))
         except (ShardPeerGone, ShardFetchTimeout, ShardProtocolError) as e:
             self._http_failed.add(peer)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 if TYPE_CHECKING:
+    from .config import P2PConfig
     from .host import P2PNode
 
 log = logging.getLogger(__name__)
@@ -53,32 +54,25 @@ def split_circuit(addr: str) -> tuple[str, str | None]:
     return relay, target
 
 
-@dataclass(frozen=True)
-class RelayHopLimits:
-    """What a relaying host grants (docs/P2P.md "Relaying and hole punching"; config keys `relay_*`)."""
-
-    max_reservations: int = 128  # NATed peers holding a slot at once (one per peer: a renewal is not a new one)
-    circuits_per_peer: int = 4  # circuits open to one reserved peer at once
-    circuit_seconds: int = 300  # a circuit is cut after this long (the dialler makes a new one)
-    circuit_bytes: int = 256 * 1024 * 1024  # ... or after this many bytes, both directions together
-    reservation_ttl_s: int = 120  # a reservation not renewed within this frees its slot
-
-
 class Relaying:
     """Circuit relay v2 on one host (trio side): hop if asked, the guarded STOP side always, our reservations,
     and dialling a peer through a relay. py-libp2p's CircuitV2Protocol does the hop and the relaying of bytes;
     reservations and circuit dials are ours (its transport's discovery does not work for us, see above)."""
 
-    def __init__(self, host: Any, *, hop: bool, limits: RelayHopLimits | None, hole_punch: bool = False,
-                 allow_private_addrs: bool = False):
+    def __init__(self, host: Any, cfg: P2PConfig):
+        """`cfg`: the host's P2PConfig. A hop if `relay_hop` (None, the worker's role default, is off), within the
+        `relay_*` limits: NATed peers holding a slot at once (one per peer: a renewal is not a new one),
+        circuits open to one reserved peer at once, a circuit's life in seconds and in bytes (both directions),
+        and a reservation's life unless renewed. Hole punching if `hole_punch` and the host listens (the port
+        to punch)."""
         from libp2p.relay.circuit_v2.resources import RelayLimits
 
-        lim = limits or RelayHopLimits()
         self.host = host
-        self.hop = hop
+        self.hop = hop = bool(cfg.relay_hop)
         self.protocol = _hop_protocol()(host, allow_hop=hop, limits=RelayLimits(
-            duration=lim.circuit_seconds, data=lim.circuit_bytes, max_circuit_conns=lim.circuits_per_peer,
-            max_reservations=lim.max_reservations, reservation_ttl=lim.reservation_ttl_s))
+            duration=cfg.relay_circuit_seconds, data=cfg.relay_circuit_bytes,
+            max_circuit_conns=cfg.relay_circuits_per_peer, max_reservations=cfg.relay_max_reservations,
+            reservation_ttl=cfg.relay_reservation_ttl_s))
         self.reservations: dict[Any, float] = {}  # relay ID -> expiry (unix seconds) of our reservation there
         self._handshakes = 0
         self._locks: dict[Any, Any] = {}
@@ -87,7 +81,7 @@ class Relaying:
         # DCUtR (hole punching over a relayed connection): on when asked, advertising `public_addr` (set from
         # the join's dial-back: the address the coordinator saw us at) with our listen port.
         self.public_ip: str | None = None
-        self.dcutr = _dcutr_protocol()(host, self, allow_private_addrs) if hole_punch else None
+        self.dcutr = _dcutr_protocol()(host, self, cfg.allow_private_addrs) if cfg.hole_punch and cfg.listen else None
 
     async def started(self) -> None:
         from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
@@ -404,7 +398,7 @@ class NatKeeper:
         from .errors import P2PError
 
         try:
-            await self.node.connect(addrs[:2], self.node.dial_timeout_s, chosen=False)  # kept, not asked to relay
+            await self.node.connect(addrs[:2], self.node.cfg.dial_timeout_s, chosen=False)  # kept, not asked to relay
         except P2PError as e:
             self.node._note_dial_failed(peer)
             log.debug("p2p: keeping a connection to %s failed: %s", peer, e)

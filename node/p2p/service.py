@@ -22,8 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import multiaddr
 import trio
@@ -42,6 +41,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.identity import Identity
 
+from .config import P2PConfig
 from .announce import AnnouncementEvent, CheckedAnnouncement, precheck_announcement, topic_for_run, verify_announcement
 from .addrs import multiaddr_allowed
 from .errors import AnnouncementRejected, InvalidMultiaddr, P2PError, PeerUnavailable
@@ -70,6 +70,9 @@ GOSSIP_BURST_S = 2.0
 # and logs a WARNING per message) is set this many times above ours, so it never fires for what
 # we admitted (at most burst + 1 s of rate = 3x in any second): ours is the limit.
 GOSSIPSUB_LIMIT_FACTOR = 4
+HEARTBEAT_INTERVAL_S = 1  # gossipsub's heartbeat (mesh upkeep, gossip emission), seconds
+# At most one log line per peer per this many seconds about what it made us drop or refuse.
+PEER_LOG_INTERVAL_S = 60.0
 
 
 _SIGNED_RECORDS_KEPT = 4096
@@ -132,40 +135,6 @@ def patch_libp2p_signed_record_memo() -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class ServiceSettings:
-    listen_addrs: tuple[str, ...]
-    run_id: str
-    coordinator_key: str | None
-    max_concurrent_streams: int
-    upload_limit: int
-    max_shard_bytes: int
-    read_timeout_s: float
-    connect_timeout_s: float
-    announce_max_age_s: float
-    heartbeat_interval_s: int = 1
-    # Messages/s accepted from one forwarding peer on our topic, checked before any signature
-    # (py-libp2p's own limit, default 10/s, only stops relaying and only after validation).
-    gossip_rate_limit: int = 100
-    # A shard request must arrive this soon after its stream opens (it is ≤ 1 KiB).
-    request_timeout_s: float = 2.0
-    # Shard streams one peer may have open at once (waiting for its request or being served).
-    max_streams_per_peer: int = 4
-    # At most one log line per peer per this many seconds about what it made us drop or refuse.
-    log_interval_s: float = 60.0
-    # The upload cap's tokens, when the HTTP shard server serves under the same cap (rate_limit.SharedBucket).
-    upload_bucket: Any = None
-    # Connecting to a peer not yet connected (fetch targets, announcers): short, another source can serve.
-    dial_timeout_s: float = 3.0
-    # Dial peers' loopback/private/link-local addresses (addrs.py); off on the open internet.
-    allow_private_addrs: bool = False
-    # Circuit relay v2 hop (nat.py): relay circuits to NATed nodes that reserved a slot here, within these limits.
-    relay_hop: bool = False
-    relay_limits: Any = None  # nat.RelayHopLimits
-    # DCUtR hole punching over relayed connections (nat.py)
-    hole_punch: bool = False
-
-
 def _peer_name(peer_id_bytes: bytes) -> str:
     try:
         return ID(peer_id_bytes).to_base58()
@@ -216,24 +185,32 @@ class NoPxGossipSub(GossipSub):
 
 
 class P2PService:
-    def __init__(self, identity: Identity, settings: ServiceSettings, store: ShardStore | None, stats: P2PStats,
-                 on_announcement: Callable[[AnnouncementEvent], None]):
+    """`cfg`: the host's P2PConfig, read here where each setting is used (P2PNode passes it whole). The rest is
+    the host's: its listen multiaddrs, run, coordinator key, shard store, counters, the callback for
+    validated announcements, and the upload cap's tokens when its HTTP shard server shares them
+    (rate_limit.SharedBucket)."""
+
+    def __init__(self, identity: Identity, cfg: P2PConfig, *, run_id: str, coordinator_key: str | None,
+                 listen_addrs: Sequence[str], store: ShardStore | None, stats: P2PStats,
+                 on_announcement: Callable[[AnnouncementEvent], None], upload_bucket: Any = None):
         self.identity = identity
-        self.settings = settings
+        self.cfg = cfg
+        self.run_id, self.coordinator_key = run_id, coordinator_key
+        self._listen = tuple(listen_addrs)
         self.stats = stats
-        self.topic = topic_for_run(settings.run_id)
+        self.topic = topic_for_run(run_id)
         self._on_announcement = on_announcement
         self._validated: OrderedDict[tuple[bytes, bytes], Any] = OrderedDict()
         self._rejected: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         # Pre-checked, waiting for the signature checks (popped within the same push_msg call).
         self._prechecked: OrderedDict[tuple[bytes, bytes], CheckedAnnouncement] = OrderedDict()
-        self.gossip_limit = KeyedRateLimit(settings.gossip_rate_limit, settings.gossip_rate_limit * GOSSIP_BURST_S)
-        self.drop_log = PeerEventLog(log, "announcements dropped", interval_s=settings.log_interval_s)
-        self.server = ShardServer(store, stats=stats, max_concurrent=settings.max_concurrent_streams,
-                                  max_bytes=settings.max_shard_bytes, read_timeout_s=settings.read_timeout_s,
-                                  upload_limit=settings.upload_limit, request_timeout_s=settings.request_timeout_s,
-                                  max_streams_per_peer=settings.max_streams_per_peer,
-                                  log_interval_s=settings.log_interval_s, upload_bucket=settings.upload_bucket)
+        self.gossip_limit = KeyedRateLimit(cfg.gossip_rate_limit, cfg.gossip_rate_limit * GOSSIP_BURST_S)
+        self.drop_log = PeerEventLog(log, "announcements dropped", interval_s=PEER_LOG_INTERVAL_S)
+        self.server = ShardServer(store, stats=stats, max_concurrent=cfg.max_concurrent_streams,
+                                  max_bytes=cfg.max_shard_bytes, read_timeout_s=cfg.read_timeout_s,
+                                  upload_limit=cfg.upload_limit, request_timeout_s=cfg.request_timeout_s,
+                                  max_streams_per_peer=cfg.max_streams_per_peer,
+                                  log_interval_s=PEER_LOG_INTERVAL_S, upload_bucket=upload_bucket)
         self.host: Any = None
         self.pubsub: Pubsub | None = None
         self.gossipsub: GossipSub | None = None
@@ -241,7 +218,7 @@ class P2PService:
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def run(self, stop: trio.Event, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        listen = [parse_multiaddr(a) for a in self.settings.listen_addrs]
+        listen = [parse_multiaddr(a) for a in self._listen]
         key_pair = libp2p_key_pair(self.identity)
         noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
         self.host = new_host(
@@ -254,8 +231,8 @@ class P2PService:
         )
         self.gossipsub = NoPxGossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
-            heartbeat_interval=self.settings.heartbeat_interval_s,
-            max_messages_per_topic_per_second=float(self.settings.gossip_rate_limit * GOSSIPSUB_LIMIT_FACTOR),
+            heartbeat_interval=HEARTBEAT_INTERVAL_S,
+            max_messages_per_topic_per_second=float(self.cfg.gossip_rate_limit * GOSSIPSUB_LIMIT_FACTOR),
             # py-libp2p's adaptive gossip stretches a 1 s heartbeat to 30-60 s whenever a mesh is below its
             # degree (any swarm under 7 peers): mesh upkeep and gossip then stall, the message cache is not
             # trimmed and each new subscriber is replayed hundreds of stale announcements
@@ -273,9 +250,7 @@ class P2PService:
                 if listen and not self.host.get_transport_addrs():
                     # py-libp2p logs a failed bind (e.g. port in use) and carries on without a listener.
                     raise P2PError(f"could not listen on {', '.join(map(str, listen))} (address in use?)")
-                self.relay = nat.Relaying(self.host, hop=self.settings.relay_hop, limits=self.settings.relay_limits,
-                                          hole_punch=self.settings.hole_punch and bool(listen),
-                                          allow_private_addrs=self.settings.allow_private_addrs)
+                self.relay = nat.Relaying(self.host, self.cfg)
                 async with contextlib.AsyncExitStack() as services:
                     for service in (self.pubsub, self.gossipsub, self.relay.protocol, self.relay.dcutr):
                         if service is not None:
@@ -310,7 +285,7 @@ class P2PService:
 
     async def connect(self, addr: str, timeout_s: float | None = None) -> str:
         """Dial `addr` (ending in /p2p/<peer id>); return the peer id once its pubsub stream is up."""
-        limit = timeout_s or self.settings.connect_timeout_s
+        limit = timeout_s or self.cfg.connect_timeout_s
         maddr = parse_multiaddr(addr)
         try:
             info = info_from_p2p_addr(maddr)
@@ -330,8 +305,8 @@ class P2PService:
         except Exception as e:
             raise PeerUnavailable(f"could not connect to {addr[:120]}: {type(e).__name__}: {e}"[:300]) from None
         # Best effort: announcements flow once the peer's pubsub stream exists (usually ms).
-        with trio.move_on_after(self.settings.connect_timeout_s):
-            await self.pubsub.wait_for_peer(info.peer_id, timeout=self.settings.connect_timeout_s)
+        with trio.move_on_after(self.cfg.connect_timeout_s):
+            await self.pubsub.wait_for_peer(info.peer_id, timeout=self.cfg.connect_timeout_s)
         return info.peer_id.to_base58()
 
     async def wait_for_mesh(self, peer: str, timeout_s: float) -> bool:
@@ -351,7 +326,7 @@ class P2PService:
             # new_stream dial it, and only it: the peer's own records in the peerstore are not dialled.
             good, circuits = [], []
             for a in addrs:
-                if is_http_addr(a) or not multiaddr_allowed(a, self.settings.allow_private_addrs):
+                if is_http_addr(a) or not multiaddr_allowed(a, self.cfg.allow_private_addrs):
                     continue  # the HTTP data plane's address, or one a stranger must not make us dial
                 try:
                     (circuits if nat.is_circuit(a) else good).append(parse_multiaddr(a))
@@ -360,15 +335,15 @@ class P2PService:
             if not good and circuits:  # a NATed holder: through a relay it keeps a reservation on (nat.py)
                 await self._dial_circuit(peer, circuits)
                 return await fetch_shard(self.host, peer, req, stats=self.stats,
-                                         read_timeout_s=self.settings.read_timeout_s,
-                                         open_timeout_s=self.settings.connect_timeout_s, timeout_s=timeout_s)
+                                         read_timeout_s=self.cfg.read_timeout_s,
+                                         open_timeout_s=self.cfg.connect_timeout_s, timeout_s=timeout_s)
             if not good:
                 raise PeerUnavailable(f"peer {peer.to_base58()} is not connected and announced no address we may dial")
             self.host.get_peerstore().clear_addrs(peer)
             self.host.get_peerstore().add_addrs(peer, good, 600)
             # The dial under its own short limit (not the stream-open one): an address nobody answers at
             # (NAT, an unforwarded port) used to cost connect_timeout_s (10 s) per fetch attempt.
-            limit = self.settings.dial_timeout_s
+            limit = self.cfg.dial_timeout_s
             try:
                 with trio.fail_after(limit):
                     await self.host.connect(PeerInfo(peer, good))
@@ -376,12 +351,12 @@ class P2PService:
                 raise PeerUnavailable(f"could not dial {peer.to_base58()} within {limit:.1f} s") from None
             except Exception as e:
                 raise PeerUnavailable(f"could not dial {peer.to_base58()}: {type(e).__name__}: {e}"[:300]) from None
-        return await fetch_shard(self.host, peer, req, stats=self.stats, read_timeout_s=self.settings.read_timeout_s,
-                                 open_timeout_s=self.settings.connect_timeout_s, timeout_s=timeout_s)
+        return await fetch_shard(self.host, peer, req, stats=self.stats, read_timeout_s=self.cfg.read_timeout_s,
+                                 open_timeout_s=self.cfg.connect_timeout_s, timeout_s=timeout_s)
 
     async def _dial_circuit(self, peer: ID, circuits: list[multiaddr.Multiaddr]) -> None:
         """Connect to `peer` through the first relay of `circuits` that works (each within dial_timeout_s)."""
-        limit = self.settings.dial_timeout_s
+        limit = self.cfg.dial_timeout_s
         errors = []
         for circuit in circuits[:2]:
             try:
@@ -397,11 +372,11 @@ class P2PService:
     async def reserve(self, relay: str) -> float:
         """Reserve a slot on `relay` (connected) for peers to reach us through it; the reservation's expiry."""
         try:
-            with trio.fail_after(self.settings.connect_timeout_s):
+            with trio.fail_after(self.cfg.connect_timeout_s):
                 return await self.relay.reserve(ID.from_base58(relay))
         except trio.TooSlowError:
             raise P2PError(f"relay {relay} did not answer a reservation within "
-                           f"{self.settings.connect_timeout_s:.0f} s") from None
+                           f"{self.cfg.connect_timeout_s:.0f} s") from None
 
     def set_public_ip(self, ip: str | None) -> None:
         """The address the join's dial-back saw us at: what DCUtR advertises (with our listen port)."""
@@ -418,7 +393,7 @@ class P2PService:
     def precheck(self, forwarder: ID, msg: Any) -> bool:
         """Everything that costs no signature check, before libp2p's: rate, topic, size, content."""
         if not self.gossip_limit.allow(forwarder):
-            self._drop(forwarder, msg, "rate_limited", f"over {self.settings.gossip_rate_limit} messages/s")
+            self._drop(forwarder, msg, "rate_limited", f"over {self.cfg.gossip_rate_limit} messages/s")
             return False
         if len(msg.topicIDs) != 1 or msg.topicIDs[0] != self.topic:
             self._drop(forwarder, msg, "wrong_topic", f"topics {list(msg.topicIDs)[:4]!r}"[:200], penalize=True)
@@ -468,9 +443,8 @@ class P2PService:
             origin_node: str | None = node_id_for_peer(ID(msg.from_id))
         except (P2PError, ValueError, TypeError):
             origin_node = None
-        st = self.settings
-        return precheck_announcement(msg.data, run_id=st.run_id, coordinator_key=st.coordinator_key,
-                                     origin_node_id=origin_node, max_age_s=st.announce_max_age_s)
+        return precheck_announcement(msg.data, run_id=self.run_id, coordinator_key=self.coordinator_key,
+                                     origin_node_id=origin_node, max_age_s=self.cfg.announce_max_age_s)
 
     def _drop(self, forwarder: ID, msg: Any, reason: str, detail: str, *, penalize: bool = False) -> None:
         peer = forwarder.to_base58()  # cached on the connection's ID object

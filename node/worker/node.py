@@ -194,8 +194,7 @@ class WorkerNode:
         """Our libp2p host (and HTTP shard server), listening; the run's bootstrap is dialled after the join."""
         from node.p2p import P2PNode
 
-        p2p = P2PNode.from_config(self.identity, self.cfg.p2p, run_id=run_id, coordinator_key=key,
-                                  shard_source=shard_source, bootstrap=self.cfg.p2p.bootstrap)
+        p2p = P2PNode(self.identity, self.cfg.p2p, run_id=run_id, coordinator_key=key, shard_source=shard_source)
         await p2p.start()
         return p2p
 

@@ -74,7 +74,7 @@ class PeerSource:
         from node.p2p.http_shards import url_of
         from node.p2p.keys import peer_id_for_node
 
-        if url_of(addr, allow_private=self.p2p.allow_private_addrs) is None:
+        if url_of(addr, allow_private=self.p2p.cfg.allow_private_addrs) is None:
             return
         try:
             peer = peer_id_for_node(node_id).to_base58()

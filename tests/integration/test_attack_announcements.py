@@ -25,6 +25,7 @@ from node.p2p.stats import OTHER, P2PStats
 from protocol.identity import Identity
 from tests.integration.coordinator_harness import RawNode, running_coordinator
 from tests.integration.test_p2p_shards import RUN, write_checkpoint
+from tests.p2p_helpers import p2p_config
 
 H = "ab" * 32
 INTERNAL = ("127.0.0.1", "169.254.169.254", "10.1.2.3")
@@ -33,7 +34,8 @@ INTERNAL = ("127.0.0.1", "169.254.169.254", "10.1.2.3")
 @contextlib.asynccontextmanager
 async def hub_and(coord: Identity, *nodes: P2PNode):
     """A coordinator host (announcing manifests) that every other node dials; gossip meshes formed both ways."""
-    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, name="hub", allow_private_addrs=True)
+    hub = P2PNode(coord, p2p_config(allow_private_addrs=True), run_id=RUN, coordinator_key=coord.public_hex,
+                  name="hub")
     started = [hub]
     try:
         await hub.start()
@@ -48,9 +50,10 @@ async def hub_and(coord: Identity, *nodes: P2PNode):
         await asyncio.gather(*(n.stop() for n in started))
 
 
-def worker(coord: Identity, name: str, **kw) -> P2PNode:
-    kw.setdefault("allow_private_addrs", True)
-    return P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name=name, **kw)
+def worker(coord: Identity, name: str, shard_root=None, **settings) -> P2PNode:
+    settings.setdefault("allow_private_addrs", True)
+    return P2PNode(Identity.generate(), p2p_config(**settings), run_id=RUN, coordinator_key=coord.public_hex,
+                   name=name, shard_root=shard_root)
 
 
 async def next_have(sub, peer: str, timeout: float = 10.0):

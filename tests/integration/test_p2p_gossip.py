@@ -14,6 +14,7 @@ from node.p2p.announce import (
 from node.p2p.host import P2PNode
 from protocol.identity import Identity
 from protocol.signing import canonical_json
+from tests.p2p_helpers import p2p_config
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 
@@ -22,11 +23,11 @@ H = "ab" * 32
 
 
 @contextlib.asynccontextmanager
-async def swarm(coord: Identity, n_workers: int, **kw):
+async def swarm(coord: Identity, n_workers: int, **settings):
     """A coordinator host and `n_workers` worker hosts, each worker dialling the coordinator only."""
-    kw.setdefault("allow_private_addrs", True)  # every host is on 127.0.0.1
-    nodes = [P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, name="coord", **kw)]
-    nodes += [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name=f"w{i}", **kw)
+    cfg = p2p_config(allow_private_addrs=True, **settings)  # every host is on 127.0.0.1
+    nodes = [P2PNode(coord, cfg, run_id=RUN, coordinator_key=coord.public_hex, name="coord")]
+    nodes += [P2PNode(Identity.generate(), cfg, run_id=RUN, coordinator_key=coord.public_hex, name=f"w{i}")
               for i in range(n_workers)]
     try:
         for node in nodes:

@@ -17,7 +17,7 @@ import pytest
 from node.p2p.announce import encode_have_announcement
 from node.p2p.host import P2PNode
 from protocol.identity import Identity
-from tests.p2p_helpers import running
+from tests.p2p_helpers import p2p_config, running
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(120)]
 
@@ -27,8 +27,9 @@ H = "cd" * 32
 
 
 
-def node(**kw) -> P2PNode:
-    return P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True, **kw)  # all on 127.0.0.1
+def node(shard_source=None, **settings) -> P2PNode:
+    return P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True, **settings), run_id=RUN,
+                   shard_source=shard_source)  # all on 127.0.0.1
 
 
 async def wait_until(cond, timeout: float, what: str) -> None:
@@ -289,13 +290,13 @@ async def test_gossip_flood_is_cheap_counted_and_logged_once_per_peer(caplog, mo
     check, and an honest peer's announcements still get through."""
     caplog.set_level(logging.INFO, logger="node.p2p")
     coord = Identity.generate()
-    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, name="hub", gossip_rate_limit=10,
-                   allow_private_addrs=True)
-    honest = P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name="honest",
-                      allow_private_addrs=True)
+    hub = P2PNode(coord, p2p_config(gossip_rate_limit=10, allow_private_addrs=True), run_id=RUN,
+                  coordinator_key=coord.public_hex, name="hub")
+    honest = P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True), run_id=RUN,
+                     coordinator_key=coord.public_hex, name="honest")
     # The hostile peers' own gossipsub would limit their publishing to 100/s: raise it.
-    evil = [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord.public_hex, name=f"evil{i}",
-                    gossip_rate_limit=10_000) for i in range(4)]
+    evil = [P2PNode(Identity.generate(), p2p_config(gossip_rate_limit=10_000), run_id=RUN,
+                    coordinator_key=coord.public_hex, name=f"evil{i}") for i in range(4)]
     sigs = SignatureCounter(monkeypatch, "prime-node-hub-")
     async with running(hub, honest, *evil):
         for n_ in (honest, *evil):

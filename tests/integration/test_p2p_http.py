@@ -97,7 +97,7 @@ async def test_one_fetch_over_http_tells_the_holders_whole_set(tmp_path):
     """A node that knew one shard of a holder (the origin's hint) learns the rest from that fetch's answer."""
     manifest, shards = write_checkpoint(tmp_path, 3, n_shards=6, raw_size=32 * KIB)
     h = manifest_hash(manifest)
-    async with running(node(shard_root=tmp_path, http=True), node(listen=[], http=True)) as (server, client):
+    async with running(node(shard_root=tmp_path, http=True), node(listen=False, http=True)) as (server, client):
         [http] = [a for a in server.announce_addrs if a.endswith("/http")]
         client.note_manifest(3, h)
         client.table.record_hint(server.peer_id, 3, h, (0,), http)
@@ -115,7 +115,7 @@ async def test_a_holder_that_claims_shards_it_does_not_serve_costs_one_refusal_p
     manifest, shards = write_checkpoint(tmp_path / "honest", 3, n_shards=4, raw_size=32 * KIB)
     h = manifest_hash(manifest)
     async with running(node(shard_root=tmp_path / "honest", http=True), node(shard_root=tmp_path / "empty", http=True),
-                       node(listen=[], http=True)) as (honest, liar, client):
+                       node(listen=False, http=True)) as (honest, liar, client):
         client.note_manifest(3, h)
         for holder in (honest, liar):
             [http] = [a for a in holder.announce_addrs if a.endswith("/http")]
@@ -132,7 +132,7 @@ async def test_a_holder_that_claims_shards_it_does_not_serve_costs_one_refusal_p
 async def test_shards_travel_over_http_between_nodes_and_libp2p_takes_over_from_a_dead_address(tmp_path):
     manifest, shards = write_checkpoint(tmp_path, 3, n_shards=6, raw_size=512 * KIB)  # ~400 KiB each, compressed
     h = manifest_hash(manifest)
-    async with running(node(shard_root=tmp_path, http=True), node(listen=[], http=True)) as (server, client):
+    async with running(node(shard_root=tmp_path, http=True), node(listen=False, http=True)) as (server, client):
         http = [a for a in server.announce_addrs if a.endswith("/http")]
         assert len(http) == 1 and url_of(http[0], allow_private=True) is not None
         [peer] = await client.connect(server.listen_addrs)
@@ -303,8 +303,8 @@ async def test_both_planes_share_one_upload_cap(tmp_path):
     manifest, shards = write_checkpoint(tmp_path, 3, n_shards=2, raw_size=512 * KIB)
     h = manifest_hash(manifest)
     limit = 256 * KIB
-    async with running(node(shard_root=tmp_path, http=True, upload_limit=limit), node(listen=[], http=True),
-                       node(listen=[])) as (server, over_http, over_libp2p):
+    async with running(node(shard_root=tmp_path, http=True, upload_limit=limit), node(listen=False, http=True),
+                       node(listen=False)) as (server, over_http, over_libp2p):
         peers = [(await n.connect(server.listen_addrs))[0] for n in (over_http, over_libp2p)]
         for n in (over_http, over_libp2p):
             record_have(n.table, server, 3, [0, 1], h, server.announce_addrs)

@@ -10,6 +10,7 @@ from node.p2p.config import P2PConfig
 from node.p2p.errors import P2PError, P2PNotRunning
 from node.p2p.host import P2PNode
 from protocol.identity import Identity
+from tests.p2p_helpers import p2p_config
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(120)]
 
@@ -25,8 +26,9 @@ async def test_repeated_start_stop_leaks_no_threads_or_sockets():
     payload = os.urandom(64 * 1024)
     fds = None
     for cycle in range(4):
-        server = P2PNode(Identity.generate(), run_id=RUN, shard_source=lambda s, i: payload, allow_private_addrs=True)
-        client = P2PNode(Identity.generate(), run_id=RUN, listen=[], allow_private_addrs=True)
+        server = P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True), run_id=RUN,
+                         shard_source=lambda s, i: payload)
+        client = P2PNode(Identity.generate(), p2p_config(listen=False, allow_private_addrs=True), run_id=RUN)
         await server.start()
         await client.start()
         assert len([t for t in threading.enumerate() if t.name.startswith("prime-node-")]) == 2  # one per node
@@ -46,9 +48,9 @@ async def test_repeated_start_stop_leaks_no_threads_or_sockets():
 
 async def test_stop_during_an_in_flight_fetch_fails_it_cleanly():
     data = os.urandom(512 * 1024)
-    server = P2PNode(Identity.generate(), run_id=RUN, shard_source=lambda s, i: data, upload_limit=128 * 1024,
-                     allow_private_addrs=True)
-    client = P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True)
+    server = P2PNode(Identity.generate(), p2p_config(upload_limit=128 * 1024, allow_private_addrs=True), run_id=RUN,
+                     shard_source=lambda s, i: data)
+    client = P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True), run_id=RUN)
     async with server, client:
         [peer] = await client.connect(server.listen_addrs)
         fetch = asyncio.ensure_future(client.fetch_shard(peer, 1, 0, max_bytes=1 << 20))
@@ -73,7 +75,7 @@ async def test_listen_port_in_use_is_a_clean_error():
         taken.listen()
         port = taken.getsockname()[1]
         cfg = P2PConfig(listen_port=port)
-        node = P2PNode.from_config(Identity.generate(), cfg, run_id=RUN, coordinator_key=None)
+        node = P2PNode(Identity.generate(), cfg, run_id=RUN)
         with pytest.raises(P2PError):
             await node.start()
     assert not [t for t in threading.enumerate() if t.name.startswith("prime-node-")]
@@ -81,13 +83,15 @@ async def test_listen_port_in_use_is_a_clean_error():
         node.subscribe()
 
 
-async def test_from_config_bootstrap_announce_addrs_and_bound_identity():
+async def test_config_bootstrap_announce_addrs_and_bound_identity():
     ident = Identity.generate()
-    async with P2PNode(Identity.generate(), run_id=RUN) as hub:
+    async with P2PNode(Identity.generate(), p2p_config(), run_id=RUN) as hub:
         cfg = P2PConfig(listen=False, upload_limit=1000, bootstrap=hub.listen_addrs,
                         announce_addrs=["/ip4/127.0.0.1/tcp/4001"])
-        async with P2PNode.from_config(ident, cfg, run_id=RUN, coordinator_key=None) as node:
-            assert node.listen_addrs == [] and node.upload_limit == 1000
+        node = P2PNode(ident, cfg, run_id=RUN)
+        cfg.bootstrap.clear()  # the host holds its own copy: an edit after construction does not reach it
+        async with node:
+            assert node.listen_addrs == []
             assert await node.connected_peers() == [hub.peer_id]  # dialled its bootstrap list at start
             assert node.announce_addrs == [f"/ip4/127.0.0.1/tcp/4001/p2p/{node.peer_id}"]
             from node.p2p.keys import node_id_for_peer, parse_peer_id
@@ -95,12 +99,12 @@ async def test_from_config_bootstrap_announce_addrs_and_bound_identity():
             assert node_id_for_peer(parse_peer_id(node.peer_id)) == ident.node_id
         # A stale bootstrap entry does not stop a node from starting.
         dead = P2PConfig(bootstrap=[f"/ip4/127.0.0.1/tcp/9/p2p/{hub.peer_id}"], connect_timeout_s=2)
-        async with P2PNode.from_config(Identity.generate(), dead, run_id=RUN, coordinator_key=None) as lonely:
+        async with P2PNode(Identity.generate(), dead, run_id=RUN) as lonely:
             assert await lonely.connected_peers() == []
 
 
 def test_wildcard_listen_addresses_are_not_announced():
-    node = P2PNode(Identity.generate(), run_id=RUN)
+    node = P2PNode(Identity.generate(), p2p_config(), run_id=RUN)
     pid = node.peer_id
     node.listen_addrs = [f"/ip4/0.0.0.0/tcp/4001/p2p/{pid}", f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}",
                          f"/ip6/::/tcp/4001/p2p/{pid}"]

@@ -20,7 +20,7 @@ from node.p2p.host import P2PNode
 from node.p2p.shard_store import manifest_hash
 from protocol.identity import Identity
 from protocol.signing import canonical_json
-from tests.p2p_helpers import running
+from tests.p2p_helpers import p2p_config, running
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 
@@ -46,8 +46,10 @@ def write_checkpoint(root, step: int, n_shards: int, raw_size: int) -> tuple[dic
     return manifest, shards
 
 
-def node(**kw) -> P2PNode:
-    return P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True, **kw)  # all on 127.0.0.1
+def node(*, shard_root=None, shard_source=None, coordinator_key=None, **settings) -> P2PNode:
+    """A host on 127.0.0.1 with `settings` (P2PConfig fields) over the defaults."""
+    return P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True, **settings), run_id=RUN,
+                   shard_root=shard_root, shard_source=shard_source, coordinator_key=coordinator_key)
 
 
 async def test_many_shards_in_parallel_byte_exact_with_manifest_check(tmp_path):
@@ -55,7 +57,7 @@ async def test_many_shards_in_parallel_byte_exact_with_manifest_check(tmp_path):
     h = manifest_hash(manifest)
     # This client may take every slot: the per-peer limit (default 4) is raised to match.
     async with running(node(shard_root=tmp_path, max_concurrent_streams=8, max_streams_per_peer=8),
-                       node(listen=[])) as (server, client):
+                       node(listen=False)) as (server, client):
         [peer] = await client.connect(server.listen_addrs)
         limit = asyncio.Semaphore(8)  # what a fetcher does: no more in flight than the peer serves
 
@@ -122,7 +124,7 @@ async def test_peer_vanishing_mid_transfer_fails_cleanly_then_another_peer_serve
     getter = lambda s, i: data if (s, i) == (9, 0) else None  # noqa: E731
     slow = node(shard_source=getter, upload_limit=256 * KIB)  # would take ~8 s
     fast = node(shard_source=getter)
-    client = node(listen=[], read_timeout_s=3.0)
+    client = node(listen=False, read_timeout_s=3.0)
     async with running(slow, fast, client):
         [slow_id, fast_id] = await client.connect(slow.listen_addrs + fast.listen_addrs)
         transfer = asyncio.ensure_future(client.fetch_shard(slow_id, 9, 0, max_bytes=4 << 20))
@@ -164,7 +166,7 @@ async def test_outbound_only_node_fetches_and_serves_over_its_own_connection(tmp
     manifest, shards = write_checkpoint(tmp_path, 1, n_shards=3, raw_size=64 * KIB)
     worker_data = {(2, 0): b"held by the NATed worker"}
     listener = node(shard_root=tmp_path)
-    natted = node(listen=[], shard_source=lambda s, i: worker_data.get((s, i)))
+    natted = node(listen=False, shard_source=lambda s, i: worker_data.get((s, i)))
     async with running(listener, natted):
         assert natted.listen_addrs == []
         [peer] = await natted.connect(listener.listen_addrs)
@@ -178,9 +180,9 @@ async def test_fetch_from_a_peer_learned_only_from_its_announcement(tmp_path):
     """w2 never dialled w1: it learns w1's address from w1's signed `have` (relayed by the hub)."""
     coord = Identity.generate()
     data = os.urandom(100 * KIB)
-    hub = P2PNode(coord, run_id=RUN, coordinator_key=coord.public_hex, allow_private_addrs=True)
+    hub = P2PNode(coord, p2p_config(allow_private_addrs=True), run_id=RUN, coordinator_key=coord.public_hex)
     w1 = node(coordinator_key=coord.public_hex, shard_source=lambda s, i: data if (s, i) == (4, 7) else None)
-    w2 = node(coordinator_key=coord.public_hex, listen=[])
+    w2 = node(coordinator_key=coord.public_hex, listen=False)
     async with running(hub, w1, w2):
         await w1.connect(hub.listen_addrs)
         await w2.connect(hub.listen_addrs)
@@ -260,11 +262,11 @@ async def test_checkpoint_spreads_through_peers_not_the_coordinator(tmp_path):
     manifest, shards = write_checkpoint(tmp_path / "coord", 6, n_shards=6, raw_size=96 * KIB)
     h = manifest_hash(manifest)
     total = sum(map(len, shards))
-    coord = P2PNode(coord_id, run_id=RUN, coordinator_key=coord_id.public_hex, shard_root=tmp_path / "coord",
-                    upload_limit=1024 * KIB, allow_private_addrs=True)
+    coord = P2PNode(coord_id, p2p_config(upload_limit=1024 * KIB, allow_private_addrs=True), run_id=RUN,
+                    coordinator_key=coord_id.public_hex, shard_root=tmp_path / "coord")
     held = [dict() for _ in range(3)]
-    workers = [P2PNode(Identity.generate(), run_id=RUN, coordinator_key=coord_id.public_hex,
-                       shard_source=lambda s, i, mine=mine: mine.get((s, i)), allow_private_addrs=True)
+    workers = [P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True), run_id=RUN,
+                       coordinator_key=coord_id.public_hex, shard_source=lambda s, i, mine=mine: mine.get((s, i)))
                for mine in held]
     async with running(coord, *workers):
         subs = [w.subscribe() for w in workers]

@@ -45,6 +45,7 @@ async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_pat
     server, to a worker that fetches over HTTP)."""
     from node.p2p import P2PNode
     from protocol.identity import Identity
+    from tests.p2p_helpers import p2p_config
 
     async with running_coordinator(tmp_path, *BIGGER, "distribution.origin_upload_limit=300000",
                                    "run.max_steps=0") as (coord, url):
@@ -59,8 +60,8 @@ async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_pat
             served["n"] += 1
             return bytes([data[0] ^ 0x55]) + data[1:]
 
-        evil = P2PNode(Identity.generate(), run_id=coord.cfg.run.run_id, coordinator_key=coord.identity.public_hex,
-                       shard_source=corrupt, bootstrap=coord.p2p_bootstrap(), http=plane == "http")
+        evil = P2PNode(Identity.generate(), p2p_config(bootstrap=coord.p2p_bootstrap(), http=plane == "http"),
+                       run_id=coord.cfg.run.run_id, coordinator_key=coord.identity.public_hex, shard_source=corrupt)
         await evil.start()
         try:
             node, task = start_worker(tmp_path, "honest", coord, url, *(["p2p.http=true"] if plane == "http" else []))

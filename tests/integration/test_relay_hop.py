@@ -23,7 +23,7 @@ from node.p2p.nat import is_circuit
 from protocol.identity import Identity
 from tests import p2p_helpers
 from tests.integration.coordinator_harness import REPO, RawNode, running_coordinator
-from tests.p2p_helpers import running, until
+from tests.p2p_helpers import p2p_config, running, until
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 
@@ -33,9 +33,10 @@ SHARDS = {i: bytes([i]) * (64 * 1024 + i) for i in range(6)}
 PEER = "12D3KooWGzkxCDzV3nR2tuxGHG3UJiHXszTNZhvDzzSxvdCtY8dZ"
 
 
-def node(**kw) -> P2PNode:
+def node(shard_source=None) -> P2PNode:
     """A NATed node: outbound-only (listens on nothing), checking its NAT connections every 0.2 s."""
-    return P2PNode(Identity.generate(), run_id=RUN, listen=[], allow_private_addrs=True, nat_interval_s=0.2, **kw)
+    return P2PNode(Identity.generate(), p2p_config(listen=False, allow_private_addrs=True), run_id=RUN,
+                   shard_source=shard_source, nat_interval_s=0.2)
 
 
 

@@ -9,22 +9,23 @@ import pytest
 
 from node.p2p.errors import P2PError, PeerUnavailable, ShardPeerGone
 from node.p2p.host import P2PNode
-from node.p2p.nat import RelayHopLimits, is_circuit
+from node.p2p.nat import is_circuit
 from protocol.identity import Identity
 from tests import p2p_helpers
-from tests.p2p_helpers import running, until
+from tests.p2p_helpers import p2p_config, running, until
 
 pytestmark = [pytest.mark.p2p, pytest.mark.timeout(90)]
 
 RUN = "run-nat"
 H = "ab" * 32
 SHARDS = {i: bytes([i]) * (64 * 1024 + i) for i in range(6)}
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
-def node(**kw) -> P2PNode:
-    kw.setdefault("nat_interval_s", 0.2)
-    return P2PNode(Identity.generate(), run_id=RUN, allow_private_addrs=True, **kw)
+def node(*, shard_source=None, relay_reserve: bool = True, **settings) -> P2PNode:
+    """A host on 127.0.0.1 (`listen=False`: outbound-only) with `settings` (P2PConfig fields), its NAT keeper
+    checking every 0.2 s."""
+    return P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True, **settings), run_id=RUN,
+                   shard_source=shard_source, nat_interval_s=0.2, relay_reserve=relay_reserve)
 
 
 def serving(**kw) -> P2PNode:
@@ -39,7 +40,7 @@ def learn_have(of: P2PNode, at: P2PNode, addrs) -> None:
 
 
 async def test_a_home_fetches_from_another_home_through_a_relay():
-    async with running(node(listen=LOOPBACK, relay_hop=True), serving(listen=[]), node(listen=[])) as (
+    async with running(node(relay_hop=True), serving(listen=False), node(listen=False)) as (
             relay, home_a, home_b):
         await home_a.connect(relay.listen_addrs)  # its bootstrap
         home_a.apply_reachability("127.0.0.1", False, None)  # the dial-back found it unreachable
@@ -74,8 +75,8 @@ async def test_a_home_fetches_from_another_home_through_a_relay():
 
 
 async def test_an_unreachable_node_keeps_connections_to_reachable_peers_and_serves_over_them():
-    async with running(serving(listen=[], nat_keep_peers=2, relay_reserve=False),
-                       node(listen=LOOPBACK), node(listen=LOOPBACK), node(listen=LOOPBACK)) as (home, *public):
+    async with running(serving(listen=False, nat_keep_peers=2, relay_reserve=False),
+                       node(), node(), node()) as (home, *public):
         for p in public:  # three reachable peers announce holdings at their direct addresses
             learn_have(p, home, p.listen_addrs)
         home.apply_reachability("127.0.0.1", False, None)
@@ -102,9 +103,8 @@ async def _connected(node: P2PNode, n: int, among=None):
 
 
 async def test_relay_limits_hold_and_a_refused_reservation_announces_no_circuit():
-    limits = RelayHopLimits(max_reservations=1, reservation_ttl_s=10)
-    async with running(node(listen=LOOPBACK, relay_hop=True, relay_limits=limits), node(listen=[]),
-                       node(listen=[]), node(listen=LOOPBACK)) as (relay, first, second, plain):
+    async with running(node(relay_hop=True, relay_max_reservations=1, relay_reservation_ttl_s=10),
+                       node(listen=False), node(listen=False), node()) as (relay, first, second, plain):
         for home in (first, second):
             await home.connect(relay.listen_addrs)
             home.apply_reachability("127.0.0.1", False, None)
@@ -119,7 +119,7 @@ async def test_relay_limits_hold_and_a_refused_reservation_announces_no_circuit(
 async def test_only_our_relay_may_open_a_connection_to_us_over_a_stop_stream():
     """py-libp2p's STOP handler upgrades a connection over any peer's STOP stream; ours refuses a peer that holds
     no reservation of ours (before the guard, this peer got a second connection to the target)."""
-    async with running(serving(listen=LOOPBACK), node(listen=[])) as (target, mallory):
+    async with running(serving(), node(listen=False)) as (target, mallory):
         [peer] = await mallory.connect(target.listen_addrs)
         opened = await mallory._bridge.call(_open_stop, mallory._service, target.peer_id)
         assert opened == "reset", opened
@@ -153,7 +153,7 @@ async def _open_stop(service, peer: str) -> str:
 async def test_a_peer_can_reserve_only_for_itself():
     """Stock py-libp2p reserved for whatever peer id a RESERVE named: one connection filled every slot with
     made-up ids (before the fix, this test's relay held 5 reservations)."""
-    async with running(node(listen=LOOPBACK, relay_hop=True), node(listen=[])) as (relay, mallory):
+    async with running(node(relay_hop=True), node(listen=False)) as (relay, mallory):
         await mallory.connect(relay.listen_addrs)
         answers = await mallory._bridge.call(_reserve_for_others, mallory._service, relay.peer_id, 5)
         stats = await relay.relay_stats()
@@ -170,7 +170,7 @@ async def _reserve_for_others(service, relay: str, n: int) -> list[int]:
 
     answers = []
     for _ in range(n):
-        other = P2PNode(Identity.generate(), run_id=RUN).peer_id
+        other = P2PNode(Identity.generate(), p2p_config(), run_id=RUN).peer_id
         stream = await service.host.new_stream(ID.from_base58(relay), [PROTOCOL_ID])
         await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE,
                                                      peer=PeerId(id=ID.from_base58(other).to_bytes())))
@@ -183,7 +183,7 @@ async def test_a_relayed_connection_is_upgraded_to_a_direct_one_by_hole_punching
     """DCUtR (nat.py's fixes of py-libp2p's): over a circuit, each side advertises the address the dial-back saw it
     at with its listen port, and the two dial each other; on loopback no NAT is in the way, so this checks the
     wiring (the WAN lab, two homes behind separate NAT routers, checks the punch)."""
-    async with running(node(listen=LOOPBACK, relay_hop=True), serving(listen=LOOPBACK), node(listen=LOOPBACK)) as (
+    async with running(node(relay_hop=True), serving(), node()) as (
             relay, home_a, home_b):
         for h in (home_a, home_b):
             await h.connect(relay.listen_addrs)

@@ -83,10 +83,11 @@ async def test_starting_a_host_installs_the_memo(monkeypatch):
 
     from node.p2p.host import P2PNode
     from protocol.identity import Identity
+    from tests.p2p_helpers import p2p_config
 
     for module in (pubsub_module, gossipsub_module):  # as a fresh process has them; restored after the test
         monkeypatch.setattr(module, "maybe_consume_signed_record", utils.maybe_consume_signed_record)
-    node = P2PNode(Identity.generate(), run_id="run-memo", listen=[], allow_private_addrs=True)
+    node = P2PNode(Identity.generate(), p2p_config(listen=False, allow_private_addrs=True), run_id="run-memo")
     try:
         await node.start()
         assert getattr(pubsub_module.maybe_consume_signed_record, "remembers", False)

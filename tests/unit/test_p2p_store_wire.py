@@ -202,16 +202,17 @@ def test_p2p_package_import_is_light():
 
 
 def test_node_arguments_are_checked_up_front():
+    from node.p2p.config import P2PConfig
     from node.p2p.errors import P2PError
     from node.p2p.host import P2PNode
     from protocol.identity import Identity
 
-    ident = Identity.generate()
+    ident, cfg = Identity.generate(), P2PConfig()
     with pytest.raises(P2PError, match="run id"):
-        P2PNode(ident, run_id="has space")
+        P2PNode(ident, cfg, run_id="has space")
     with pytest.raises(P2PError, match="coordinator key"):
-        P2PNode(ident, run_id="r", coordinator_key="zz" * 32)
+        P2PNode(ident, cfg, run_id="r", coordinator_key="zz" * 32)
     with pytest.raises(ValueError):
-        P2PNode(ident, run_id="r", shard_root="/tmp", shard_source=lambda s, i: None)
-    node = P2PNode(ident, run_id="r", coordinator_key=ident.public_hex.upper())
+        P2PNode(ident, cfg, run_id="r", shard_root="/tmp", shard_source=lambda s, i: None)
+    node = P2PNode(ident, cfg, run_id="r", coordinator_key=ident.public_hex.upper())
     assert node.coordinator_key == ident.public_hex and node.peer_id.startswith("12D3KooW")

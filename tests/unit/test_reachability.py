@@ -12,6 +12,7 @@ from node.p2p.announce import encode_have_announcement, decode_announcement
 from node.p2p.host import P2PNode
 from protocol import messages as M
 from protocol.identity import Identity
+from tests.p2p_helpers import p2p_config
 
 H = "ab" * 32
 
@@ -104,8 +105,8 @@ def test_observed_ip_and_verified_http_addr():
     assert not dial.http_addr_verified("other", "/ip4/8.8.8.8/tcp/8080/http")
 
 
-def _node(allow_private: bool = False, **kw) -> P2PNode:
-    node = P2PNode(Identity.generate(), run_id="r", allow_private_addrs=allow_private, **kw)
+def _node(allow_private: bool = False, **settings) -> P2PNode:
+    node = P2PNode(Identity.generate(), p2p_config(allow_private_addrs=allow_private, **settings), run_id="r")
     node.listen_addrs = [f"/ip4/0.0.0.0/tcp/4001/p2p/{node.peer_id}"]  # as after start() on a wildcard
     node.announce_addrs = node._addrs_to_announce()
     return node
@@ -136,13 +137,13 @@ def test_reachable_holders_rank_first_and_failed_dials_last():
     for name, ident in peers.items():  # oldest announcer first: newest-first order would be failed, public, natted
         addrs = [] if name == "natted" else [f"/ip4/10.0.0.{len(pid) + 1}/tcp/4001"]
         raw = encode_have_announcement(ident, run_id="r", step=3, manifest_hash=H, indices=[0], addrs=addrs)
-        pid[name] = P2PNode(ident, run_id="r").peer_id
+        pid[name] = P2PNode(ident, p2p_config(), run_id="r").peer_id
         ann = decode_announcement(raw, run_id="r", coordinator_key=None, origin_node_id=ident.node_id, max_age_s=60)
         assert me.table.record_have(pid[name], ann)
     assert me.peers_with(3, 0, H) == [pid["failed"], pid["public"], pid["natted"]]
     me._note_dial_failed(pid["failed"])
     assert me.peers_with(3, 0, H) == [pid["public"], pid["natted"], pid["failed"]]
-    me.dial_retry_s = 0.0  # remembered only for a while
+    me.cfg.dial_retry_s = 0.0  # remembered only for a while
     assert me.peers_with(3, 0, H)[0] == pid["failed"]
 
 

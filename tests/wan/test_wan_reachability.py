@@ -122,14 +122,15 @@ async def _attempts(dial_timeout_s: float, dial_retry_s: float, home_ip: str) ->
     """Three fetches from a holder whose announced addresses nobody answers; the seconds each took."""
     from node.p2p import P2PNode
     from node.p2p.announce import decode_announcement, encode_have_announcement
+    from node.p2p.config import P2PConfig
     from protocol.identity import Identity
 
     h = "ab" * 32
-    me = P2PNode(Identity.generate(), run_id="r", listen=["/ip4/0.0.0.0/tcp/0"], http=True, allow_private_addrs=True,
-                 dial_timeout_s=dial_timeout_s, dial_retry_s=dial_retry_s, connect_timeout_s=10)
+    me = P2PNode(Identity.generate(), P2PConfig(http=True, allow_private_addrs=True, dial_timeout_s=dial_timeout_s,
+                                                dial_retry_s=dial_retry_s, connect_timeout_s=10), run_id="r")
     await me.start()
     home_key = Identity.generate()
-    peer = P2PNode(home_key, run_id="r").peer_id
+    peer = P2PNode(home_key, P2PConfig(), run_id="r").peer_id
     me.table.note_manifest(1, h)
     raw = encode_have_announcement(home_key, run_id="r", step=1, manifest_hash=h, indices=[0, 1, 2],
                                    addrs=[f"/ip4/{home_ip}/tcp/{HOME_PORT}/p2p/{peer}", f"/ip4/{home_ip}/tcp/4002/http"])
