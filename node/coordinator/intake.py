@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 from node.config import Config
 from node.coordinator.faults import crash_point
-from node.coordinator.ledger import AssignmentRow, Ledger, NodeRow
+from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator.records import AssignmentRow
 from node.coordinator.run_model import RunModel
-from node.coordinator.scheduler import Scheduler
+from node.coordinator.scheduler import PromptSlot, Scheduler
 from node.coordinator.verification import VerdictQueue
 from node.envs.episode import check_episode, episode_of, max_turns_of, model_texts, score_episode
 from protocol import messages as M
@@ -116,11 +117,11 @@ class Intake:
 
     def _record(self, node: NodeRow, a: AssignmentRow, req: M.SubmitRequest) -> tuple[list[dict], list[dict], set[str], bool]:
         """triage → score → reputation → one ledger transaction (thread-safe: the ledger has its lock)."""
-        slots = {p["prompt_id"]: p for p in a.prompts}
+        slots = {p.prompt_id: p for p in a.prompts}
         t = self.triage(slots, req)
         groups = self.score(slots, a, req, t)
         accepted = {g["prompt_id"] for g in groups}
-        requeue = [p for p in a.prompts if p["prompt_id"] not in accepted]
+        requeue = [p for p in a.prompts if p.prompt_id not in accepted]
         rejections = [{"prompt_id": p, "sample_index": i, "reason": why} for (p, i), why in t.reasons.items()]
         vc = self.cfg.verification
         delta = -vc.reputation_penalty if t.cheated else vc.reputation_reward
@@ -129,7 +130,7 @@ class Intake:
                                                  ban_below=vc.ban_below)
         return groups, rejections, accepted, banned
 
-    def triage(self, slots: dict[str, dict], req: M.SubmitRequest) -> Triage:
+    def triage(self, slots: dict[str, PromptSlot], req: M.SubmitRequest) -> Triage:
         """Per-rollout structural checks; a group is kept only whole (every sample present and clean)."""
         cfg = self.cfg
         G = cfg.run.group_size
@@ -160,30 +161,30 @@ class Intake:
                 t.complete[pid] = [samples[i] for i in range(G)]
         return t
 
-    def episode_problem(self, slot: dict, r: M.RolloutSubmission) -> str | None:
+    def episode_problem(self, slot: PromptSlot, r: M.RolloutSubmission) -> str | None:
         """A multi-turn episode: is every environment turn the one the environment gives (re-run here from the
         same problem and the model's turns), and does the episode end where it must?"""
         task = self.model.task
         try:
-            return check_episode(task, self.model.tokenizer, task.sample(self.cfg.run.seed, slot["problem_index"]),
+            return check_episode(task, self.model.tokenizer, task.sample(self.cfg.run.seed, slot.problem_index),
                                  *episode_of(r))
         except Exception:  # the task's environment failed on this episode's text: refuse it, never a 500
             log.warning("task %s: env_response failed on an episode of %s", getattr(task, "name", "?"), r.prompt_id,
                         exc_info=True)
             return "env_error"
 
-    def score(self, slots: dict[str, dict], a: AssignmentRow, req: M.SubmitRequest, t: Triage) -> list[dict]:
+    def score(self, slots: dict[str, PromptSlot], a: AssignmentRow, req: M.SubmitRequest, t: Triage) -> list[dict]:
         """Rewards come from the task, computed here (a node never reports them)."""
         task, tokenizer = self.model.task, self.model.tokenizer
         groups = []
         for pid, rs in t.complete.items():
             slot = slots[pid]
-            problem = task.sample(self.cfg.run.seed, slot["problem_index"])
+            problem = task.sample(self.cfg.run.seed, slot.problem_index)
             rewards = [score_episode(task, problem, model_texts(tokenizer, *episode_of(r))) for r in rs]
             groups.append({
-                "prompt_id": pid, "problem_index": slot["problem_index"], "batch_step": a.batch_step,
+                "prompt_id": pid, "problem_index": slot.problem_index, "batch_step": a.batch_step,
                 "policy_step": req.policy_step, "reward_mean": sum(rewards) / len(rewards),
-                "data": {"prompt_ids": slot["prompt_ids"], "rollouts": [
+                "data": {"prompt_ids": slot.prompt_ids, "rollouts": [
                     {"completion_ids": r.completion_ids, "logprobs": r.logprobs, "reward": w,
                      "finish_reason": r.finish_reason, "sample_index": r.sample_index, "commitment": r.commitment,
                      **({"turns": [t.model_dump() for t in r.turns]} if r.turns else {})}

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from node.coordinator.records import AssignmentRow, AssignmentState
+from node.coordinator.scheduler import PromptSlot
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY,
@@ -122,22 +125,6 @@ class NodeRow:
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> "NodeRow":
         return cls(**{**dict(row), "banned": bool(row["banned"]), "info": json.loads(row["info"])})
-
-
-@dataclass(frozen=True)
-class AssignmentRow:
-    assignment_id: str
-    node_id: str
-    batch_step: int
-    min_policy_step: int
-    created_ms: int
-    deadline_ms: int
-    state: str  # open | submitted | expired | declined (until deadline_ms it still holds one of the node's slots)
-    prompts: list[dict]  # [{prompt_id, problem_index, prompt_ids, seeds}] (PromptSlot.to_json)
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "AssignmentRow":
-        return cls(**{**dict(row), "prompts": json.loads(row["prompts"])})
 
 
 @dataclass(frozen=True)
@@ -332,22 +319,19 @@ class Ledger:
         return row[0] == node_id
 
     # -- assignments -----------------------------------------------------------------------------
-    def add_assignment(self, a: dict, next_problem_index: int) -> None:
+    def add_assignment(self, a: AssignmentRow, next_problem_index: int) -> None:
         """The assignment, its prompts leaving the re-issue queue (those that came from it) and the
         scheduler's next problem index, in one transaction."""
         with self.transaction() as db:
             self.put("next_problem_index", next_problem_index, db)
             db.execute(
                 "INSERT INTO assignments(assignment_id, node_id, batch_step, min_policy_step, created_ms, "
-                "deadline_ms, state, prompts) VALUES(?,?,?,?,?,?, 'open', ?)",
-                (a["assignment_id"], a["node_id"], a["batch_step"], a["min_policy_step"], a["created_ms"],
-                 a["deadline_ms"], json.dumps(a["prompts"])),
-            )
-            db.executemany("DELETE FROM requeued_prompts WHERE prompt_id=?", [(p["prompt_id"],) for p in a["prompts"]])
+                "deadline_ms, state, prompts) VALUES(?,?,?,?,?,?,?,?)", _assignment_values(a))
+            db.executemany("DELETE FROM requeued_prompts WHERE prompt_id=?", [(p.prompt_id,) for p in a.prompts])
 
     def assignment(self, assignment_id: str) -> AssignmentRow | None:
         row = self._exec("SELECT * FROM assignments WHERE assignment_id=?", (assignment_id,)).fetchone()
-        return AssignmentRow.from_row(row) if row else None
+        return _assignment(row) if row else None
 
     def open_assignments(self, deadline_before_ms: int | None = None) -> list[AssignmentRow]:
         """Open assignments (only those whose deadline is before `deadline_before_ms`, if given)."""
@@ -356,14 +340,14 @@ class Ledger:
         else:
             rows = self._exec("SELECT * FROM assignments WHERE state='open' AND deadline_ms < ?",
                               (deadline_before_ms,)).fetchall()
-        return [AssignmentRow.from_row(r) for r in rows]
+        return [_assignment(r) for r in rows]
 
-    def set_assignment_state(self, assignment_id: str, state: str) -> None:
+    def set_assignment_state(self, assignment_id: str, state: AssignmentState) -> None:
         self._exec("UPDATE assignments SET state=? WHERE assignment_id=?", (state, assignment_id))
 
     # -- submissions -----------------------------------------------------------------------------
     def record_submission(self, assignment_id: str, node_id: str, groups: list[dict], rejections: list[dict],
-                          requeue: list[dict], *, reputation_delta: float, reputation_cap: float,
+                          requeue: list[PromptSlot], *, reputation_delta: float, reputation_cap: float,
                           ban_below: float) -> bool:
         """One transaction: the groups (waiting for their verdict), rejections, node counters and
         reputation, the prompts to hand out again, the assignment closed. Returns whether the node is
@@ -483,15 +467,16 @@ class Ledger:
         return {r[0]: r[1] for r in rows}
 
     # -- prompts to hand out again ------------------------------------------------------------------
-    def _requeue(self, db: sqlite3.Connection, slots: list[dict]) -> None:
+    def _requeue(self, db: sqlite3.Connection, slots: list[PromptSlot]) -> None:
         base = db.execute("SELECT COALESCE(MAX(queued), 0) FROM requeued_prompts").fetchone()[0]
         db.executemany("INSERT OR REPLACE INTO requeued_prompts(prompt_id, queued, slot) VALUES(?,?,?)",
-                       [(sl["prompt_id"], base + i + 1, json.dumps(sl)) for i, sl in enumerate(slots)])
+                       [(sl.prompt_id, base + i + 1, json.dumps(sl.to_json())) for i, sl in enumerate(slots)])
 
-    def requeued(self) -> list[dict]:
-        return [json.loads(r[0]) for r in self._exec("SELECT slot FROM requeued_prompts ORDER BY queued").fetchall()]
+    def requeued(self) -> list[PromptSlot]:
+        return [PromptSlot.from_json(json.loads(r[0]))
+                for r in self._exec("SELECT slot FROM requeued_prompts ORDER BY queued").fetchall()]
 
-    def expire_assignment(self, assignment_id: str, node_id: str, slots: list[dict], penalty: float,
+    def expire_assignment(self, assignment_id: str, node_id: str, slots: list[PromptSlot], penalty: float,
                           ban_below: float) -> bool:
         """The deadline passed: the prompts go back in the queue and the node pays. True if now banned."""
         with self.transaction() as db:
@@ -507,7 +492,7 @@ class Ledger:
         return self._exec("SELECT COUNT(*) FROM assignments WHERE node_id=? AND (state='open' OR "
                           "(state='declined' AND deadline_ms > ?))", (node_id, now_ms())).fetchone()[0]
 
-    def decline_assignment(self, assignment_id: str, node_id: str, slots: list[dict], *, reason: str,
+    def decline_assignment(self, assignment_id: str, node_id: str, slots: list[PromptSlot], *, reason: str,
                            penalty: float, ban_below: float, hold_until_ms: int) -> bool:
         """The node submitted outside the window: one transaction records the rejection, puts the prompts back
         in the queue, drops them from the assignment row (the row only holds the node's slot now, until
@@ -591,3 +576,17 @@ class Ledger:
     def _step_row(r: sqlite3.Row) -> StepRow:
         return StepRow(r["step"], r["published_ms"], r["manifest_hash"], r["encoding"], r["base_step"],
                        r["compressed_bytes"], json.loads(r["metrics"]))
+
+
+# -- records <-> rows: the one place that knows the columns and the JSON inside them ----------------------
+def _assignment(r: sqlite3.Row) -> AssignmentRow:
+    return AssignmentRow(r["assignment_id"], r["node_id"], r["batch_step"], r["min_policy_step"], r["created_ms"],
+                         r["deadline_ms"], r["state"],
+                         tuple(PromptSlot.from_json(p) for p in json.loads(r["prompts"])))
+
+
+def _assignment_values(a: AssignmentRow) -> tuple:
+    """The assignments row (column order of SCHEMA): prompts as [{prompt_id, problem_index, prompt_ids, seeds,
+    batch_step}] (PromptSlot.to_json), [] once declined."""
+    return (a.assignment_id, a.node_id, a.batch_step, a.min_policy_step, a.created_ms, a.deadline_ms, a.state,
+            json.dumps([p.to_json() for p in a.prompts]))

@@ -23,10 +23,11 @@ from node.coordinator.ledger import Ledger, NodeRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.node_bytes import NodeBytes
 from node.coordinator.publisher import Publisher
+from node.coordinator.records import AssignmentRow
 from node.coordinator.reachability import DialBack
 from node.coordinator.refusals import Refused
 from node.coordinator.run_model import load_run_model
-from node.coordinator.scheduler import PromptSlot, Scheduler, StaleNode, assignment_id, min_policy_for_batch
+from node.coordinator.scheduler import Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.seeding import SuperSeeder
 from node.coordinator.status import build_status
 from node.coordinator.supervisor import Failure, Supervisor
@@ -150,8 +151,8 @@ class Coordinator:
         s.next_problem_index = int(self.ledger.get("next_problem_index", 0))
         s.waiting_by_batch.update(self.ledger.accepted_by_batch())
         for a in self.ledger.open_assignments():
-            s.inflight[a.assignment_id] = [PromptSlot.from_json(p) for p in a.prompts]
-        s.requeue.extend(PromptSlot.from_json(p) for p in self.ledger.requeued())
+            s.inflight[a.assignment_id] = list(a.prompts)
+        s.requeue.extend(self.ledger.requeued())
 
     async def stop(self) -> None:
         await self.supervisor.stop()  # from here on a task or thread ending is expected, not a failure
@@ -186,8 +187,7 @@ class Coordinator:
             for a in self.ledger.open_assignments(deadline_before_ms=t):
                 if a.assignment_id not in self._submitting:
                     again = self.scheduler.expire(a.assignment_id)
-                    banned = self.ledger.expire_assignment(a.assignment_id, a.node_id,
-                                                           [x.to_json() for x in again], vc.expiry_penalty,
+                    banned = self.ledger.expire_assignment(a.assignment_id, a.node_id, again, vc.expiry_penalty,
                                                            vc.ban_below)
                     self.metrics.assignments_expired.inc()
                     log.info("assignment %s of node %s expired; its prompts go back in the queue%s",
@@ -435,11 +435,10 @@ class Coordinator:
             return None
         batch, slots = picked
         deadline = now_ms() + int(self.cfg.run.assignment_deadline_seconds * 1000)
-        self.ledger.add_assignment({
-            "assignment_id": aid, "node_id": node_id, "batch_step": batch,
-            "min_policy_step": min_policy_for_batch(batch, self.k), "created_ms": now_ms(),
-            "deadline_ms": deadline, "prompts": [s.to_json() for s in slots],
-        }, self.scheduler.next_problem_index)
+        self.ledger.add_assignment(AssignmentRow(
+            assignment_id=aid, node_id=node_id, batch_step=batch, min_policy_step=min_policy_for_batch(batch, self.k),
+            created_ms=now_ms(), deadline_ms=deadline, state="open", prompts=tuple(slots),
+        ), self.scheduler.next_problem_index)
         self.metrics.assignments_issued.inc()
         s = self.cfg.sampling
         return M.Assignment(
@@ -460,7 +459,7 @@ class Coordinator:
         vc = self.cfg.verification
         again = self.scheduler.expire(aid)
         banned = self.ledger.decline_assignment(
-            aid, node_id, [x.to_json() for x in again], reason="stale_policy",
+            aid, node_id, again, reason="stale_policy",
             penalty=vc.reputation_penalty if never_published else vc.decline_penalty, ban_below=vc.ban_below,
             hold_until_ms=now_ms() + int(self.cfg.run.decline_hold_seconds * 1000))
         self.metrics.rejected.labels("stale_policy").inc(n_rollouts)

@@ -163,7 +163,7 @@ class VerdictQueue:
             ledger.set_verdict(assignment_id, "unchecked")
         else:
             a = ledger.assignment(assignment_id)
-            seeds = {p["prompt_id"]: p["seeds"] for p in a.prompts}
+            seeds = {p.prompt_id: p.seeds for p in a.prompts}
             s = self.sampling
             refs, checks, owner = [], [], []  # one check per model turn (a single-turn rollout has one)
             for g in undecided:

@@ -128,7 +128,7 @@ async def test_killed_node_work_is_reassigned_and_run_completes(tmp_path):
             if victim_ids:
                 break
         assert victim_ids, "the victim never died holding an assignment"
-        victim_prompts = {p["prompt_id"] for aid in victim_ids for p in coord.ledger.assignment(aid).prompts}
+        victim_prompts = {p.prompt_id for aid in victim_ids for p in coord.ledger.assignment(aid).prompts}
 
         def redone() -> set:
             rows = coord.ledger._exec("SELECT prompt_id FROM groups").fetchall()

@@ -1,0 +1,124 @@
+"""The coordinator's records (node/coordinator/records.py): typed, converted to and from rows by the ledger alone.
+
+- round trips: record -> ledger row -> record gives the record back, and the row's JSON keeps the shape the
+  ledger has always stored, so a ledger written before the records were typed loads (old rows inserted here
+  with raw SQL, the way the old code wrote them);
+- nothing in node/coordinator outside ledger.py indexes a record by a string key (an AST scan).
+"""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from node.coordinator.ledger import Ledger
+from node.coordinator.records import AssignmentRow
+from node.coordinator.scheduler import PromptSlot
+
+REPO = Path(__file__).resolve().parents[2]
+COORDINATOR = REPO / "node" / "coordinator"
+
+# The keys of the records' stored JSON and columns: outside the ledger, none of them is a subscript or a .get().
+RECORD_KEYS = {"assignment_id", "node_id", "batch_step", "min_policy_step", "created_ms", "deadline_ms", "state",
+               "prompts", "problem_index", "seeds"}
+
+
+def slot(i: int, batch: int = 1) -> PromptSlot:
+    return PromptSlot(f"{i}:p{i}", i, [1, 2, 3 + i], [100 + i, 200 + i], batch)
+
+
+def assignment(aid: str = "a1", state: str = "open", prompts: tuple[PromptSlot, ...] = (slot(0), slot(1))) -> AssignmentRow:
+    return AssignmentRow(assignment_id=aid, node_id="n" * 64, batch_step=1, min_policy_step=0, created_ms=1_000,
+                         deadline_ms=61_000, state=state, prompts=prompts)  # type: ignore[arg-type]
+
+
+def raw(ledger: Ledger, sql: str, args: tuple = ()) -> list[tuple]:
+    return [tuple(r) for r in ledger._exec(sql, args).fetchall()]
+
+
+def test_assignment_round_trip_and_stored_shape(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.upsert_node("n" * 64, 1.0, {})
+    a = assignment()
+    ledger.add_assignment(a, next_problem_index=2)
+    assert ledger.assignment("a1") == a
+    assert ledger.open_assignments() == [a]
+    (prompts,), = raw(ledger, "SELECT prompts FROM assignments WHERE assignment_id='a1'")
+    assert json.loads(prompts) == [{"prompt_id": "0:p0", "problem_index": 0, "prompt_ids": [1, 2, 3],
+                                    "seeds": [100, 200], "batch_step": 1},
+                                   {"prompt_id": "1:p1", "problem_index": 1, "prompt_ids": [1, 2, 4],
+                                    "seeds": [101, 201], "batch_step": 1}]
+    # expired: its prompts are queued again, typed, in order
+    assert not ledger.expire_assignment("a1", "n" * 64, list(a.prompts), penalty=0.1, ban_below=-10)
+    assert ledger.assignment("a1").state == "expired"
+    assert ledger.requeued() == list(a.prompts)
+    ledger.add_assignment(assignment("a2", prompts=(slot(1),)), next_problem_index=2)  # taking one leaves the other
+    assert ledger.requeued() == [slot(0)]
+    ledger.decline_assignment("a2", "n" * 64, [slot(1)], reason="stale_policy", penalty=0.1, ban_below=-10,
+                              hold_until_ms=0)
+    declined = ledger.assignment("a2")
+    assert (declined.state, declined.prompts) == ("declined", ())
+    ledger.close()
+
+
+def test_assignment_written_by_the_old_code_loads(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    old = [{"prompt_id": "7:x", "problem_index": 7, "prompt_ids": [5, 6], "seeds": [1, 2, 3, 4], "batch_step": 3}]
+    ledger._exec("INSERT INTO assignments(assignment_id, node_id, batch_step, min_policy_step, created_ms, "
+                 "deadline_ms, state, prompts) VALUES(?,?,?,?,?,?, 'open', ?)",
+                 ("old", "n" * 64, 3, 1, 5, 6, json.dumps(old)))
+    ledger._exec("INSERT INTO requeued_prompts(prompt_id, queued, slot) VALUES(?,?,?)", ("7:x", 1, json.dumps(old[0])))
+    a = ledger.assignment("old")
+    assert a == AssignmentRow("old", "n" * 64, 3, 1, 5, 6, "open", (PromptSlot("7:x", 7, [5, 6], [1, 2, 3, 4], 3),))
+    assert ledger.requeued() == list(a.prompts)
+    ledger.close()
+
+
+def string_key_uses(tree: ast.AST, keys: set[str]) -> list[tuple[int, str]]:
+    """x["key"] and x.get("key") with a record key, as (line, key)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in keys:
+            found.append((node.lineno, node.slice.value))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in keys):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def test_scan_finds_string_keyed_records() -> None:
+    """The scan itself: it sees the old code's ways of reading a record."""
+    old = 'seeds = {p["prompt_id"]: p["seeds"] for p in a.prompts}\nx = sl.get("problem_index")\nok = d["other"]\n'
+    assert sorted(string_key_uses(ast.parse(old), RECORD_KEYS)) == [(1, "seeds"), (2, "problem_index")]
+
+
+def without_slot_json(tree: ast.Module) -> ast.Module:
+    """scheduler.py less PromptSlot.from_json: a prompt slot's own JSON form, which only the ledger calls (below)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "PromptSlot":
+            node.body = [f for f in node.body if not (isinstance(f, ast.FunctionDef) and f.name == "from_json")]
+    return tree
+
+
+def test_no_record_is_indexed_by_string_outside_the_ledger() -> None:
+    offenders = {}
+    for path in sorted(COORDINATOR.glob("*.py")):
+        if path.name in ("ledger.py", "records.py"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        found = string_key_uses(without_slot_json(tree) if path.name == "scheduler.py" else tree, RECORD_KEYS)
+        if found:
+            offenders[path.name] = found
+    assert not offenders, f"records read by string key outside node/coordinator/ledger.py: {offenders}"
+
+
+def test_only_the_ledger_converts_records() -> None:
+    """Rows and JSON become records (and back) in ledger.py only: nothing else calls a slot's to_json/from_json."""
+    callers = {}
+    for path in sorted(COORDINATOR.glob("*.py")):
+        calls = [n.lineno for n in ast.walk(ast.parse(path.read_text(), str(path)))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr in ("to_json", "from_json")]
+        if calls and path.name != "ledger.py":
+            callers[path.name] = calls
+    assert not callers, f"record conversions outside node/coordinator/ledger.py: {callers}"
