@@ -36,7 +36,7 @@ def cmd_pack(args) -> int:
     delta_encoding = args.encoding if explicit else "xor-delta"  # the default with --parent
     if explicit and parent is None:
         raise PrimeNodeError(f"--encoding {args.encoding} needs --parent (the base step's checkpoint)")
-    if want_delta and parent.encoding != "full":
+    if want_delta and parent is not None and parent.encoding != "full":
         if explicit:
             raise PrimeNodeError(f"parent {args.parent} is itself a {parent.encoding}, so its full payload cannot "
                                  "be rebuilt from it alone; use --encoding full or a full parent")

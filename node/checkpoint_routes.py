@@ -10,7 +10,7 @@ hears whether the copy got out.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -19,17 +19,20 @@ from node.http import ApiError, file_response, int_param
 from node.rate_limit import AsyncRateLimiter
 
 
-class ShardGate(Protocol):
-    def before(self, request: web.Request, step: int, index: int) -> object:
+Ticket = TypeVar("Ticket")  # whatever a gate's `before` hands its own `after`
+
+
+class ShardGate(Protocol[Ticket]):
+    def before(self, request: web.Request, step: int, index: int) -> Ticket:
         """Raise ApiError to refuse; return a ticket for `after`."""
 
-    def after(self, ticket: object, sent: bool) -> None:
+    def after(self, ticket: Ticket, sent: bool) -> None:
         """The copy was sent whole (True) or not (False)."""
 
 
 class CheckpointRoutes:
     def __init__(self, store: CheckpointDir, *, servable: Callable[[], list[int]], throttle: AsyncRateLimiter,
-                 on_bytes: Callable[[int], None] = lambda n: None, gate: ShardGate | None = None):
+                 on_bytes: Callable[[int], None] = lambda n: None, gate: ShardGate[Any] | None = None):
         self.store = store
         self.servable = servable  # steps this server may hand out (the coordinator: committed to its ledger)
         self.throttle = throttle

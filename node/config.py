@@ -167,7 +167,9 @@ class AdmissionConfig(_Section):
     @classmethod
     def _keys(cls, keys: list[str]) -> list[str]:
         try:
-            return [parse_public_key(k) and k.lower() for k in keys]
+            for k in keys:
+                parse_public_key(k)  # raises ValueError for anything but a public key
+            return [k.lower() for k in keys]
         except ValueError as e:
             raise ValueError(f"admission.allowlist: {e}") from None
 

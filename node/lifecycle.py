@@ -92,7 +92,7 @@ class Stopper:
         self.role = role
         self.grace_s = grace_s
         self.signum: int | None = None  # the first stop signal, once one came
-        self._callbacks: list[Callable[[int], None]] = []
+        self._callbacks: list[Callable[[int], object]] = []
         self._lock = threading.Lock()
 
     def install(self) -> "Stopper":
@@ -105,7 +105,7 @@ class Stopper:
         threading.Thread(target=self._read, args=(r,), name="stop-signals", daemon=True).start()
         return self
 
-    def on_stop(self, fn: Callable[[int], None]) -> None:
+    def on_stop(self, fn: Callable[[int], object]) -> None:
         """Call fn(signum) at the first stop signal; at once if it already came."""
         with self._lock:
             self._callbacks.append(fn)
@@ -135,7 +135,7 @@ class Stopper:
         for fn in callbacks:
             self._call(fn, signum)
 
-    def _call(self, fn: Callable[[int], None], signum: int) -> None:
+    def _call(self, fn: Callable[[int], object], signum: int) -> None:
         try:
             fn(signum)
         except Exception as e:  # noqa: BLE001 - e.g. the loop is closed already: the deadline still holds
@@ -165,6 +165,7 @@ def run_async(role: str, main: Callable[[], Awaitable[int | None]], stop: Callab
     async def supervised():
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
+        assert task is not None  # supervised() runs as asyncio.run's task
 
         def on_loop():
             stop()

@@ -126,7 +126,8 @@ def convert(gguf: Path, out: Path) -> None:
     if missing or unexpected:
         raise RealModelError(f"GGUF state does not fit LlamaForCausalLM: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-    plain = plain.to(torch.bfloat16)
+    # transformers wraps PreTrainedModel.to in functools.wraps, which typeshed types as unbound
+    plain = plain.to(torch.bfloat16)  # type: ignore[arg-type]
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     for cfg in (plain.config, plain.generation_config):

@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -104,6 +105,7 @@ class Relay:
         joins the run's gossip topic, as the coordinator's host does: nodes that bootstrap from it mesh with it."""
         from node.p2p import P2PNode
 
+        assert self.p2p_cfg is not None  # run() starts a hop only when the relay has its settings
         hop = P2PNode(self.identity, self.p2p_cfg.model_copy(update={"http": False, "relay_hop": True}),
                       run_id=self.run_id, coordinator_key=key)
         try:
@@ -131,7 +133,7 @@ class Relay:
             # run_id and coordinator_key (the RunInfo a relay reads) let another relay with a hop mirror this one
             known = {"run_id": self.run_id, "coordinator_key": self.key} if self.run_id and self.key else {}
             # the hop's addresses and counters (reservations held, circuits relayed and refused) for its operator
-            hop = {"relay_hop": self.hop_addrs, "relay_hop_stats": await self.hop.relay_stats()} if (
+            hop: dict[str, Any] = {"relay_hop": self.hop_addrs, "relay_hop_stats": await self.hop.relay_stats()} if (
                 self.hop is not None and self.hop.running) else {}
             return web.json_response({"role": "relay", "upstream": self.upstream, "steps": self.store.held_steps(),
                                       "bytes_served": self.bytes_served, **hop, **known})

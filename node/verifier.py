@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from node.aio import client_session, sleep_or_stop, wait_any
 from node.backoff import Backoff
@@ -33,6 +34,11 @@ from node.worker.sources import HttpSource
 from protocol import messages as M
 from protocol.errors import PrimeNodeError
 from protocol.identity import Identity, public_key_arg
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from node.worker.backends.transformers_backend import TransformersBackend
 
 log = logging.getLogger("prime_node.verifier")
 
@@ -53,8 +59,8 @@ class Verifier:
         self.spec: M.VerifierSpec | None = None
         self.payloads: dict[int, Path] = {}  # step -> verified payload, as the fetcher commits them
         self._arrived = asyncio.Event()
-        self._backends: dict[int, object] = {}  # step -> fp32 transformers backend with that step's weights
-        self._spare: list = []  # backends of steps that left the window, reused for the next step
+        self._backends: dict[int, TransformersBackend] = {}  # step -> fp32 backend with that step's weights
+        self._spare: list[TransformersBackend] = []  # backends of steps that left the window, reused next
         self.jobs_done = 0
         self.rollouts_judged = 0
 
@@ -97,10 +103,16 @@ class Verifier:
                 raise VerifierRefused(f"{self.url} sent no run facts to this verifier")
             return answer.spec
 
+    @property
+    def _run_spec(self) -> M.VerifierSpec:
+        """The run's facts: run() has them before the fetcher or the job loop starts."""
+        assert self.spec is not None
+        return self.spec
+
     def _on_new_step(self, step: int, payload: Path) -> None:
         self.payloads[step] = payload  # steps of the window may arrive below the newest (filled in)
         newest = max(self.payloads)
-        for old in [s for s in self.payloads if s < newest - self.spec.async_level - 1]:
+        for old in [s for s in self.payloads if s < newest - self._run_spec.async_level - 1]:
             self.payloads.pop(old, None)
             if (b := self._backends.pop(old, None)) is not None and not self._spare:
                 self._spare.append(b)
@@ -137,7 +149,8 @@ class Verifier:
         s = job.sampling
         items = [VerifyItem(list(i.prompt_ids), RolloutClaim(list(i.completion_ids), list(i.logprobs), i.finish_reason,
                                                               i.commitment),
-                            i.seed, s.temperature, s.top_p, s.max_tokens, self.spec.eos_token_id) for i in job.items]
+                            i.seed, s.temperature, s.top_p, s.max_tokens, self._run_spec.eos_token_id)
+                 for i in job.items]
         judgements = await asyncio.to_thread(judge, model, items)
         self.jobs_done += 1
         self.rollouts_judged += len(items)
@@ -145,12 +158,12 @@ class Verifier:
             M.ReplayVerdict(reason=j.reason, tokens=j.tokens, near_ties=j.near_ties, outlier=j.outlier)
             for j in judgements])
 
-    async def _model_for(self, step: int):
+    async def _model_for(self, step: int) -> PreTrainedModel | None:
         """The model of `step`, waiting (bounded) for the fetcher to bring it; None if it will not come."""
         deadline = time.monotonic() + STEP_WAIT_S
         while step not in self.payloads:
             newest = self.fetcher.newest_held  # the fetcher holds every step down to newest - k - 1
-            if (newest >= 0 and step < newest - self.spec.async_level - 1) or time.monotonic() > deadline \
+            if (newest >= 0 and step < newest - self._run_spec.async_level - 1) or time.monotonic() > deadline \
                     or self.stop_event.is_set():
                 return None
             self.fetcher.wake.set()
@@ -162,14 +175,15 @@ class Verifier:
             self._backends[step] = await asyncio.to_thread(self._load, step, payload)
         return self._backends[step].model
 
-    def _load(self, step: int, payload: Path):
+    def _load(self, step: int, payload: Path) -> TransformersBackend:
         """A backend holding `step`'s weights: a spare one reloaded, else a copy of one held (no model built
         from its config again), else the first one built."""
         if self._spare or self._backends:
             backend = self._spare.pop() if self._spare else copy.deepcopy(next(iter(self._backends.values())))
             backend.load_payload(payload, step)
             return backend
-        return start_backend("transformers", self.model_dir, payload, step, dtype="float32", device="cpu")
+        return cast("TransformersBackend",  # what start_backend("transformers") builds
+                    start_backend("transformers", self.model_dir, payload, step, dtype="float32", device="cpu"))
 
 
 def cmd_verifier(args) -> int:

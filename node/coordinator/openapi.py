@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from protocol import messages as M
 from protocol.checkpoint.manifest import Manifest
@@ -120,8 +120,8 @@ SECURITY_SCHEMES = {
 }
 
 
-def _models() -> list[tuple[type[BaseModel], str]]:
-    out: list[tuple[type[BaseModel], str]] = [(M.ErrorBody, "serialization")]
+def _models() -> list[tuple[type[BaseModel], JsonSchemaMode]]:
+    out: list[tuple[type[BaseModel], JsonSchemaMode]] = [(M.ErrorBody, "serialization")]
     for r in ROUTES:
         if r.request is not None:
             out.append((r.request, "validation"))

@@ -8,6 +8,7 @@ before the window's start, so a node that holds nothing can always rebuild the n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from node.checkpoint_dir import CheckpointDir
 from protocol.checkpoint import CheckpointError, pack_checkpoint
@@ -41,8 +42,9 @@ class Publisher:
         base = store.payload_path(prev)
         delta = step % self.full_every != 0 and parent is not None and base.is_file()
         store.remove(step)  # a half-published step from before a crash: the ledger never recorded it
-        common = dict(identity=self.identity, step=step, run_id=self.run_id, parent=parent,
-                      shard_size=self.shard_size, level=self.level, payload_out=store.payload_path(step))
+        common: dict[str, Any] = dict(identity=self.identity, step=step, run_id=self.run_id, parent=parent,
+                                      shard_size=self.shard_size, level=self.level,
+                                      payload_out=store.payload_path(step))
         out = store.step_dir(step)
         try:
             manifest = pack_checkpoint(state, out, base_payload=base if delta else None,

@@ -33,6 +33,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 # Fair share: prompts a node was given decay with this half-life (its recent share); a node that asked for work
 # and got none within FAIR_WAITING_S is waiting for work; work is kept for waiting nodes at most FAIR_HOLD_S per
@@ -74,7 +75,7 @@ class Scheduler:
     batch_prompts: int
     group_size: int
     prompts_per_assignment: int
-    make_prompt: "callable"  # problem_index -> (prompt_id, prompt_ids)
+    make_prompt: Callable[[int], tuple[str, list[int]]]  # problem_index -> (prompt_id, prompt_ids)
     published_step: int = 0
     next_problem_index: int = 0
     keep_rate: float = 1.0  # fraction of groups that survive filters (for oversampling)

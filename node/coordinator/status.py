@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from node.coordinator.ledger import now_ms
+from node.coordinator.ledger import NodeRow, now_ms
 
 ONLINE_MS = 30_000
 CURVE_POINTS = 1000  # a long run's reward curve is thinned to this many points (the newest always kept)
@@ -18,7 +18,7 @@ def thin(rows: list, limit: int) -> list:
     return rows[-1::-stride][::-1]
 
 
-def node_state(n: dict, t: int) -> str:
+def node_state(n: NodeRow, t: int) -> str:
     if n.banned:
         return "banned"
     if t - n.last_seen_ms > ONLINE_MS:
@@ -37,12 +37,12 @@ def build_status(c) -> dict:
         c.metrics.nodes.labels(s).set(summary["by_state"].get(s, 0))
     c.metrics.trainer_busy.set(tl.busy_seconds)
     c.metrics.trainer_idle.set(tl.idle_seconds)
-    hist = Counter()
+    hist: Counter[int] = Counter()
     for row in steps:
         for s, n in row.metrics.get("staleness_hist", {}).items():
             hist[int(s)] += n
     busy, idle = tl.busy_seconds, tl.idle_seconds
-    bytes_by_source = Counter()
+    bytes_by_source: Counter[str] = Counter()
     for per_node in c.node_bytes.values():
         bytes_by_source.update(per_node)
     counts = c.ledger.counts()

@@ -138,7 +138,7 @@ class Supervisor:
     def _signal(self) -> None:
         if self._failed is not None:
             self._failed.set()
-        if self._on_failure is not None:
+        if self._on_failure is not None and self.failure is not None:  # set before it is signalled
             self._on_failure(self.failure)
 
     # -- stop ----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ class ArithmeticKwargs(TaskKwargs):
 class Arithmetic(Task):
     name = "arithmetic"
     Kwargs = ArithmeticKwargs
+    kwargs: ArithmeticKwargs
 
     def make_problem(self, rng: random.Random) -> tuple[str, str]:
         k = self.kwargs

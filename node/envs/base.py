@@ -35,8 +35,10 @@ class Task:
     every verifier get the same problem for the same numbers, on every machine.
     """
 
-    name: ClassVar[str] = "task"
+    name: str = "task"  # a class attribute; tasks that wrap a library's environments set it per instance
     Kwargs: ClassVar[type[TaskKwargs]] = TaskKwargs
+    # an instance of Kwargs; a subclass narrows the annotation (tasks wrapping a library keep a plain dict)
+    kwargs: TaskKwargs | dict[str, Any]
 
     def __init__(self, **kwargs: Any) -> None:
         try:

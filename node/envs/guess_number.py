@@ -24,6 +24,7 @@ def parse_guess(text: str) -> int | None:
 class GuessNumber(Task):
     name = "guess-number"
     Kwargs = GuessNumberKwargs
+    kwargs: GuessNumberKwargs
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

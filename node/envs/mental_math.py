@@ -49,6 +49,7 @@ def last_number(text: str) -> str | None:
 class MentalMath(Task):
     name = "mental-math"
     Kwargs = MentalMathKwargs
+    kwargs: MentalMathKwargs
 
     def sample(self, seed: int, index: int) -> Problem:
         problem = super().sample(seed, index)

@@ -100,6 +100,8 @@ def _describe(e: BaseException) -> str:
 class ReasoningGymTask(Task):
     """One reasoning-gym dataset. Thread-safe: the coordinator samples and scores from worker threads."""
 
+    kwargs: dict[str, Any]  # the dataset config's own fields, checked by reasoning-gym
+
     def __init__(self, dataset: str, kwargs: dict[str, Any] | None = None) -> None:  # noqa: D107
         self.name = PREFIX + dataset
         self.dataset = dataset

@@ -34,6 +34,7 @@ def lcs_length(a: str, b: str) -> int:
 class ReverseText(Task):
     name = "reverse-text"
     Kwargs = ReverseTextKwargs
+    kwargs: ReverseTextKwargs
 
     def make_problem(self, rng: random.Random) -> tuple[str, str]:
         k = self.kwargs

@@ -95,6 +95,8 @@ class _LoopThread:
 class VerifiersTask(Task):
     """A single-turn verifiers taskset. Thread-safe: the coordinator samples and scores from worker threads."""
 
+    kwargs: dict[str, Any]  # passed to the environment's loader
+
     def __init__(self, target: str, kwargs: dict[str, Any] | None = None) -> None:  # noqa: D107
         self.name = PREFIX + target
         self.target = target
@@ -295,7 +297,7 @@ class VerifiersTask(Task):
         messages = [UserMessage(content=data.prompt)] if isinstance(data.prompt, str) else list(data.prompt)
         if data.system_prompt:
             messages.insert(0, SystemMessage(content=data.system_prompt))
-        nodes = []
+        nodes: list[Any] = []  # verifiers' MessageNode (verifiers has no type information)
         for m in messages:
             nodes.append(MessageNode(parent=len(nodes) - 1 if nodes else None, message=m))
         nodes.append(MessageNode(parent=len(nodes) - 1, message=AssistantMessage(content=completion), sampled=True))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -90,7 +90,7 @@ def encode_manifest_announcement(identity: Identity, *, run_id: str, step: int, 
 
 
 def encode_have_announcement(identity: Identity, *, run_id: str, step: int, manifest_hash: str,
-                             indices: list[int], addrs: list[str] = (), ts_ms: int | None = None) -> bytes:
+                             indices: list[int], addrs: Sequence[str] = (), ts_ms: int | None = None) -> bytes:
     doc = {"kind": "have", "run_id": run_id, "step": step, "manifest_hash": manifest_hash,
            "indices": sorted(set(indices)), "addrs": list(addrs)[:MAX_ADDRS],
            "ts_ms": _now_ms() if ts_ms is None else ts_ms}

@@ -18,9 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .errors import P2PError, P2PNotRunning
+
+if TYPE_CHECKING:
+    import trio
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ class _Job:
 
     def __init__(self, fn: Callable[..., Awaitable[Any]], args: tuple, fut: asyncio.Future, loop: asyncio.AbstractEventLoop):
         self.fn, self.args, self.fut, self.loop = fn, args, fut, loop
-        self.scope = None  # trio.CancelScope, created on the trio thread
+        self.scope: trio.CancelScope | None = None  # created on the trio thread
         self.cancel_requested = False
 
 
@@ -64,9 +67,9 @@ class TrioBridge:
         self.name = name
         self.grace_s = grace_s
         self._thread: threading.Thread | None = None
-        self._token = None  # trio.lowlevel.TrioToken
-        self._stop_event = None  # trio.Event, created on the trio thread
-        self._jobs = None  # trio.Nursery for submitted calls
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop_event: trio.Event | None = None  # created on the trio thread
+        self._jobs: trio.Nursery | None = None  # for submitted calls
         self._started: asyncio.Future | None = None
         self._finished: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -105,7 +108,7 @@ class TrioBridge:
             token.run_sync_soon(self._spawn, job)
         except trio.RunFinishedError:
             raise P2PNotRunning(f"p2p node {self.name} has stopped") from None
-        job.fut.add_done_callback(lambda f: f.cancelled() and self._request_cancel(token, job))
+        job.fut.add_done_callback(lambda f: self._request_cancel(token, job) if f.cancelled() else None)
         return await job.fut
 
     def _request_cancel(self, token, job: _Job) -> None:
@@ -156,33 +159,34 @@ class TrioBridge:
     async def _run_job(self, job: _Job) -> None:
         import trio
 
-        job.scope = trio.CancelScope()
+        scope = job.scope = trio.CancelScope()
         if job.cancel_requested:
-            job.scope.cancel()
+            scope.cancel()
         try:
-            with job.scope:
+            with scope:
                 result = await job.fn(*job.args)
         except trio.Cancelled:
             _post(job.loop, job.fut, exc=P2PNotRunning(f"p2p node {self.name} stopped during the call"))
             raise
         except Exception as e:  # handed to the caller, who owns the error
-            e = unwrap(e)
-            _post(job.loop, job.fut, exc=e if isinstance(e, Exception) else P2PError(repr(e)))
+            error = unwrap(e)
+            _post(job.loop, job.fut, exc=error if isinstance(error, Exception) else P2PError(repr(error)))
             return
-        if not job.scope.cancelled_caught:
+        if not scope.cancelled_caught:
             _post(job.loop, job.fut, result=result)
 
     async def _main(self, service: Callable[..., Awaitable[Any]], args: tuple) -> None:
         import trio
 
+        assert self._loop is not None and self._started is not None  # set by start() before the thread
         self._token = trio.lowlevel.current_trio_token()
-        self._stop_event = trio.Event()
+        stop_event = self._stop_event = trio.Event()
         async with trio.open_nursery() as root:
-            value = await root.start(service, self._stop_event, *args)
+            value = await root.start(service, stop_event, *args)
             async with trio.open_nursery() as jobs:
                 self._jobs = jobs
                 _post(self._loop, self._started, result=value)
-                await self._stop_event.wait()
+                await stop_event.wait()
                 self._jobs = None
                 jobs.cancel_scope.cancel()
             # The service saw the stop event too; give it grace_s to close connections cleanly.
@@ -201,7 +205,7 @@ class TrioBridge:
         finally:
             self._jobs = None
             self._token = None
-            assert self._loop is not None
+            assert self._loop is not None and self._started is not None and self._finished is not None
             if error is not None:
                 error = unwrap(error)
                 _post(self._loop, self._started, exc=error if isinstance(error, Exception) else P2PError(repr(error)))

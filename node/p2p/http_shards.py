@@ -213,7 +213,7 @@ async def fetch_shard_http(session: aiohttp.ClientSession, base_url: str, *, pee
                            connect_timeout_s: float, on_have: Callable[[list[int]], None] | None = None) -> bytes:
     """The compressed bytes of a shard from a peer's HTTP shard server (unverified: check the sha256).
     `on_have` gets the shards the peer says it holds, whatever it answered (a malformed claim is ignored)."""
-    where = dict(peer=peer, step=step, index=index)
+    where: dict[str, Any] = dict(peer=peer, step=step, index=index)
     what = f"shard {index} of step {step} from peer {peer} over HTTP"
     url = f"{base_url}{PATH.format(step=int(step), index=int(index))}?manifest={manifest_hash}"
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)

@@ -22,6 +22,7 @@ Importing this module loads neither libp2p nor trio (host.py imports it for `is_
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -352,10 +353,10 @@ class NatKeeper:
                 addrs = [a for a in node.table.addrs_of(peer) if not is_circuit(a) and "/p2p/" in a
                          and not a.endswith("/http")]
                 if addrs:
-                    dials.append(lambda a=addrs, p=peer: self._dial(p, a))
+                    dials.append(functools.partial(self._dial, peer, addrs))
         for addr, peer in node.known_bootstrap():
             if peer not in connected:
-                dials.append(lambda a=[addr], p=peer: self._dial(p, a))
+                dials.append(functools.partial(self._dial, peer, [addr]))
         if dials:
             await asyncio.gather(*(d() for d in dials))
             connected = set(await node.connected_peers())

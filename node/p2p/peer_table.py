@@ -181,7 +181,7 @@ class PeerTable:
 
     def peers_with(self, step: int, index: int, manifest_hash: str | None = None) -> list[str]:
         """Peers that announced shard `index` of `step` (of `manifest_hash`, if given), newest first."""
-        peers = self._holdings.get(step, {})
+        peers: dict[str, _Holding] = self._holdings.get(step, {})
         return [p for p, h in reversed(peers.items())
                 if index in h.indices and (manifest_hash is None or h.manifest_hash == manifest_hash)]
 
@@ -213,7 +213,8 @@ class PeerTable:
         return out
 
     def drop_shard(self, peer: str, step: int, index: int) -> None:
-        held = self._holdings.get(step, {}).get(peer)
+        peers: dict[str, _Holding] = self._holdings.get(step, {})
+        held = peers.get(peer)
         if held is not None:
             held.indices.discard(index)
 

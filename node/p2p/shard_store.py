@@ -23,7 +23,8 @@ __all__ = ["ShardBody", "BytesBody", "FileBody", "ShardStore", "CallableShardSto
 
 
 class ShardBody(Protocol):
-    size: int
+    @property
+    def size(self) -> int: ...
 
     def chunks(self, chunk_size: int) -> Iterator[bytes]: ...
 
@@ -192,7 +193,7 @@ def as_store(source: ShardStore | ShardGetter | str | os.PathLike | None) -> Sha
     if isinstance(source, (str, os.PathLike)):
         return DirectoryShardStore(source)
     if hasattr(source, "open"):
-        return source  # type: ignore[return-value]
+        return source
     if callable(source):
         return CallableShardStore(source)
     raise TypeError(f"not a shard store: {type(source).__name__}")

@@ -54,13 +54,15 @@ class AdvantageConfig(_Strict):
         return self
 
 
+FilterName = Literal["gibberish", "repetition", "zero_advantage"]
+DEFAULT_FILTERS: tuple[FilterName, ...] = ("gibberish", "repetition")
+
+
 class FiltersConfig(_Strict):
     """Rollout filters. Setting `enabled` replaces the default list wholesale (no None values: the
     demo serialises this tree back to TOML, which has no null)."""
 
-    enabled: list[Literal["gibberish", "repetition", "zero_advantage"]] = Field(
-        default_factory=lambda: ["gibberish", "repetition"]
-    )
+    enabled: list[FilterName] = Field(default_factory=lambda: list(DEFAULT_FILTERS))
     gibberish_min_mean_logprob: float = -10.0  # a completion whose mean sampler logprob is below is noise
     repetition_ngram: int = Field(4, ge=1, le=64)
     repetition_threshold: float = Field(0.5, gt=0, le=1)  # fraction of repeated n-grams

@@ -40,7 +40,7 @@ def loss_mask_tensor(sample, device) -> torch.Tensor:
     return torch.tensor(sample.loss_mask, dtype=torch.bool, device=device)
 
 
-def _ratio_parts(inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ratio_parts(inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(log_ratio with invalid tokens zeroed, valid mask, count of non-finite tokens among loss tokens)."""
     mask = inputs.loss_mask.bool()
     raw = inputs.trainer_logprobs - inputs.inference_logprobs

@@ -180,7 +180,7 @@ class Trainer:
             for sl, lp in zip(slices, logprobs):
                 s = sl.sample
                 n = len(s.completion_ids)
-                like = dict(dtype=lp.dtype, device=lp.device)
+                like: dict[str, Any] = dict(dtype=lp.dtype, device=lp.device)
                 inputs = LossInputs(
                     trainer_logprobs=lp,
                     inference_logprobs=torch.tensor(s.inference_logprobs, **like),

@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from node.aio import client_counts, sleep_or_stop, wait_any
 from node.backoff import Backoff
@@ -42,7 +42,7 @@ class NoManifest(FetchError):
 
 
 class Fetcher:
-    def __init__(self, store: CheckpointDir, sources: list[ShardSource], trusted_key: str, *, keep: int,
+    def __init__(self, store: CheckpointDir, sources: Sequence[ShardSource], trusted_key: str, *, keep: int,
                  on_new_step: Callable[[int, Path], None],
                  on_shards: Callable[[int, str, list[int]], None] | None = None,
                  parallel: int = 8, progress: bool = False, window: int = 0, small_step_bytes: int = 4 << 20):
@@ -153,7 +153,7 @@ class Fetcher:
 
     def _connects(self) -> int:
         """TCP connections opened so far by the HTTP sources' sessions."""
-        sessions = {id(s.session): s.session for s in self.sources if getattr(s, "session", None) is not None}
+        sessions = {id(x): x for x in (getattr(s, "session", None) for s in self.sources) if x is not None}
         return sum(client_counts(x)["connects"] for x in sessions.values())
 
     async def fetch_steps(self, steps: list[int], early: tuple[ShardSource, int, bytes] | None = None) -> None:
@@ -319,6 +319,7 @@ class Fetcher:
         """Rebuild the payload of a downloaded step (on its base, for a delta) and make it visible."""
         step, base = m.step, None
         if m.encoding == "xor-delta":
+            assert m.base_step is not None  # the manifest requires it of a delta
             base = self.store.payload_path(m.base_step)
             if not base.is_file():
                 raise FetchError(f"step {step} is a delta against step {m.base_step}, which is not held")

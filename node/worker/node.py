@@ -15,22 +15,26 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-
+from typing import TYPE_CHECKING, Any
 
 from node.aio import client_session, sleep_or_stop, wait_any
 from node.backoff import Backoff
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
-from node.worker.backends import GenRequest, start_backend
+from node.worker.backends import GenRequest, InferenceBackend, start_backend
 from node.worker.episodes import Episode, EpisodePlayer
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
 from node.worker.fetcher import Fetcher
 from node.worker.peers import HaveAnnouncer, PeerSource
-from node.worker.sources import HttpSource
+from node.worker.sources import HttpSource, ShardSource
 from protocol import messages as M
 from protocol.errors import PrimeNodeError
 from protocol.identity import Identity
 from protocol.signing import sign_request
+
+if TYPE_CHECKING:
+    from node.p2p import P2PNode
+    from node.p2p.shard_store import CheckpointShards
 
 log = logging.getLogger("prime_node.worker")
 
@@ -78,7 +82,7 @@ class WorkerNode:
         self.new_weights = asyncio.Event()
         self.stats = Stats()
         self.state = "starting"
-        self.backend = None
+        self.backend: InferenceBackend | None = None
         self.spec: M.RunSpec | None = None
         self.episodes: EpisodePlayer | None = None  # multi-turn tasks only
         self._pending_step: tuple[int, Path] | None = None
@@ -120,7 +124,8 @@ class WorkerNode:
 
     # -- main --------------------------------------------------------------------------------------
     async def run(self) -> None:
-        self.p2p, self.announcer = None, None
+        self.p2p: P2PNode | None = None
+        self.announcer: HaveAnnouncer | None = None
         try:
             await self._run()
         finally:
@@ -147,6 +152,7 @@ class WorkerNode:
             self.model_dir = self._write_model_dir(spec)
             self.episodes = EpisodePlayer(spec, self.model_dir) if spec.max_turns > 1 else None
             run_id = spec.run_id
+            sources: list[ShardSource]  # HTTP servers, and the swarm with p2p
             sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled,
                                   signer=lambda method, path: sign_request(self.identity, method, path, b"",
                                                                            run_id=run_id),
@@ -174,7 +180,7 @@ class WorkerNode:
                     tg.create_task(self.fetcher.run(self.stop_event), name="fetch")
                     tg.create_task(self._heartbeat_loop(), name="heartbeat")
                     tg.create_task(self._work_loop(), name="work")
-                    if self.p2p is not None:
+                    if self.p2p is not None and self.announcer is not None:  # both or neither
                         tg.create_task(self.announcer.run(self.stop_event), name="announce")
                     if self.status_line:
                         tg.create_task(self._status_loop(), name="status")
@@ -187,10 +193,11 @@ class WorkerNode:
     def _on_shards(self, step: int, manifest_hash: str, indices: list[int]) -> None:
         """Shards of a manifest the fetcher verified: the peer table counts peers' `have`s for that step from
         now on (node/p2p/peer_table.py), and we announce the shards."""
+        assert self.p2p is not None and self.announcer is not None  # the fetcher calls this only with p2p
         self.p2p.note_manifest(step, manifest_hash)
         self.announcer.add(step, manifest_hash, indices)
 
-    async def _start_p2p(self, run_id: str, key: str, shard_source):
+    async def _start_p2p(self, run_id: str, key: str, shard_source: CheckpointShards) -> P2PNode:
         """Our libp2p host (and HTTP shard server), listening; the run's bootstrap is dialled after the join."""
         from node.p2p import P2PNode
 
@@ -207,6 +214,7 @@ class WorkerNode:
 
     def _reachability(self, reach: M.Reachability | None) -> None:
         """What the join's dial-back found decides what we announce (P2PNode.apply_reachability)."""
+        assert self.p2p is not None  # called only with p2p
         if reach is None:
             log.info("p2p: the coordinator did not dial us back; announcing %s", self.p2p.announce_addrs or "nothing")
             return
@@ -271,11 +279,13 @@ class WorkerNode:
         """Generate a fixed probe after every swap. Its logprobs must move when the weights did (a swap
         that silently did nothing would have every rollout rejected), and it is kept in probes.jsonl in
         the `prime-node verify rollouts` format, so anyone can check it against the checkpoint."""
-        vocab = int(self.spec.model_config_json["vocab_size"])
+        backend, spec = self.backend, self.spec
+        assert backend is not None and spec is not None  # after the join, on a started engine
+        vocab = int(spec.model_config_json["vocab_size"])
         prompt = [(7 + 31 * i) % vocab for i in range(PROBE_PROMPT_TOKENS)]
-        sampling = dict(temperature=1.0, top_p=1.0, max_tokens=PROBE_MAX_TOKENS)
-        (r,) = await asyncio.to_thread(self.backend.generate, [GenRequest(prompt, PROBE_SEED)],
-                                       eos_token_id=self.spec.eos_token_id, **sampling)
+        sampling: dict[str, Any] = dict(temperature=1.0, top_p=1.0, max_tokens=PROBE_MAX_TOKENS)
+        (r,) = await asyncio.to_thread(backend.generate, [GenRequest(prompt, PROBE_SEED)],
+                                       eos_token_id=spec.eos_token_id, **sampling)
         store = self.fetcher.store
         last = self._probes[-1] if self._probes else None
         if last is not None and last["rollouts"][0]["logprobs"] == r.logprobs:
@@ -285,7 +295,7 @@ class WorkerNode:
                                       f"but the engine's output did not change: the weight swap failed")
         self._probes.append({
             "prompts": [{"prompt_id": "probe", "prompt_ids": prompt, "seeds": [PROBE_SEED]}],
-            "sampling": sampling, "eos_token_id": self.spec.eos_token_id, "policy_step": step,
+            "sampling": sampling, "eos_token_id": spec.eos_token_id, "policy_step": step,
             "rollouts": [{"prompt_id": "probe", "sample_index": 0, "completion_ids": r.completion_ids,
                           "logprobs": r.logprobs, "finish_reason": r.finish_reason, "commitment": r.commitment}]})
         tmp = self.root / "probes.jsonl.tmp"
@@ -369,16 +379,18 @@ class WorkerNode:
 
     async def _do_assignment(self, a: M.Assignment) -> None:
         self.state = "generating"
-        step = self.backend.policy_step
-        sampling = dict(temperature=a.sampling.temperature, top_p=a.sampling.top_p,
-                        max_tokens=a.sampling.max_tokens, eos_token_id=self.spec.eos_token_id)
+        backend, spec = self.backend, self.spec
+        assert backend is not None and spec is not None  # work is asked for only on a started engine
+        step = backend.policy_step
+        sampling: dict[str, Any] = dict(temperature=a.sampling.temperature, top_p=a.sampling.top_p,
+                                        max_tokens=a.sampling.max_tokens, eos_token_id=spec.eos_token_id)
         t0 = time.monotonic()
         if self.episodes is None:
             requests = [GenRequest(p.prompt_ids, seed) for p in a.prompts for seed in p.seeds]
-            results = await asyncio.to_thread(self.backend.generate, requests, **sampling)
+            results = await asyncio.to_thread(backend.generate, requests, **sampling)
             played = [Episode(r, []) for r in results]
         else:  # a multi-turn task: the environment answers between the model's turns
-            played = await asyncio.to_thread(self.episodes.play, self.backend, a.prompts, **sampling)
+            played = await asyncio.to_thread(self.episodes.play, backend, a.prompts, **sampling)
         self.stats.gen_seconds += time.monotonic() - t0
         self.stats.tokens += sum(len(e.first.completion_ids) + sum(len(r.completion_ids) for _, r in e.rest)
                                  for e in played)

@@ -30,7 +30,8 @@ SOURCE_RANK = {"peer": 0, "relay": 1, "coordinator": 2}
 class Listed(Protocol):
     """What the step plan reads of a listing entry (protocol.messages.CheckpointInfo)."""
 
-    base_step: int | None  # None: a full checkpoint; else strictly older (the wire model checks it)
+    @property
+    def base_step(self) -> int | None: ...  # None: a full checkpoint; else strictly older (the wire model checks it)
 
 
 class MissingBase(ValueError):
@@ -105,13 +106,13 @@ class ShardPlanner:
             i = self.rng.choice(sorted(i for i in with_peers if holders[i] == rarest))
             self.remaining.discard(i)
             return Pick(i, from_origin=False)
-        i = next((x for x in self.order if x in self.remaining and self.origin_wait.get(x, 0) <= now), None)
-        if i is None or (self.swarm and self.origin_busy >= self.origin_slots):
+        first = next((x for x in self.order if x in self.remaining and self.origin_wait.get(x, 0) <= now), None)
+        if first is None or (self.swarm and self.origin_busy >= self.origin_slots):
             waits = [t for t in (*self.origin_wait.values(), *self.peers_wait.values()) if t > now]
             return Wait(min(waits, default=None))
-        self.remaining.discard(i)
+        self.remaining.discard(first)
         self.origin_busy += 1
-        return Pick(i, from_origin=True)
+        return Pick(first, from_origin=True)
 
     def done(self, pick: Pick) -> None:
         self._release(pick)

@@ -35,7 +35,8 @@ def start_backend(name: str, model_dir: str | Path, payload: str | Path, step: i
         from .transformers_backend import TransformersBackend
 
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
-        backend = TransformersBackend(AutoModelForCausalLM.from_config(config), dtype=dtype, device=device)
+        backend: InferenceBackend = TransformersBackend(AutoModelForCausalLM.from_config(config), dtype=dtype,
+                                                        device=device)
         backend.load_payload(payload, step)  # refuses a payload whose tensors do not fit the config
         return backend
     if name == "vllm":

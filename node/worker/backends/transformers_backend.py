@@ -7,7 +7,7 @@ the LM head's input at each step for the activation commitment (`verify.commitme
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -18,6 +18,9 @@ from verify.sampler import sample_step
 
 from .base import GenRequest, GenResult, check_generate_args
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 class TransformersBackend:
     """`InferenceBackend` on a transformers causal LM.
@@ -25,7 +28,7 @@ class TransformersBackend:
     model: a model directory (HF config + safetensors) or an already loaded `PreTrainedModel`
     (which is moved to `device`/`dtype` in place). `max_batch_size` bounds one decode batch.
     """
-    def __init__(self, model: str | Path | torch.nn.Module, *, dtype: str | torch.dtype = "float32",
+    def __init__(self, model: str | Path | PreTrainedModel, *, dtype: str | torch.dtype = "float32",
                  device: str = "auto", max_batch_size: int = 64):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -33,7 +36,8 @@ class TransformersBackend:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype, use_safetensors=True)
-        self.model = model.to(self.device, self.dtype).eval()
+        # transformers wraps PreTrainedModel.to in functools.wraps, which typeshed types as unbound
+        self.model = model.to(self.device, self.dtype).eval()  # type: ignore[arg-type]
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_batch_size = max_batch_size
         self.policy_step = -1
@@ -93,7 +97,8 @@ class TransformersBackend:
                              use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1][owner]
             captured.append(captured.pop()[owner])
-            cache.reorder_cache(owner)
+            # transformers annotates torch.LongTensor, which no tensor is statically
+            cache.reorder_cache(owner)  # type: ignore[arg-type]
             mask, pos = mask[owner], pos[owner]
             for step in range(max_tokens):
                 # The hidden state that produced token `step` (the head saw only the last position).

@@ -32,7 +32,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -150,6 +150,12 @@ class EvidenceLogitsProcessor(LogitsProcessor):
 class WorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); reached with `LLM.collective_rpc`. Only paths
     and flags cross this boundary, so it works the same with a multi-process engine."""
+
+    if TYPE_CHECKING:  # vLLM's worker, which this class is mixed into, has these (a real attribute here would
+        # clash with the worker's: vLLM refuses an extension that redefines one)
+        model_runner: Any
+
+        def reload_weights(self, *, weights_iterator: Any) -> None: ...
 
     def prime_node_install_hook(self) -> int:
         from vllm.model_executor.layers.logits_processor import LogitsProcessor as VllmLogitsModule
