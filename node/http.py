@@ -36,7 +36,8 @@ log = logging.getLogger("prime_node.http")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 BODY_TIMEOUT = web.AppKey("body_timeout_s", float)  # a signed request's body must arrive within this
-BODY_BUDGET = web.AppKey("body_budget", object)  # a BodyBudget: body bytes being read at once, all requests
+# body bytes being read at once, all requests (typed by the annotation: BodyBudget is defined below)
+BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget")
 SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from libp2p peers
 SHARD_ADDR_HEADER = "X-Prime-Shard-Addr"  # a swarm node's HTTP shard server, /ip4/<ip>/tcp/<port>/http
 HOLDER_HEADER = "X-Prime-Holder"  # on a 429 "seeded": "<node id> <its HTTP shard address>"

@@ -131,7 +131,7 @@ def patch_libp2p_signed_record_memo() -> bool:
     if not getattr(pubsub_module.maybe_consume_signed_record, "remembers", False):
         check = remembering(utils.maybe_consume_signed_record)
         for module in targets:
-            module.maybe_consume_signed_record = check
+            setattr(module, "maybe_consume_signed_record", check)
     return True
 
 
@@ -224,7 +224,7 @@ class P2PService:
         self.host = new_host(
             key_pair=key_pair,
             sec_opt={NOISE_PROTOCOL_ID: noise},
-            muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+            muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
             listen_addrs=listen or None,
             # We announce our listen addresses ourselves; "observed" ones of a NATed node are not dialable.
             disable_identify_address_discovery=True,
@@ -305,12 +305,14 @@ class P2PService:
         except Exception as e:
             raise PeerUnavailable(f"could not connect to {addr[:120]}: {type(e).__name__}: {e}"[:300]) from None
         # Best effort: announcements flow once the peer's pubsub stream exists (usually ms).
+        assert self.pubsub is not None  # set by run() before anything is called
         with trio.move_on_after(self.cfg.connect_timeout_s):
             await self.pubsub.wait_for_peer(info.peer_id, timeout=self.cfg.connect_timeout_s)
         return info.peer_id.to_base58()
 
     async def wait_for_mesh(self, peer: str, timeout_s: float) -> bool:
         """True once `peer` is in our gossip mesh for the run topic (so our publishes reach it)."""
+        assert self.pubsub is not None  # set by run() before anything is called
         try:
             await self.pubsub.wait_for_mesh(ID.from_base58(peer), self.topic, timeout=timeout_s)
             return True
@@ -318,13 +320,15 @@ class P2PService:
             return False
 
     async def publish(self, data: bytes) -> None:
+        assert self.pubsub is not None  # set by run() before anything is called
         await self.pubsub.publish(self.topic, data)
 
     async def fetch(self, peer: ID, req: ShardRequest, addrs: tuple[str, ...], timeout_s: float | None) -> bytes:
         if not self.host.get_network().connections.get(peer):
             # Learned from its announcement (and allowed by the address policy); the peerstore entry lets
             # new_stream dial it, and only it: the peer's own records in the peerstore are not dialled.
-            good, circuits = [], []
+            good: list[multiaddr.Multiaddr] = []
+            circuits: list[multiaddr.Multiaddr] = []
             for a in addrs:
                 if is_http_addr(a) or not multiaddr_allowed(a, self.cfg.allow_private_addrs):
                     continue  # the HTTP data plane's address, or one a stranger must not make us dial
@@ -356,6 +360,7 @@ class P2PService:
 
     async def _dial_circuit(self, peer: ID, circuits: list[multiaddr.Multiaddr]) -> None:
         """Connect to `peer` through the first relay of `circuits` that works (each within dial_timeout_s)."""
+        assert self.relay is not None  # set by run() before anything is called
         limit = self.cfg.dial_timeout_s
         errors = []
         for circuit in circuits[:2]:
@@ -371,6 +376,7 @@ class P2PService:
 
     async def reserve(self, relay: str) -> float:
         """Reserve a slot on `relay` (connected) for peers to reach us through it; the reservation's expiry."""
+        assert self.relay is not None  # set by run() before anything is called
         try:
             with trio.fail_after(self.cfg.connect_timeout_s):
                 return await self.relay.reserve(ID.from_base58(relay))

@@ -32,7 +32,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attn_implementatio
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load a model from {path}: {e}") from None
-    return model.to(device)
+    # transformers wraps PreTrainedModel.to in functools.wraps, which typeshed types as unbound
+    return model.to(device)  # type: ignore[arg-type]
 
 
 def build_tiny_model_dir(out_dir: str | Path, *, hidden_size: int = 64, layers: int = 2, heads: int = 4,
