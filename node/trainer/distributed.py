@@ -49,7 +49,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -207,6 +207,7 @@ def launch(world_size: int, model_dir: str | Path | None, cfg: TrainerConfig | N
         if resume_from is not None:
             trainer = DistributedTrainer.resume(resume_from, cfg, model_dir=model_dir, device=device, **kwargs)
         else:
+            assert model_dir is not None, "launch: a new trainer needs model_dir (only a resume can do without)"
             trainer = DistributedTrainer(model_dir, cfg, device=device, **kwargs)
     except BaseException:
         for p in procs:
@@ -231,11 +232,11 @@ def encode_samples(samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tens
         ints += [len(s.prompt_ids), len(s.completion_ids), int(teacher), int(s.key[0]), int(s.key[1]), int(masked)]
         ints += s.prompt_ids
         ints += s.completion_ids
-        if masked:
+        if s.loss_mask is not None:  # masked
             ints += [int(b) for b in s.loss_mask]
         floats.append(float(s.advantage))
         floats += s.inference_logprobs
-        if teacher:
+        if s.teacher_logprobs is not None:  # teacher
             floats += s.teacher_logprobs
     return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float64)
 
@@ -292,7 +293,8 @@ class DistributedTrainer(Trainer):
         self._ready = self._sharded = False
         self._followers: list[subprocess.Popen] = []
         self._aborted = False
-        self._full_model = None  # rank 0's unsharded copy for evaluation (full_model), made on first use
+        # rank 0's unsharded copy for evaluation (full_model), made on first use
+        self._full_model: torch.nn.Module | None = None
         self._extra_optimizer: torch.optim.Optimizer | None = None
         cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
         if self.rank == 0:  # tell the followers what to build (each picks its own GPU)
@@ -439,9 +441,9 @@ class DistributedTrainer(Trainer):
         outer, self._win = self._win, _fresh_window(self._win)
         try:
             mine = share[self.rank]
-            for k in range(slots):
-                if k < len(mine):
-                    self._micro_batch_backward(mbs[mine[k]], loss_fn)
+            for slot in range(slots):
+                if slot < len(mine):
+                    self._micro_batch_backward(mbs[mine[slot]], loss_fn)
                 else:
                     self._dummy_backward()
             local = self._win
@@ -474,7 +476,7 @@ class DistributedTrainer(Trainer):
         for sl, lp in zip(slices, logprobs):
             s = sl.sample
             n = len(s.completion_ids)
-            like = dict(dtype=lp.dtype, device=lp.device)
+            like: dict[str, Any] = dict(dtype=lp.dtype, device=lp.device)
             out = loss_fn(LossInputs(
                 trainer_logprobs=lp,
                 inference_logprobs=torch.tensor(s.inference_logprobs, **like),
@@ -488,7 +490,9 @@ class DistributedTrainer(Trainer):
         if total is not None and total.requires_grad:
             total.backward()
         else:  # keep the collectives in step with the other ranks
-            (sum(lp.sum() for lp in logprobs) * 0.0).backward()
+            zero = sum(lp.sum() for lp in logprobs) * 0.0
+            assert isinstance(zero, torch.Tensor)  # a micro-batch holds at least one sample
+            zero.backward()
 
     def _dummy_backward(self) -> None:
         """A pass that contributes exactly zero gradient, so that this rank joins the same all-gathers and
@@ -520,7 +524,8 @@ class DistributedTrainer(Trainer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return full if self.rank == 0 else {}
+        # torch types the values as any state (DTensor, list, ...); a full, CPU-offloaded model state is tensors
+        return cast(dict[str, torch.Tensor], full) if self.rank == 0 else {}
 
     def _gather(self) -> dict[str, torch.Tensor]:
         full = self._full_state_dict()
@@ -545,7 +550,7 @@ class DistributedTrainer(Trainer):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
@@ -588,6 +593,7 @@ class DistributedTrainer(Trainer):
             if op == OP_STOP:
                 return
             if op == OP_FB:
+                assert ints is not None and floats is not None  # rank 0 sends the batch with FB
                 self._fb(decode_samples(ints, floats), int(args[0]))
             elif op == OP_APPLY:
                 self._apply(int(args[0]), float(args[1]), int(args[2]))
@@ -595,6 +601,7 @@ class DistributedTrainer(Trainer):
             elif op == OP_GATHER:
                 self._gather()
             elif op == OP_SAVE:
+                assert text is not None  # rank 0 sends the path with SAVE
                 self._save_sharded(Path(text))
             elif op == OP_NEW_OPTIMIZER:
                 self._extra_optimizer = super()._new_optimizer(float(args[0]))
