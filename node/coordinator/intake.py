@@ -20,7 +20,7 @@ from node.config import Config
 from node.coordinator.faults import crash_point
 from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
-from node.coordinator.records import AssignmentRow
+from node.coordinator.records import AssignmentRow, Rejection, StoredRollout, StoredTurn, SubmittedGroup
 from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import PromptSlot, Scheduler
 from node.coordinator.verification import VerdictQueue
@@ -106,26 +106,28 @@ class Intake:
         for _ in groups:
             self.recent_staleness.append(staleness)
             self.metrics.staleness.observe(staleness)
-        self.metrics.accepted.inc(sum(len(g["data"]["rollouts"]) for g in groups))
+        self.metrics.accepted.inc(sum(len(g.rollouts) for g in groups))
         for r in rejections:
-            self.metrics.rejected.labels(r["reason"]).inc()
+            self.metrics.rejected.labels(r.reason).inc()
         return M.SubmitResponse(
-            accepted=[M.RolloutRef(prompt_id=g["prompt_id"], sample_index=r["sample_index"])
-                      for g in groups for r in g["data"]["rollouts"]],
-            rejected=[M.Rejection(**r) for r in rejections],
+            accepted=[M.RolloutRef(prompt_id=g.prompt_id, sample_index=r.sample_index)
+                      for g in groups for r in g.rollouts],
+            rejected=rejections,
         )
 
-    def _record(self, node: NodeRow, a: AssignmentRow, req: M.SubmitRequest) -> tuple[list[dict], list[dict], set[str], bool]:
+    def _record(self, node: NodeRow, a: AssignmentRow,
+                req: M.SubmitRequest) -> tuple[list[SubmittedGroup], list[M.Rejection], set[str], bool]:
         """triage → score → reputation → one ledger transaction (thread-safe: the ledger has its lock)."""
         slots = {p.prompt_id: p for p in a.prompts}
         t = self.triage(slots, req)
         groups = self.score(slots, a, req, t)
-        accepted = {g["prompt_id"] for g in groups}
+        accepted = {g.prompt_id for g in groups}
         requeue = [p for p in a.prompts if p.prompt_id not in accepted]
-        rejections = [{"prompt_id": p, "sample_index": i, "reason": why} for (p, i), why in t.reasons.items()]
+        rejections = [M.Rejection(prompt_id=p, sample_index=i, reason=why) for (p, i), why in t.reasons.items()]
         vc = self.cfg.verification
         delta = -vc.reputation_penalty if t.cheated else vc.reputation_reward
-        banned = self.ledger.record_submission(a.assignment_id, node.node_id, groups, rejections,
+        banned = self.ledger.record_submission(a.assignment_id, node.node_id, groups,
+                                                 [Rejection(r.reason, r.prompt_id, r.sample_index) for r in rejections],
                                                  requeue, reputation_delta=delta, reputation_cap=vc.reputation_start,
                                                  ban_below=vc.ban_below)
         return groups, rejections, accepted, banned
@@ -173,7 +175,8 @@ class Intake:
                         exc_info=True)
             return "env_error"
 
-    def score(self, slots: dict[str, PromptSlot], a: AssignmentRow, req: M.SubmitRequest, t: Triage) -> list[dict]:
+    def score(self, slots: dict[str, PromptSlot], a: AssignmentRow, req: M.SubmitRequest,
+              t: Triage) -> list[SubmittedGroup]:
         """Rewards come from the task, computed here (a node never reports them)."""
         task, tokenizer = self.model.task, self.model.tokenizer
         groups = []
@@ -181,13 +184,13 @@ class Intake:
             slot = slots[pid]
             problem = task.sample(self.cfg.run.seed, slot.problem_index)
             rewards = [score_episode(task, problem, model_texts(tokenizer, *episode_of(r))) for r in rs]
-            groups.append({
-                "prompt_id": pid, "problem_index": slot.problem_index, "batch_step": a.batch_step,
-                "policy_step": req.policy_step, "reward_mean": sum(rewards) / len(rewards),
-                "data": {"prompt_ids": slot.prompt_ids, "rollouts": [
-                    {"completion_ids": r.completion_ids, "logprobs": r.logprobs, "reward": w,
-                     "finish_reason": r.finish_reason, "sample_index": r.sample_index, "commitment": r.commitment,
-                     **({"turns": [t.model_dump() for t in r.turns]} if r.turns else {})}
-                    for r, w in zip(rs, rewards)]},
-            })
+            groups.append(SubmittedGroup(
+                prompt_id=pid, problem_index=slot.problem_index, batch_step=a.batch_step,
+                policy_step=req.policy_step, reward_mean=sum(rewards) / len(rewards), prompt_ids=slot.prompt_ids,
+                rollouts=tuple(StoredRollout(
+                    sample_index=r.sample_index, completion_ids=r.completion_ids, logprobs=r.logprobs, reward=w,
+                    finish_reason=r.finish_reason, commitment=r.commitment,
+                    turns=tuple(StoredTurn(env_ids=t.env_ids, completion_ids=t.completion_ids, logprobs=t.logprobs,
+                                           finish_reason=t.finish_reason, commitment=t.commitment) for t in r.turns))
+                    for r, w in zip(rs, rewards))))
         return groups

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from node.coordinator.records import AssignmentRow, AssignmentState
+from node.coordinator.records import (AssignmentRow, AssignmentState, DropReason, GroupRow, Rejection, StoredRollout,
+                                      StoredTurn, SubmittedGroup, Verdict)
 from node.coordinator.scheduler import PromptSlot
 
 SCHEMA = """
@@ -125,27 +126,6 @@ class NodeRow:
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> "NodeRow":
         return cls(**{**dict(row), "banned": bool(row["banned"]), "info": json.loads(row["info"])})
-
-
-@dataclass(frozen=True)
-class GroupRow:
-    group_id: int
-    assignment_id: str
-    node_id: str
-    prompt_id: str
-    problem_index: int
-    batch_step: int
-    policy_step: int
-    received_ms: int
-    data: dict  # {"prompt_ids": [...], "rollouts": [{completion_ids, logprobs, reward, finish_reason, ...}]}
-    reward_mean: float
-    consumed_step: int | None  # the trainer step that used it (None = waiting)
-    dropped: str | None  # why it was not used (stale, filtered)
-    verdict: str | None  # None = not decided yet; verified | unchecked (passed over) | void
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "GroupRow":
-        return cls(**{**dict(row), "data": json.loads(row["data"])})
 
 
 @dataclass(frozen=True)
@@ -346,21 +326,21 @@ class Ledger:
         self._exec("UPDATE assignments SET state=? WHERE assignment_id=?", (state, assignment_id))
 
     # -- submissions -----------------------------------------------------------------------------
-    def record_submission(self, assignment_id: str, node_id: str, groups: list[dict], rejections: list[dict],
+    def record_submission(self, assignment_id: str, node_id: str, groups: list[SubmittedGroup], rejections: list[Rejection],
                           requeue: list[PromptSlot], *, reputation_delta: float, reputation_cap: float,
                           ban_below: float) -> bool:
         """One transaction: the groups (waiting for their verdict), rejections, node counters and
         reputation, the prompts to hand out again, the assignment closed. Returns whether the node is
         now banned."""
         t = now_ms()
-        n_acc = sum(len(g["data"]["rollouts"]) for g in groups)
+        n_acc = sum(len(g.rollouts) for g in groups)
         with self.transaction(durable=True) as db:
             for g in groups:
                 db.execute(
                     "INSERT INTO groups(assignment_id, node_id, prompt_id, problem_index, batch_step, "
                     "policy_step, received_ms, data, reward_mean, verdict) VALUES(?,?,?,?,?,?,?,?,?,NULL)",
-                    (assignment_id, node_id, g["prompt_id"], g["problem_index"], g["batch_step"],
-                     g["policy_step"], t, json.dumps(g["data"]), g["reward_mean"]),
+                    (assignment_id, node_id, g.prompt_id, g.problem_index, g.batch_step, g.policy_step, t,
+                     _group_data(g), g.reward_mean),
                 )
             self._insert_rejections(db, node_id, assignment_id, rejections, t)
             db.execute(
@@ -375,11 +355,11 @@ class Ledger:
 
     @staticmethod
     def _insert_rejections(db: sqlite3.Connection, node_id: str, assignment_id: str | None,
-                           rejections: list[dict], t: int) -> None:
+                           rejections: list[Rejection], t: int) -> None:
         db.executemany(
             "INSERT INTO rejections(at_ms, node_id, assignment_id, prompt_id, sample_index, reason) "
             "VALUES(?,?,?,?,?,?)",
-            [(t, node_id, assignment_id, r.get("prompt_id"), r.get("sample_index"), r["reason"])
+            [(t, node_id, assignment_id, r.prompt_id, r.sample_index, r.reason)
              for r in rejections])
 
     def record_rejection(self, node_id: str, reason: str, assignment_id: str | None = None) -> None:
@@ -391,7 +371,7 @@ class Ledger:
     def waiting_groups(self) -> list[GroupRow]:
         """Groups the trainer may use: decided (verified, or passed over), not yet trained or dropped."""
         rows = self._exec(f"SELECT * FROM groups WHERE {self._WAITING} ORDER BY group_id").fetchall()
-        return [GroupRow.from_row(r) for r in rows]
+        return [_group(r) for r in rows]
 
     def waiting_group_ids(self) -> list[int]:
         return [r[0] for r in self._exec(f"SELECT group_id FROM groups WHERE {self._WAITING} ORDER BY group_id")]
@@ -403,7 +383,7 @@ class Ledger:
             chunk = group_ids[start:start + 500]
             rows = self._exec(f"SELECT * FROM groups WHERE group_id IN ({','.join('?' * len(chunk))}) "
                               "ORDER BY group_id", chunk).fetchall()
-            out += [GroupRow.from_row(r) for r in rows]
+            out += [_group(r) for r in rows]
         return sorted(out, key=lambda g: g.group_id)
 
     # -- verdicts --------------------------------------------------------------------------------
@@ -415,9 +395,9 @@ class Ledger:
 
     def submission_groups(self, assignment_id: str) -> list[GroupRow]:
         rows = self._exec("SELECT * FROM groups WHERE assignment_id=? ORDER BY group_id", (assignment_id,)).fetchall()
-        return [GroupRow.from_row(r) for r in rows]
+        return [_group(r) for r in rows]
 
-    def set_verdict(self, assignment_id: str, verdict: str, *, node_id: str | None = None, tokens: int = 0,
+    def set_verdict(self, assignment_id: str, verdict: Verdict, *, node_id: str | None = None, tokens: int = 0,
                     near_ties: int = 0) -> None:
         """verified / unchecked for the undecided groups of one submission, with the replay's counts."""
         with self.transaction() as db:
@@ -426,7 +406,8 @@ class Ledger:
                 db.execute("UPDATE nodes SET verified_tokens=verified_tokens+?, near_ties=near_ties+? WHERE node_id=?",
                            (tokens, near_ties, node_id))
 
-    def ban_and_void(self, node_id: str, assignment_id: str | None, rejections: list[dict]) -> tuple[int, dict]:
+    def ban_and_void(self, node_id: str, assignment_id: str | None,
+                     rejections: list[Rejection]) -> tuple[int, dict[int, int]]:
         """A proven cheat: ban the node and void every group of it not trained on yet (its accepted count
         moves to rejected). Returns (rollouts voided, batch -> groups voided)."""
         t = now_ms()
@@ -443,8 +424,8 @@ class Ledger:
             by_batch[r[1]] = by_batch.get(r[1], 0) + 1
         return voided, by_batch
 
-    def void_submission(self, assignment_id: str, node_id: str, rejections: list[dict], reputation: float,
-                        banned: bool) -> tuple[int, dict]:
+    def void_submission(self, assignment_id: str, node_id: str, rejections: list[Rejection], reputation: float,
+                        banned: bool) -> tuple[int, dict[int, int]]:
         """One submission's groups void (never trained), with its rejections and the node's new
         reputation. Returns (rollouts voided, batch -> groups voided)."""
         with self.transaction(durable=True) as db:
@@ -502,7 +483,7 @@ class Ledger:
             db.execute("UPDATE assignments SET state='declined', prompts='[]', deadline_ms=MIN(deadline_ms, ?) "
                        "WHERE assignment_id=?", (hold_until_ms, assignment_id))
             self._requeue(db, slots)
-            self._insert_rejections(db, node_id, assignment_id, [{"reason": reason}], now_ms())
+            self._insert_rejections(db, node_id, assignment_id, [Rejection(reason)], now_ms())
             db.execute("UPDATE nodes SET reputation=reputation-?, banned=MAX(banned, reputation-? < ?) "
                        "WHERE node_id=?", (penalty, penalty, ban_below, node_id))
             row = db.execute("SELECT banned FROM nodes WHERE node_id=?", (node_id,)).fetchone()
@@ -550,7 +531,7 @@ class Ledger:
 
     # -- steps -----------------------------------------------------------------------------------
     def publish_step(self, row: StepRow, consumed_group_ids: list[int],
-                     dropped: dict[str, list[int]] | None = None) -> None:
+                     dropped: dict[DropReason, list[int]] | None = None) -> None:
         """One transaction: the step, the groups it trained on and the groups it dropped (reason ->
         group ids), so a crash before it leaves every one of them waiting for the redone step."""
         with self.transaction(durable=True) as db:
@@ -590,3 +571,30 @@ def _assignment_values(a: AssignmentRow) -> tuple:
     batch_step}] (PromptSlot.to_json), [] once declined."""
     return (a.assignment_id, a.node_id, a.batch_step, a.min_policy_step, a.created_ms, a.deadline_ms, a.state,
             json.dumps([p.to_json() for p in a.prompts]))
+
+
+def _group(r: sqlite3.Row) -> GroupRow:
+    data = json.loads(r["data"])
+    return GroupRow(r["group_id"], r["assignment_id"], r["node_id"], r["prompt_id"], r["problem_index"],
+                    r["batch_step"], r["policy_step"], r["received_ms"], data["prompt_ids"],
+                    tuple(_rollout(x) for x in data["rollouts"]), r["reward_mean"], r["consumed_step"], r["dropped"],
+                    r["verdict"])
+
+
+def _rollout(d: dict) -> StoredRollout:
+    return StoredRollout(d["sample_index"], d["completion_ids"], d["logprobs"], d["reward"], d["finish_reason"],
+                         d.get("commitment") or "",
+                         tuple(StoredTurn(t["env_ids"], t["completion_ids"], t["logprobs"], t["finish_reason"],
+                                          t.get("commitment") or "") for t in d.get("turns") or ()))
+
+
+def _group_data(g: SubmittedGroup) -> str:
+    """The groups row's `data` column: {"prompt_ids": [...], "rollouts": [{completion_ids, logprobs, reward,
+    finish_reason, sample_index, commitment[, turns: [{completion_ids, logprobs, finish_reason, commitment,
+    env_ids}]]}]}, keys in the order the ledger has always written them."""
+    return json.dumps({"prompt_ids": g.prompt_ids, "rollouts": [
+        {"completion_ids": r.completion_ids, "logprobs": r.logprobs, "reward": r.reward,
+         "finish_reason": r.finish_reason, "sample_index": r.sample_index, "commitment": r.commitment,
+         **({"turns": [{"completion_ids": t.completion_ids, "logprobs": t.logprobs, "finish_reason": t.finish_reason,
+                        "commitment": t.commitment, "env_ids": t.env_ids} for t in r.turns]} if r.turns else {})}
+        for r in g.rollouts]})

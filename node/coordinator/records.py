@@ -31,3 +31,69 @@ class AssignmentRow:
     deadline_ms: int
     state: AssignmentState
     prompts: tuple[PromptSlot, ...]
+
+
+Verdict = Literal["verified", "unchecked", "void"]  # replayed and passed | passed over by the draw | failed
+DropReason = Literal["stale", "filtered"]  # why the trainer did not use a group
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class StoredTurn:
+    """A multi-turn episode's turn after the first: the environment's tokens, then the model's turn."""
+    env_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    commitment: str
+
+
+@dataclass(frozen=True)
+class StoredRollout:
+    """One accepted sample: the model's first turn with its evidence, the reward intake computed, the turns after."""
+    sample_index: int
+    completion_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    finish_reason: FinishReason
+    commitment: str
+    turns: tuple[StoredTurn, ...] = ()
+
+
+@dataclass(frozen=True)
+class SubmittedGroup:
+    """A whole group of one submission, scored by intake, before the ledger gives it an id."""
+    prompt_id: str
+    problem_index: int
+    batch_step: int
+    policy_step: int
+    reward_mean: float
+    prompt_ids: list[int]
+    rollouts: tuple[StoredRollout, ...]
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """A stored group: waits for its verdict, then for the trainer (consumed at a step, or dropped)."""
+    group_id: int
+    assignment_id: str
+    node_id: str
+    prompt_id: str
+    problem_index: int
+    batch_step: int
+    policy_step: int
+    received_ms: int
+    prompt_ids: list[int]
+    rollouts: tuple[StoredRollout, ...]
+    reward_mean: float
+    consumed_step: int | None  # the trainer step that used it (None = waiting)
+    dropped: DropReason | None
+    verdict: Verdict | None  # None = not decided yet
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a rollout (or a whole submission: no prompt, no sample) was refused."""
+    reason: str
+    prompt_id: str | None = None
+    sample_index: int | None = None

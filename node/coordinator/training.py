@@ -19,9 +19,10 @@ from node.config import Config
 from node.coordinator.batch_health import STALE, BatchHealth, drop_reason
 from node.coordinator.evaluation import Evaluator, model_to_evaluate, warm_start_seed
 from node.coordinator.faults import crash_point, fault_point
-from node.coordinator.ledger import GroupRow, Ledger, StepRow, now_ms
+from node.coordinator.ledger import Ledger, StepRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.publisher import Publisher
+from node.coordinator.records import DropReason, GroupRow, StoredRollout
 from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import min_policy_for_batch
 from node.coordinator.verification import PolicyStore
@@ -37,14 +38,14 @@ MIN_CLOSE_S = 1.0  # the least time the other ranks get to exit after STOP befor
 VOID_POLL_S = 10.0  # how often the waiting loop counts groups voided by verification (batch health)
 
 
-def trainable(r: dict, policy_step: int) -> Rollout:
+def trainable(r: StoredRollout, policy_step: int) -> Rollout:
     """A stored rollout as the trainer takes it: a multi-turn episode packed into one sequence, with the
     environment's tokens masked out of the loss."""
     from node.trainer import Rollout  # torch stays out of the coordinator's start-up imports
 
     first, rest = episode_of(r)
     ids, logprobs, mask = pack(first, rest)
-    return Rollout(completion_ids=ids, inference_logprobs=logprobs, reward=r["reward"], policy_step=policy_step,
+    return Rollout(completion_ids=ids, inference_logprobs=logprobs, reward=r.reward, policy_step=policy_step,
                    finish_reason=(rest[-1].model if rest else first).finish_reason, turns=1 + len(rest),
                    loss_mask=mask if rest else None)
 
@@ -261,7 +262,7 @@ class TrainingLoop:
         min_m = min_policy_for_batch(n, self.k)
         fed: list[dict] = []
         seen: set[int] = set()
-        dropped: dict[str, list[dict]] = {"stale": [], "filtered": []}
+        dropped: dict[DropReason, list[GroupRow]] = {"stale": [], "filtered": []}
         self.health.begin_batch(n)
         while not self._stop and not self.trainer.batch_complete:
             # ids first: parsing every waiting group's JSON at every poll cost a quarter of a loaded
@@ -271,7 +272,7 @@ class TrainingLoop:
                 self._observe_voided()
                 self._wait(0.5)
                 continue
-            just_dropped: list[dict] = []
+            just_dropped: list[GroupRow] = []
             for g in fresh:
                 seen.add(g.group_id)
                 if g.policy_step < min_m:
@@ -281,8 +282,8 @@ class TrainingLoop:
                     continue
                 t0 = time.monotonic()
                 self.busy = True
-                group = Group(prompt_id=g.prompt_id, prompt_ids=g.data["prompt_ids"],
-                              rollouts=[trainable(r, g.policy_step) for r in g.data["rollouts"]])
+                group = Group(prompt_id=g.prompt_id, prompt_ids=g.prompt_ids,
+                              rollouts=[trainable(r, g.policy_step) for r in g.rollouts])
                 kept = self.trainer.add_group(group)
                 self.busy = False
                 self.busy_seconds += time.monotonic() - t0
@@ -292,7 +293,7 @@ class TrainingLoop:
                 else:
                     dropped["filtered"].append(g)
                     just_dropped.append(g)
-                    self.health.record_unusable(drop_reason([r["reward"] for r in g.data["rollouts"]]))
+                    self.health.record_unusable(drop_reason([r.reward for r in g.rollouts]))
                 if self.trainer.batch_complete:
                     break
             if just_dropped:  # the scheduler asks for replacements now
@@ -305,7 +306,7 @@ class TrainingLoop:
         metrics = self.trainer.step()
         # every fresh rollout offered to this step, also the groups the difficulty filter dropped (all
         # right or all wrong): leaving those out hid the prompts the policy had mastered from the curve
-        rewards = [r["reward"] for g in fed + dropped["filtered"] for r in g.data["rollouts"]]
+        rewards = [r.reward for g in fed + dropped["filtered"] for r in g.rollouts]
         staleness = [n - 1 - g.policy_step for g in fed]
         metrics.update({
             "reward_mean": sum(rewards) / max(1, len(rewards)),
@@ -320,7 +321,8 @@ class TrainingLoop:
         self.busy = False
         self.busy_seconds += time.monotonic() - t0
 
-    def _publish(self, n: int, metrics: dict, fed: list[GroupRow], dropped: dict[str, list[int]] | None = None) -> None:
+    def _publish(self, n: int, metrics: dict, fed: list[GroupRow],
+                 dropped: dict[DropReason, list[int]] | None = None) -> None:
         t0 = time.monotonic()
         if n > 0:
             self.trainer.save_state()

@@ -17,6 +17,7 @@ from typing import Callable
 from node.config import SamplingConfig, VerificationConfig
 from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator.records import Rejection
 from node.coordinator.scheduler import Scheduler
 from node.coordinator.verifier_jobs import JobBoard
 from node.trainer.model import load_model
@@ -167,12 +168,12 @@ class VerdictQueue:
             s = self.sampling
             refs, checks, owner = [], [], []  # one check per model turn (a single-turn rollout has one)
             for g in undecided:
-                for r in g.data["rollouts"]:
-                    for it in turn_items(g.data["prompt_ids"], r, seeds[g.prompt_id][r["sample_index"]],
+                for r in g.rollouts:
+                    for it in turn_items(g.prompt_ids, r, seeds[g.prompt_id][r.sample_index],
                                          s.temperature, s.top_p, s.max_tokens, self.eos_token_id):
                         checks.append(it)
                         owner.append(len(refs))
-                    refs.append((g.prompt_id, r["sample_index"]))
+                    refs.append((g.prompt_id, r.sample_index))
             answers = await self._replay(step, checks)
             if answers is None:  # no pool verifier could get the step: never passed over for it, replayed here
                 log.warning("no pool verifier could get step %d to verify %s; replaying it in-process",
@@ -189,14 +190,13 @@ class VerdictQueue:
             if node.banned or all(g.verdict is not None for g in ledger.submission_groups(assignment_id)):
                 return  # banned and voided while its replay was out with the pool
             self.metrics.verified.inc(len(refs))
-            failed = [{"prompt_id": p, "sample_index": i, "reason": v.reason}
-                      for (p, i), v in zip(refs, verdicts) if v.reason]
+            failed = [Rejection(v.reason, p, i) for (p, i), v in zip(refs, verdicts) if v.reason]
             for r in failed:
-                self.metrics.rejected.labels(r["reason"]).inc()
+                self.metrics.rejected.labels(r.reason).inc()
             if any(not v.outlier for v in verdicts if v.reason):
                 voided = self._void(node.node_id, assignment_id, failed)
                 log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node.node_id[:12],
-                            ", ".join(sorted({r["reason"] for r in failed})), voided)
+                            ", ".join(sorted({r.reason for r in failed})), voided)
                 return
             if failed:  # only single-token sampling outliers: possibly numerical, never trained, no ban
                 rep = node.reputation - self.cfg.reputation_penalty
@@ -239,11 +239,11 @@ class VerdictQueue:
         node = self.ledger.node(node_id)
         if node.verified_tokens >= self.cfg.near_tie_min_tokens and \
                 node.near_ties > self.cfg.near_tie_max_rate * node.verified_tokens:
-            n = self._void(node_id, None, [{"reason": "verify_near_tie_rate"}])
+            n = self._void(node_id, None, [Rejection("verify_near_tie_rate")])
             log.warning("node %s banned: %d of its %d verified tokens were near-ties; %d rollouts voided",
                         node_id[:12], node.near_ties, node.verified_tokens, n)
 
-    def _void(self, node_id: str, assignment_id: str | None, rejections: list[dict]) -> int:
+    def _void(self, node_id: str, assignment_id: str | None, rejections: list[Rejection]) -> int:
         """Ban and void in the ledger; the scheduler hands the voided groups' places out again."""
         voided, by_batch = self.ledger.ban_and_void(node_id, assignment_id, rejections)
         self.scheduler.forget_waiting(by_batch)

@@ -51,17 +51,17 @@ async def test_reasoning_gym_basic_arithmetic_trains_two_steps_with_one_node(tmp
         rewards = []
         for g in groups:
             problem = task.sample(seed, g.problem_index)
-            assert g.data["prompt_ids"] == encode_prompt(tok, problem)
+            assert g.prompt_ids == encode_prompt(tok, problem)
             chunk, pos = divmod(g.problem_index, task.size)
             ds = reasoning_gym.create_dataset("basic_arithmetic", **task.kwargs, size=task.size,
                                               seed=dataset_seed("basic_arithmetic", seed, chunk))
             entry = ds[pos]
             assert problem.prompt == entry["question"]
-            for r in g.data["rollouts"]:
-                text = tok.decode(r["completion_ids"], skip_special_tokens=True).strip()
+            for r in g.rollouts:
+                text = tok.decode(r.completion_ids, skip_special_tokens=True).strip()
                 expected = max(0.0, min(1.0, ds.score_answer(text, entry)))
-                assert r["reward"] == pytest.approx(expected), (problem.prompt, text)
-                rewards.append(r["reward"])
+                assert r.reward == pytest.approx(expected), (problem.prompt, text)
+                rewards.append(r.reward)
         assert all(0.0 <= w <= 1.0 for w in rewards)
 
 
@@ -85,6 +85,6 @@ async def test_verifiers_single_turn_taskset_trains_two_steps_with_one_node(tmp_
         for g in groups:
             problem = coord.task.sample(coord.cfg.run.seed, g.problem_index)
             a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
-            for r in g.data["rollouts"]:
-                text = coord.tokenizer.decode(r["completion_ids"], skip_special_tokens=True).strip()
-                assert r["reward"] == (1.0 if text == str(a + b) else 0.0), (problem.prompt, text)
+            for r in g.rollouts:
+                text = coord.tokenizer.decode(r.completion_ids, skip_special_tokens=True).strip()
+                assert r.reward == (1.0 if text == str(a + b) else 0.0), (problem.prompt, text)

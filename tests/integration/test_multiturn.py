@@ -48,15 +48,15 @@ async def train_and_check(tmp_path, *worker_settings):
         assert node.stats.accepted > 0 and node.stats.rejected == 0
         task, tok, seed = coord.task, coord.tokenizer, coord.cfg.run.seed
         groups = coord.ledger.groups(list(range(1, 1000)))
-        episodes = [(g, r) for g in groups for r in g.data["rollouts"]]
-        multi = [r for _, r in episodes if r.get("turns")]
+        episodes = [(g, r) for g in groups for r in g.rollouts]
+        multi = [r for _, r in episodes if r.turns]
         assert multi, "no episode had a second turn"
         for g, r in episodes:
             problem = task.sample(seed, g.problem_index)
             assert check_episode(task, tok, problem, *episode_of(r)) is None
-            assert r["reward"] == pytest.approx(score_episode(task, problem, model_texts(tok, *episode_of(r))))
-            for t in r.get("turns", []):
-                assert tok.decode(t["env_ids"]).startswith("<|user|>") and t["env_ids"][-1] == tok.convert_tokens_to_ids("<|assistant|>")
+            assert r.reward == pytest.approx(score_episode(task, problem, model_texts(tok, *episode_of(r))))
+            for t in r.turns:
+                assert tok.decode(t.env_ids).startswith("<|user|>") and t.env_ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
         return node
 
 

@@ -49,19 +49,19 @@ async def test_guess_number_on_the_real_model_with_its_chat_template(tmp_path, r
         assert node.stats.accepted > 0 and node.stats.rejected == 0
         check_real_groups(coord, tok)
         task, seed = coord.task, coord.cfg.run.seed
-        episodes = [(g, r) for g in coord.ledger.groups(list(range(1, 1000))) for r in g.data["rollouts"]]
-        multi = [(g, r) for g, r in episodes if r.get("turns")]
+        episodes = [(g, r) for g in coord.ledger.groups(list(range(1, 1000))) for r in g.rollouts]
+        multi = [(g, r) for g, r in episodes if r.turns]
         assert multi, "no episode had a second turn"
         for g, r in episodes:
             problem = task.sample(seed, g.problem_index)
             first, rest = episode_of(r)
             assert check_episode(task, tok, problem, first, rest) is None
-            assert r["reward"] == pytest.approx(score_episode(task, problem, model_texts(tok, first, rest)))
+            assert r.reward == pytest.approx(score_episode(task, problem, model_texts(tok, first, rest)))
             for turn in [first] + [t.model for t in rest]:
                 if turn.finish_reason == "stop":
                     assert turn.completion_ids[-1] == tok.eos_token_id
-            for packed, rendered in rendered_turn_prompts(tok, task, problem, g.data["prompt_ids"], first, rest):
+            for packed, rendered in rendered_turn_prompts(tok, task, problem, g.prompt_ids, first, rest):
                 assert packed == rendered
-        turns = sum(1 + len(r["turns"]) for _, r in multi)
+        turns = sum(1 + len(r.turns) for _, r in multi)
         print(f"{len(episodes)} episodes, {len(multi)} with several turns ({turns} model turns); e.g. "
-              f"{tok.decode(g.data['prompt_ids'][-8:] + multi[0][1]['completion_ids'])!r}")
+              f"{tok.decode(g.prompt_ids[-8:] + multi[0][1].completion_ids)!r}")

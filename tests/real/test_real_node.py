@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from node.coordinator.records import StoredRollout
 from node.envs import encode_prompt
 from tests.integration.coordinator_harness import running_coordinator
 from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
@@ -25,7 +26,7 @@ def real_run_settings(model_dir, *extra: str) -> tuple[str, ...]:
             "distribution.shard_size=33554432", "run.assignment_deadline_seconds=300", *extra)
 
 
-def check_real_groups(coord, tok) -> list[dict]:
+def check_real_groups(coord, tok) -> list[StoredRollout]:
     """Every stored group: its prompt is the task's problem through the chat template, and its completions end
     as their finish reason says. Returns the stored rollouts."""
     im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
@@ -34,13 +35,13 @@ def check_real_groups(coord, tok) -> list[dict]:
     assert groups, "no group stored"
     rollouts = []
     for g in groups:
-        ids = g.data["prompt_ids"]
+        ids = g.prompt_ids
         assert ids == encode_prompt(tok, coord.task.sample(coord.cfg.run.seed, g.problem_index))
         assert ids[0] == im_start, tok.decode(ids[:8])
         assert tok.decode(ids).endswith("<|im_end|>\n<|im_start|>assistant\n"), tok.decode(ids)
-        for r in g.data["rollouts"]:
-            c = r["completion_ids"]
-            if r["finish_reason"] == "stop":
+        for r in g.rollouts:
+            c = r.completion_ids
+            if r.finish_reason == "stop":
                 assert c[-1] == im_end and im_end not in c[:-1]
             else:
                 assert im_end not in c and len(c) == coord.cfg.sampling.max_tokens
@@ -59,9 +60,9 @@ async def train_two_steps(tmp_path, model_dir, tok, *worker_settings):
         assert status["verification"]["rejected"] == 0, status["verification"]
         assert node.stats.accepted > 0 and node.stats.rejected == 0
         rollouts = check_real_groups(coord, tok)
-        stopped = [r for r in rollouts if r["finish_reason"] == "stop"]
+        stopped = [r for r in rollouts if r.finish_reason == "stop"]
         assert stopped, "no completion stopped within 24 tokens: the EOS path was not exercised"
-        print(f"{len(rollouts)} rollouts, {len(stopped)} stopped, e.g. {tok.decode(stopped[0]['completion_ids'])!r}")
+        print(f"{len(rollouts)} rollouts, {len(stopped)} stopped, e.g. {tok.decode(stopped[0].completion_ids)!r}")
         return node
 
 

@@ -12,15 +12,20 @@ import json
 from pathlib import Path
 
 from node.coordinator.ledger import Ledger
-from node.coordinator.records import AssignmentRow
+from node.coordinator.records import AssignmentRow, GroupRow, Rejection, StoredRollout, StoredTurn, SubmittedGroup
 from node.coordinator.scheduler import PromptSlot
 
 REPO = Path(__file__).resolve().parents[2]
 COORDINATOR = REPO / "node" / "coordinator"
 
 # The keys of the records' stored JSON and columns: outside the ledger, none of them is a subscript or a .get().
+# Left out: "reward" and "reward_mean", which are also keys of a step's metrics and of the eval curve (plain JSON
+# documents); a record indexed by them fails the type checker anyway (a dataclass is not subscriptable).
 RECORD_KEYS = {"assignment_id", "node_id", "batch_step", "min_policy_step", "created_ms", "deadline_ms", "state",
-               "prompts", "problem_index", "seeds"}
+               "prompts", "prompt_id", "problem_index", "prompt_ids", "seeds",
+               "group_id", "policy_step", "received_ms", "data", "consumed_step", "dropped", "verdict",
+               "rollouts", "sample_index", "completion_ids", "logprobs", "finish_reason", "commitment",
+               "turns", "env_ids", "reason"}
 
 
 def slot(i: int, batch: int = 1) -> PromptSlot:
@@ -74,6 +79,62 @@ def test_assignment_written_by_the_old_code_loads(tmp_path: Path) -> None:
     ledger.close()
 
 
+def group(prompt_id: str = "0:p0", *, turns: bool = False) -> SubmittedGroup:
+    more = (StoredTurn([9, 9], [4, 2], [-0.5, -0.25], "stop", "c1"),) if turns else ()
+    return SubmittedGroup(prompt_id=prompt_id, problem_index=0, batch_step=1, policy_step=0, reward_mean=0.5,
+                          prompt_ids=[1, 2, 3],
+                          rollouts=(StoredRollout(0, [7, 2], [-0.1, -0.2], 1.0, "stop", "c0", more),
+                                    StoredRollout(1, [8, 8], [-1.0, -2.0], 0.0, "length", "c2")))
+
+
+def test_group_round_trip_and_stored_shape(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.upsert_node("n" * 64, 1.0, {})
+    ledger.add_assignment(assignment(), next_problem_index=2)
+    g, h = group(turns=True), group("1:p1")
+    ledger.record_submission("a1", "n" * 64, [g, h], [Rejection("too_long", "1:p1", 2)], [], reputation_delta=0.0,
+                             reputation_cap=1.0, ban_below=-10)
+    stored = ledger.submission_groups("a1")
+    assert [(x.prompt_id, x.prompt_ids, x.rollouts, x.reward_mean, x.verdict) for x in stored] == \
+        [(y.prompt_id, y.prompt_ids, y.rollouts, y.reward_mean, None) for y in (g, h)]
+    assert stored[0].rollouts[0].turns[0].env_ids == [9, 9]
+    (data,), = raw(ledger, "SELECT data FROM groups WHERE group_id=?", (stored[0].group_id,))
+    assert json.loads(data) == {"prompt_ids": [1, 2, 3], "rollouts": [
+        {"completion_ids": [7, 2], "logprobs": [-0.1, -0.2], "reward": 1.0, "finish_reason": "stop", "sample_index": 0,
+         "commitment": "c0", "turns": [{"completion_ids": [4, 2], "logprobs": [-0.5, -0.25], "finish_reason": "stop",
+                                        "commitment": "c1", "env_ids": [9, 9]}]},
+        {"completion_ids": [8, 8], "logprobs": [-1.0, -2.0], "reward": 0.0, "finish_reason": "length",
+         "sample_index": 1, "commitment": "c2"}]}
+    assert list(json.loads(data)["rollouts"][1]) == ["completion_ids", "logprobs", "reward", "finish_reason",
+                                                     "sample_index", "commitment"]  # the order always written
+    assert [tuple(r) for r in raw(ledger, "SELECT prompt_id, sample_index, reason FROM rejections")] == \
+        [("1:p1", 2, "too_long")]
+    ledger.set_verdict("a1", "verified")
+    assert [x.group_id for x in ledger.waiting_groups()] == [x.group_id for x in stored]
+    assert ledger.ban_and_void("n" * 64, None, [Rejection("verify_near_tie_rate")]) == (4, {1: 2})
+    assert {x.verdict for x in ledger.groups([x.group_id for x in stored])} == {"void"}
+    ledger.close()
+
+
+def test_group_written_by_the_old_code_loads(tmp_path: Path) -> None:
+    """A group row as the old intake wrote it: its JSON built by hand (an older row may lack `commitment`)."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    data = {"prompt_ids": [5], "rollouts": [
+        {"completion_ids": [1, 2], "logprobs": [-0.5, -0.5], "reward": 0.25, "finish_reason": "stop", "sample_index": 0},
+        {"completion_ids": [3], "logprobs": [-1.5], "reward": 0.75, "finish_reason": "length", "sample_index": 1,
+         "commitment": "cc", "turns": [{"completion_ids": [4], "logprobs": [-0.1], "finish_reason": "stop",
+                                        "commitment": "dd", "env_ids": [6, 7]}]}]}
+    ledger._exec("INSERT INTO groups(assignment_id, node_id, prompt_id, problem_index, batch_step, policy_step, "
+                 "received_ms, data, reward_mean, consumed_step, dropped, verdict) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)",
+                 ("old", "n" * 64, "5:x", 5, 2, 1, 99, json.dumps(data), 0.5, 3, "filtered", "unchecked"))
+    (g,) = ledger.groups([1])
+    assert g == GroupRow(1, "old", "n" * 64, "5:x", 5, 2, 1, 99, [5], (
+        StoredRollout(0, [1, 2], [-0.5, -0.5], 0.25, "stop", ""),
+        StoredRollout(1, [3], [-1.5], 0.75, "length", "cc", (StoredTurn([6, 7], [4], [-0.1], "stop", "dd"),))),
+        0.5, 3, "filtered", "unchecked")
+    ledger.close()
+
+
 def string_key_uses(tree: ast.AST, keys: set[str]) -> list[tuple[int, str]]:
     """x["key"] and x.get("key") with a record key, as (line, key)."""
     found = []
@@ -88,8 +149,8 @@ def string_key_uses(tree: ast.AST, keys: set[str]) -> list[tuple[int, str]]:
 
 def test_scan_finds_string_keyed_records() -> None:
     """The scan itself: it sees the old code's ways of reading a record."""
-    old = 'seeds = {p["prompt_id"]: p["seeds"] for p in a.prompts}\nx = sl.get("problem_index")\nok = d["other"]\n'
-    assert sorted(string_key_uses(ast.parse(old), RECORD_KEYS)) == [(1, "seeds"), (2, "problem_index")]
+    old = 'seeds = {p["prompt_id"]: p["seeds"] for p in a.prompts}\nx = r.get("sample_index")\nok = d["other"]\n'
+    assert sorted(string_key_uses(ast.parse(old), RECORD_KEYS)) == [(1, "prompt_id"), (1, "seeds"), (2, "sample_index")]
 
 
 def without_slot_json(tree: ast.Module) -> ast.Module:
