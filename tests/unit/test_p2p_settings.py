@@ -4,7 +4,7 @@ The host (P2PNode), its trio side (P2PService) and the relay (nat.Relaying) take
 - every field is read somewhere in node/ through a config object (`cfg.x`, `self.cfg.x`, `cfg.p2p.x`,
   `self.p2p_cfg.x`): a field nobody reads is a setting that does nothing;
 - no constructor on the settings path has a parameter named after a field, no class in node/p2p declares one as
-  an annotated attribute (the old ServiceSettings dataclass, RelayHopLimits), and the host's classes copy none
+  an annotated attribute (as the old ServiceSettings dataclass did), and the host's classes copy none
   onto themselves (`self.x = ...`): a copy is a second place to keep in step.
 
 Pure source and signature checks: no host is started."""
