@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from node.coordinator.records import (AssignmentRow, AssignmentState, DropReason, GroupRow, Rejection, StoredRollout,
-                                      StoredTurn, SubmittedGroup, Verdict)
+from node.coordinator.records import (AssignmentRow, AssignmentState, DropReason, GroupRow, Liveness, Rejection,
+                                      StoredRollout, StoredTurn, SubmittedGroup, Verdict)
 from node.coordinator.scheduler import PromptSlot
 
 SCHEMA = """
@@ -281,15 +281,15 @@ class Ledger:
                          "IN (SELECT node_id FROM assignments WHERE state = 'open')", (seen_before_ms,))
         return cur.rowcount
 
-    def record_liveness(self, seen: list[tuple[str, int, int | None, float | None, str | None]]) -> None:
-        """Batched (node id, last seen ms, policy step, tokens/s, state): heartbeats and work requests are
+    def record_liveness(self, seen: list[Liveness]) -> None:
+        """Batched node liveness (last seen, policy step, tokens/s, state): heartbeats and work requests are
         kept in memory and written here every few seconds in one transaction (a per-request fsync was
         half of the event loop's time at 1,000 nodes; bench/load.py). None keeps the stored value."""
         with self.transaction() as db:
             db.executemany(
                 "UPDATE nodes SET last_seen_ms=MAX(last_seen_ms, ?), policy_step=COALESCE(?, policy_step), "
                 "tokens_per_s=COALESCE(?, tokens_per_s), state=COALESCE(?, state) WHERE node_id=?",
-                [(t, step, tps, state, node_id) for node_id, t, step, tps, state in seen])
+                [(s.last_seen_ms, s.policy_step, s.tokens_per_s, s.state, s.node_id) for s in seen])
 
     def use_join_token(self, token_hash: str, node_id: str) -> bool:
         """Record that `node_id` joined with this token; False if another key already used it."""

@@ -97,3 +97,17 @@ class Rejection:
     reason: str
     prompt_id: str | None = None
     sample_index: int | None = None
+
+
+NodeState = Literal["starting", "fetching", "generating", "idle", "stopping"]  # a heartbeat's (protocol/messages.py)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What a node's last heartbeat or work request said, kept in memory and written to the ledger in batches
+    (Ledger.record_liveness). None: not said since the last write; the ledger keeps its stored value."""
+    node_id: str
+    last_seen_ms: int
+    policy_step: int | None
+    tokens_per_s: float | None
+    state: NodeState | None

@@ -14,6 +14,7 @@ import logging
 import time
 from collections import Counter, deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
@@ -23,13 +24,13 @@ from node.coordinator.ledger import Ledger, NodeRow, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.node_bytes import NodeBytes
 from node.coordinator.publisher import Publisher
-from node.coordinator.records import AssignmentRow
+from node.coordinator.records import AssignmentRow, Liveness, NodeState
 from node.coordinator.reachability import DialBack
 from node.coordinator.refusals import Refused
 from node.coordinator.run_model import load_run_model
 from node.coordinator.scheduler import Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.seeding import SuperSeeder
-from node.coordinator.status import build_status
+from node.coordinator.status import ONLINE_MS, build_status
 from node.coordinator.supervisor import Failure, Supervisor
 from node.coordinator.training import TrainingLoop
 from node.coordinator.verification import PolicyStore, VerdictQueue
@@ -39,6 +40,9 @@ from node.envs.episode import max_turns_of
 from protocol import messages as M
 from protocol.admission import AdmissionError, check_join_token, check_pow
 from protocol.identity import Identity
+
+if TYPE_CHECKING:
+    from node.p2p import P2PNode
 
 log = logging.getLogger("prime_node.coordinator")
 
@@ -65,6 +69,7 @@ class Coordinator:
         self.root.mkdir(parents=True, exist_ok=True)
         self.ledger = Ledger(self.root / "ledger.sqlite")
         self.metrics = CoordinatorMetrics()
+        self.metrics.watch_nodes(lambda: self.ledger.node_summary(now_ms() - ONLINE_MS, self.published_step)["by_state"])
         self.checkpoints = CheckpointDir(self.root)
         self.publisher = Publisher(self.checkpoints, identity, cfg.run.run_id, async_level=self.k,
                                    shard_size=cfg.distribution.shard_size,
@@ -79,11 +84,11 @@ class Coordinator:
         self._pow_checks = asyncio.Semaphore(POW_CHECKS_AT_ONCE)
         self._pow_waiting = 0
         self.supervisor = Supervisor(on_failure=self._on_failure)
-        self.p2p = None
+        self.p2p: P2PNode | None = None
         self.url: str | None = None  # its HTTP server's base URL, set by app.start_server once the port is bound
         self.started_ms = now_ms()
         self._status: tuple[float, dict] | None = None
-        self._liveness: dict[str, tuple] = {}  # node id -> (node id, last seen ms, step, tokens/s, state)
+        self._liveness: dict[str, Liveness] = {}  # node id -> what it last said, not yet in the ledger
         # The join's dial-back (reachability.py): at most one dial per listed port per join the address may make.
         self.dialback = DialBack(timeout_s=cfg.p2p.dialback_timeout_s,
                                  per_minute=2 * cfg.admission.joins_per_address_per_minute,
@@ -221,7 +226,9 @@ class Coordinator:
         self.scheduler.on_step_published(step, consumed)
         self.metrics.step.set(step)
         if self.p2p is not None:
-            self._spawn(self.p2p.announce_manifest(step, self.checkpoints.manifest(step).canonical_hash()),
+            manifest = self.checkpoints.manifest(step)
+            assert manifest is not None  # published just now: on disk
+            self._spawn(self.p2p.announce_manifest(step, manifest.canonical_hash()),
                         f"announce-{step}", critical=False)  # a lost announcement is repaired by the next
 
     def _spawn(self, coro, name: str, *, critical: bool = True) -> None:
@@ -346,12 +353,13 @@ class Coordinator:
         # A circuit relay v2 hop for NATed nodes (docs/P2P.md "Relaying and hole punching"), within the
         # p2p.relay_* limits, unless p2p.relay_hop = false: the coordinator's role default.
         cfg = self.cfg.p2p.model_copy(update={"relay_hop": self.cfg.p2p.relay_hop is not False})
-        self.p2p = P2PNode(self.identity, cfg, run_id=self.cfg.run.run_id, coordinator_key=self.identity.public_hex)
-        await self.p2p.start()
-        self.p2p.add_listener(self._on_announcement)
+        p2p = self.p2p = P2PNode(self.identity, cfg, run_id=self.cfg.run.run_id,
+                                 coordinator_key=self.identity.public_hex)
+        await p2p.start()
+        p2p.add_listener(self._on_announcement)
         if self.cfg.p2p.relay_hop is not False:
             self._spawn(self._relay_loop(), "relay-reservations", critical=False)
-        self.metrics.watch_p2p(self.p2p.stats.totals)  # no per-peer tables: a scrape copies a few counters
+        self.metrics.watch_p2p(p2p.stats.totals)  # no per-peer tables: a scrape copies a few counters
 
     def can_serve(self, node_id: str) -> bool | None:
         """Whether peers can connect to `node_id`: its libp2p port was dialled back at join, or it is NATed and
@@ -361,6 +369,7 @@ class Coordinator:
 
     async def _relay_loop(self) -> None:
         """Which NATed nodes hold a reservation on our hop, every second (at most p2p.relay_max_reservations)."""
+        assert self.p2p is not None  # spawned by _start_p2p
         try:
             while True:
                 self.relay_reserved = frozenset(await self.p2p.relay_reserved_nodes())
@@ -384,14 +393,14 @@ class Coordinator:
         return ours + [a for a in self.cfg.p2p.relay_addrs if a not in ours]
 
     def _seen(self, node_id: str, policy_step: int | None = None, tokens_per_s: float | None = None,
-              state: str | None = None) -> None:
+              state: NodeState | None = None) -> None:
         """Liveness, kept in memory and written to the ledger in batches (_flush_liveness)."""
         old = self._liveness.get(node_id)
         if old is not None:
-            policy_step = policy_step if policy_step is not None else old[2]
-            tokens_per_s = tokens_per_s if tokens_per_s is not None else old[3]
-            state = state or old[4]
-        self._liveness[node_id] = (node_id, now_ms(), policy_step, tokens_per_s, state)
+            policy_step = policy_step if policy_step is not None else old.policy_step
+            tokens_per_s = tokens_per_s if tokens_per_s is not None else old.tokens_per_s
+            state = state or old.state
+        self._liveness[node_id] = Liveness(node_id, now_ms(), policy_step, tokens_per_s, state)
 
     def _flush_liveness(self) -> None:
         seen, self._liveness = list(self._liveness.values()), {}
@@ -400,7 +409,7 @@ class Coordinator:
 
     def _claimed_step(self, node: NodeRow) -> int | None:
         live = self._liveness.get(node.node_id)
-        return live[2] if live is not None and live[2] is not None else node.policy_step
+        return live.policy_step if live is not None and live.policy_step is not None else node.policy_step
 
     def heartbeat(self, node_id: str, req: M.HeartbeatRequest) -> M.HeartbeatResponse:
         self._known_node(node_id)

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 from node.coordinator.ledger import Ledger
-from node.coordinator.records import AssignmentRow, GroupRow, Rejection, StoredRollout, StoredTurn, SubmittedGroup
+from node.coordinator.records import (AssignmentRow, GroupRow, Liveness, Rejection, StoredRollout, StoredTurn,
+                                      SubmittedGroup)
 from node.coordinator.scheduler import PromptSlot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,6 +133,19 @@ def test_group_written_by_the_old_code_loads(tmp_path: Path) -> None:
         StoredRollout(0, [1, 2], [-0.5, -0.5], 0.25, "stop", ""),
         StoredRollout(1, [3], [-1.5], 0.75, "length", "cc", (StoredTurn([6, 7], [4], [-0.1], "stop", "dd"),))),
         0.5, 3, "filtered", "unchecked")
+    ledger.close()
+
+
+def test_liveness_reaches_the_node_row_and_none_keeps_the_stored_value(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    a, b = "a" * 64, "b" * 64
+    for n in (a, b):
+        ledger.upsert_node(n, 1.0, {})
+    ledger.record_liveness([Liveness(a, 10**13, 3, 250.0, "generating"), Liveness(b, 10**13, 1, None, None)])
+    ledger.record_liveness([Liveness(a, 10**13 + 5, None, None, None)])
+    na, nb = ledger.node(a), ledger.node(b)
+    assert (na.last_seen_ms, na.policy_step, na.tokens_per_s, na.state) == (10**13 + 5, 3, 250.0, "generating")
+    assert (nb.policy_step, nb.tokens_per_s, nb.state) == (1, 0.0, "joined")
     ledger.close()
 
 
