@@ -9,9 +9,10 @@ Expired rows are swept at most every `sweep_ms`, from `record` itself: no task o
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Iterator, Mapping
+from typing import Iterator, Literal, Mapping
 
-SOURCES = ("coordinator", "relay", "peer")  # protocol.messages.HeartbeatRequest.bytes_by_source's keys
+Source = Literal["coordinator", "relay", "peer"]
+SOURCES: tuple[Source, ...] = ("coordinator", "relay", "peer")  # HeartbeatRequest.bytes_by_source's keys
 
 
 class NodeBytes:
@@ -21,7 +22,7 @@ class NodeBytes:
         self.departed: Counter[str] = Counter()
         self._swept_ms = 0
 
-    def record(self, node_id: str, counts: Mapping[str, int], now_ms: int) -> None:
+    def record(self, node_id: str, counts: Mapping[Source, int], now_ms: int) -> None:
         """The node's cumulative counts as of now (they replace what it said before)."""
         self._rows[node_id] = (now_ms, {s: int(n) for s, n in counts.items() if s in SOURCES})
         self._rows.move_to_end(node_id)
