@@ -164,9 +164,13 @@ class VerdictQueue:
             ledger.set_verdict(assignment_id, "unchecked")
         else:
             a = ledger.assignment(assignment_id)
+            assert a is not None  # kept while a group of it waits for its verdict (Ledger.prune)
             seeds = {p.prompt_id: p.seeds for p in a.prompts}
             s = self.sampling
-            refs, checks, owner = [], [], []  # one check per model turn (a single-turn rollout has one)
+            # one check per model turn (a single-turn rollout has one)
+            refs: list[tuple[str, int]] = []
+            checks: list[VerifyItem] = []
+            owner: list[int] = []
             for g in undecided:
                 for r in g.rollouts:
                     for it in turn_items(g.prompt_ids, r, seeds[g.prompt_id][r.sample_index],
@@ -191,12 +195,12 @@ class VerdictQueue:
                 return  # banned and voided while its replay was out with the pool
             self.metrics.verified.inc(len(refs))
             failed = [Rejection(v.reason, p, i) for (p, i), v in zip(refs, verdicts) if v.reason]
-            for r in failed:
-                self.metrics.rejected.labels(r.reason).inc()
+            for f in failed:
+                self.metrics.rejected.labels(f.reason).inc()
             if any(not v.outlier for v in verdicts if v.reason):
                 voided = self._void(node.node_id, assignment_id, failed)
                 log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node.node_id[:12],
-                            ", ".join(sorted({r.reason for r in failed})), voided)
+                            ", ".join(sorted({f.reason for f in failed})), voided)
                 return
             if failed:  # only single-token sampling outliers: possibly numerical, never trained, no ban
                 rep = node.reputation - self.cfg.reputation_penalty

@@ -56,14 +56,15 @@ def test_assignment_round_trip_and_stored_shape(tmp_path: Path) -> None:
                                     "seeds": [101, 201], "batch_step": 1}]
     # expired: its prompts are queued again, typed, in order
     assert not ledger.expire_assignment("a1", "n" * 64, list(a.prompts), penalty=0.1, ban_below=-10)
-    assert ledger.assignment("a1").state == "expired"
+    expired = ledger.assignment("a1")
+    assert expired is not None and expired.state == "expired"
     assert ledger.requeued() == list(a.prompts)
     ledger.add_assignment(assignment("a2", prompts=(slot(1),)), next_problem_index=2)  # taking one leaves the other
     assert ledger.requeued() == [slot(0)]
     ledger.decline_assignment("a2", "n" * 64, [slot(1)], reason="stale_policy", penalty=0.1, ban_below=-10,
                               hold_until_ms=0)
     declined = ledger.assignment("a2")
-    assert (declined.state, declined.prompts) == ("declined", ())
+    assert declined is not None and (declined.state, declined.prompts) == ("declined", ())
     ledger.close()
 
 
@@ -144,6 +145,7 @@ def test_liveness_reaches_the_node_row_and_none_keeps_the_stored_value(tmp_path:
     ledger.record_liveness([Liveness(a, 10**13, 3, 250.0, "generating"), Liveness(b, 10**13, 1, None, None)])
     ledger.record_liveness([Liveness(a, 10**13 + 5, None, None, None)])
     na, nb = ledger.node(a), ledger.node(b)
+    assert na is not None and nb is not None
     assert (na.last_seen_ms, na.policy_step, na.tokens_per_s, na.state) == (10**13 + 5, 3, 250.0, "generating")
     assert (nb.policy_step, nb.tokens_per_s, nb.state) == (1, 0.0, "joined")
     ledger.close()
