@@ -248,7 +248,9 @@ class Ledger:
             "ON CONFLICT(node_id) DO UPDATE SET last_seen_ms=excluded.last_seen_ms, info=excluded.info",
             (node_id, t, t, reputation, json.dumps(info)),
         )
-        return self.node(node_id)
+        node = self.node(node_id)
+        assert node is not None  # upserted just now
+        return node
 
     def node(self, node_id: str) -> NodeRow | None:
         row = self._exec("SELECT * FROM nodes WHERE node_id=?", (node_id,)).fetchone()
