@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
@@ -30,6 +30,7 @@ from node.envs.episode import episode_of, pack
 
 if TYPE_CHECKING:
     from node.trainer import Rollout
+    from node.trainer.trainer import Trainer  # node.trainer's lazy names are Any to a type checker
 
 log = logging.getLogger("prime_node.training")
 
@@ -70,7 +71,7 @@ class TrainingLoop:
         self.on_groups_dropped = on_groups_dropped
         self.on_step_published = on_step_published
         self.published_step = 0
-        self.trainer = None  # made by restore_or_init (a Trainer, or rank 0's DistributedTrainer)
+        self.trainer: Trainer | None = None  # made by restore_or_init (a Trainer, or rank 0's DistributedTrainer)
         self.state_root = self.storage / "trainer_state"
         self._cond = threading.Condition()
         self._stop = False
@@ -80,7 +81,7 @@ class TrainingLoop:
         self.busy = False
         self.last_metrics: dict = {}
         self.error: str | None = None
-        self.evaluator = None  # node.coordinator.evaluation.Evaluator when eval.every_steps > 0
+        self.evaluator: Evaluator | None = None  # when eval.every_steps > 0
         # usable / unusable groups of the batch being collected, and the stall warning (batch_health.py)
         self._voided_polled = float("-inf")
         self.health = BatchHealth(needed=cfg.run.batch_prompts,
@@ -89,12 +90,12 @@ class TrainingLoop:
         self.health.observe_voided(ledger.verdict_counts().get("void", 0))  # the baseline: voids before this start
 
     # -- start-up ----------------------------------------------------------------------------------
-    def _make_trainer(self, resume: bool):
+    def _make_trainer(self, resume: bool) -> Trainer:
         from node.trainer import Trainer
 
         # The trainer's logprobs must be of the distribution the sampler used (temperature-scaled).
-        kwargs = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups,
-                      temperature=self.cfg.sampling.temperature)
+        kwargs: dict[str, Any] = dict(batch_prompts=self.cfg.run.batch_prompts, stream=self.cfg.run.stream_groups,
+                                      temperature=self.cfg.sampling.temperature)
         if self.cfg.trainer.ranks > 1:  # FSDP2: this process is rank 0 and starts the others (torchrun-style)
             from node.trainer.distributed import launch
 
@@ -202,13 +203,14 @@ class TrainingLoop:
                 abort = getattr(self.trainer, "abort", None)
                 if abort is not None:
                     abort()
+                assert timeout is not None  # join(None) returns only once the thread has ended
                 t.join(min(timeout, STOP_AFTER_ABORT_S))
             if t.is_alive():  # a daemon thread: it does not keep the process from exiting
                 log.warning("the training thread is still running; leaving it behind")
                 return
         if self.trainer is None:
             return
-        if timeout is None or getattr(self.trainer, "abort", None) is None:
+        if deadline is None or getattr(self.trainer, "abort", None) is None:  # deadline: None iff timeout is
             self.trainer.close()
         else:  # a distributed trainer: its other ranks get what is left of the deadline to stop, then are killed
             self.trainer.close(timeout=max(MIN_CLOSE_S, deadline - time.monotonic()))
@@ -257,14 +259,15 @@ class TrainingLoop:
         from node.trainer import Group
 
         fault_point("train-step")
-        ledger = self.ledger
+        ledger, trainer = self.ledger, self.trainer
+        assert trainer is not None  # restore_or_init made it before the thread started
         idle0, busy0 = self.idle_seconds, self.busy_seconds
         min_m = min_policy_for_batch(n, self.k)
         fed: list[dict] = []
         seen: set[int] = set()
         dropped: dict[DropReason, list[GroupRow]] = {"stale": [], "filtered": []}
         self.health.begin_batch(n)
-        while not self._stop and not self.trainer.batch_complete:
+        while not self._stop and not trainer.batch_complete:
             # ids first: parsing every waiting group's JSON at every poll cost a quarter of a loaded
             # coordinator's CPU (bench/load.py)
             fresh = ledger.groups([i for i in ledger.waiting_group_ids() if i not in seen])
@@ -284,7 +287,7 @@ class TrainingLoop:
                 self.busy = True
                 group = Group(prompt_id=g.prompt_id, prompt_ids=g.prompt_ids,
                               rollouts=[trainable(r, g.policy_step) for r in g.rollouts])
-                kept = self.trainer.add_group(group)
+                kept = trainer.add_group(group)
                 self.busy = False
                 self.busy_seconds += time.monotonic() - t0
                 if kept:
@@ -294,16 +297,16 @@ class TrainingLoop:
                     dropped["filtered"].append(g)
                     just_dropped.append(g)
                     self.health.record_unusable(drop_reason([r.reward for r in g.rollouts]))
-                if self.trainer.batch_complete:
+                if trainer.batch_complete:
                     break
             if just_dropped:  # the scheduler asks for replacements now
                 self.on_groups_dropped(dict(Counter(g.batch_step for g in just_dropped)),
-                                       float(self.trainer.keep_rate))
+                                       float(trainer.keep_rate))
         if self._stop:
             return
         t0 = time.monotonic()
         self.busy = True
-        metrics = self.trainer.step()
+        metrics = trainer.step()
         # every fresh rollout offered to this step, also the groups the difficulty filter dropped (all
         # right or all wrong): leaving those out hid the prompts the policy had mastered from the curve
         rewards = [r.reward for g in fed + dropped["filtered"] for r in g.rollouts]
@@ -324,9 +327,11 @@ class TrainingLoop:
     def _publish(self, n: int, metrics: dict, fed: list[GroupRow],
                  dropped: dict[DropReason, list[int]] | None = None) -> None:
         t0 = time.monotonic()
+        trainer = self.trainer
+        assert trainer is not None  # restore_or_init made it before publishing anything
         if n > 0:
-            self.trainer.save_state()
-        state = self.trainer.weights_for_broadcast()
+            trainer.save_state()
+        state = trainer.weights_for_broadcast()
         pub = self.publisher.publish(n, state)
         metrics = {**metrics, "publish_seconds": time.monotonic() - t0, "encoding": pub.encoding,
                    "compressed_bytes": pub.compressed_bytes}

@@ -141,8 +141,9 @@ class Trainer:
             out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
         return out
 
-    def close(self) -> None:
-        """Release what this trainer holds beyond its memory (nothing here; a DistributedTrainer's ranks)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Release what this trainer holds beyond its memory (nothing here; a DistributedTrainer's ranks,
+        within about `timeout` seconds)."""
 
     def save_state(self) -> Path:
         if self.state_dir is None:
