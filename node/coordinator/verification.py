@@ -12,7 +12,7 @@ import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from node.config import SamplingConfig, VerificationConfig
 from node.coordinator.ledger import Ledger, NodeRow
@@ -24,6 +24,9 @@ from node.trainer.model import load_model
 from protocol import messages as M
 from protocol.checkpoint import load_payload
 from verify.rollouts import Judgement, VerifyItem, judge, turn_items
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("prime_node.verification")
 
@@ -48,10 +51,10 @@ class PolicyStore:
         self.model_dir = Path(model_dir)
         self.keep = keep
         self.dtype = dtype
-        self._models: dict[int, object] = {}
+        self._models: dict[int, PreTrainedModel] = {}
         self._lock = threading.Lock()
 
-    def put(self, step: int, state) -> None:
+    def put(self, step: int, state: dict[str, Any]) -> None:
         with self._lock:
             reuse = None
             while len(self._models) >= self.keep:
@@ -66,7 +69,7 @@ class PolicyStore:
     def put_payload(self, step: int, path: Path) -> None:
         self.put(step, load_payload(path))
 
-    def get(self, step: int):
+    def get(self, step: int) -> PreTrainedModel | None:
         with self._lock:
             return self._models.get(step)
 
@@ -190,7 +193,9 @@ class VerdictQueue:
                 self.on_decided()
                 return
             verdicts = merge_turns(answers, owner, len(refs))
-            node = ledger.node(node.node_id)
+            fresh = ledger.node(node.node_id)
+            assert fresh is not None  # a node that submitted is never forgotten (Ledger.forget_idle_nodes)
+            node = fresh
             if node.banned or all(g.verdict is not None for g in ledger.submission_groups(assignment_id)):
                 return  # banned and voided while its replay was out with the pool
             self.metrics.verified.inc(len(refs))
@@ -241,6 +246,7 @@ class VerdictQueue:
         """Ban a node whose tokens are far more often not the sampler's first choice than an honest
         node's (near-ties are numerical noise; choosing among them on purpose is steering)."""
         node = self.ledger.node(node_id)
+        assert node is not None  # it was just given a verdict
         if node.verified_tokens >= self.cfg.near_tie_min_tokens and \
                 node.near_ties > self.cfg.near_tie_max_rate * node.verified_tokens:
             n = self._void(node_id, None, [Rejection("verify_near_tie_rate")])
