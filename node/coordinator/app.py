@@ -149,7 +149,6 @@ def build_app(coord) -> web.Application:
         return _json(coord.status(max_age_s=STATUS_MAX_AGE_S))
 
     async def metrics(request):
-        coord.status(max_age_s=STATUS_MAX_AGE_S)  # refresh gauges derived from the ledger
         return web.Response(body=coord.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def dashboard(request):

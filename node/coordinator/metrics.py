@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+NODE_STATES = ("online", "offline", "banned", "generating", "fetching", "idle", "starting", "stopping")
 
 
 class CoordinatorMetrics:
@@ -19,7 +23,6 @@ class CoordinatorMetrics:
         self.staleness = Histogram("prime_rollout_staleness", "staleness (steps) of accepted groups",
                                    buckets=(0, 1, 2, 3, 4, 8), registry=r)
         self.bytes_served = Counter("prime_checkpoint_bytes_served", "checkpoint bytes served over HTTP", registry=r)
-        self.nodes = Gauge("prime_nodes", "nodes by state", ["state"], registry=r)
         self.assignments_issued = Counter("prime_assignments_issued", "assignments handed out", registry=r)
         self.assignments_expired = Counter("prime_assignments_expired", "assignments past their deadline", registry=r)
         self.eval_reward = Gauge("prime_eval_reward", "mean reward of greedy decoding on the held-out prompts, "
@@ -52,6 +55,11 @@ class CoordinatorMetrics:
         the swarm)."""
         self.registry.register(_P2PCollector(snapshot))
 
+    def watch_nodes(self, by_state: Callable[[], dict[str, int]], max_age_s: float = 1.0) -> None:
+        """Export `prime_nodes{state}` from `by_state()` (the ledger's node summary), read at a scrape and at
+        most once per `max_age_s` however often /metrics is scraped."""
+        self.registry.register(_NodesCollector(by_state, max_age_s))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -77,3 +85,22 @@ class _P2PCollector:
         yield CounterMetricFamily("prime_p2p_bytes_served", "shard bytes served to peers", value=snap.get("bytes_served", 0))
         yield CounterMetricFamily("prime_p2p_bytes_fetched", "shard bytes fetched from peers",
                                   value=snap.get("bytes_fetched", 0))
+
+
+class _NodesCollector:
+    def __init__(self, by_state: Callable[[], dict[str, int]], max_age_s: float):
+        self.by_state, self.max_age_s = by_state, max_age_s
+        self._cached: tuple[float, dict[str, int]] | None = None
+
+    def describe(self):
+        return []  # no samples at registration: the ledger is read at a scrape
+
+    def collect(self):
+        now = time.monotonic()
+        if self._cached is None or now - self._cached[0] > self.max_age_s:
+            self._cached = (now, self.by_state())
+        family = GaugeMetricFamily("prime_nodes", "nodes by state", labels=["state"])
+        by_state = self._cached[1]
+        for state in (*NODE_STATES, *sorted(set(by_state) - set(NODE_STATES))):  # e.g. "joined": not yet heard from
+            family.add_metric([state], by_state.get(state, 0))
+        yield family

@@ -116,7 +116,7 @@ class Coordinator:
             if v.verifier_keys else None
         self.verdicts = VerdictQueue(cfg=v, sampling=cfg.sampling, ledger=self.ledger,
                                      scheduler=self.scheduler, policies=self.policies, metrics=self.metrics,
-                                     eos_token_id=self.eos_token_id, on_decided=self.training.notify,
+                                     eos_token_id=self.eos_token_id, on_decided=self.training.notify_decided,
                                      board=self.verifier_board)
         self.intake = Intake(cfg=cfg, ledger=self.ledger, scheduler=self.scheduler, verdicts=self.verdicts,
                              metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness)

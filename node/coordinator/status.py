@@ -1,9 +1,19 @@
-"""GET /v1/status: one JSON document that the dashboard and the demo's summary read."""
+"""GET /v1/status: one JSON document that the dashboard and the demo's summary read.
+
+Composed from what each component says of itself: the training loop's TrainerSnapshot, the verifier pool's
+PoolSnapshot, the ledger's queries, the byte table's totals. Building it changes nothing: the Prometheus
+gauges are read by the components' own collectors at a scrape (node/coordinator/metrics.py), never set here.
+"""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from node.coordinator.ledger import NodeRow, now_ms
+
+if TYPE_CHECKING:
+    from node.coordinator.service import Coordinator
 
 ONLINE_MS = 30_000
 CURVE_POINTS = 1000  # a long run's reward curve is thinned to this many points (the newest always kept)
@@ -26,28 +36,20 @@ def node_state(n: NodeRow, t: int) -> str:
     return n.state or "online"
 
 
-def build_status(c) -> dict:
+def build_status(c: Coordinator) -> dict:
     t = now_ms()
-    tl = c.training
+    tl = c.training.snapshot()
     published = c.published_step
     steps = c.ledger.steps()
     summary = c.ledger.node_summary(t - ONLINE_MS, published)
     nodes = c.ledger.recent_nodes(t - LISTED_SINCE_MS, LISTED_NODES)
-    for s in ("online", "offline", "banned", "generating", "fetching", "idle", "starting", "stopping"):
-        c.metrics.nodes.labels(s).set(summary["by_state"].get(s, 0))
-    c.metrics.trainer_busy.set(tl.busy_seconds)
-    c.metrics.trainer_idle.set(tl.idle_seconds)
     hist: Counter[int] = Counter()
     for row in steps:
         for s, n in row.metrics.get("staleness_hist", {}).items():
             hist[int(s)] += n
-    busy, idle = tl.busy_seconds, tl.idle_seconds
-    bytes_by_source: Counter[str] = Counter()
-    for per_node in c.node_bytes.values():
-        bytes_by_source.update(per_node)
+    bytes_by_source = c.node_bytes.totals()
     counts = c.ledger.counts()
     verdicts = c.ledger.verdict_counts()
-    tl.health.observe_voided(verdicts.get("void", 0))  # groups verification voided count as rejected
     return {
         "run_id": c.cfg.run.run_id,
         "coordinator_key": c.identity.public_hex,
@@ -60,8 +62,8 @@ def build_status(c) -> dict:
         "window": {"training_batch": published + 1,
                    "open_batches": list(c.scheduler.open_batches()),
                    "min_policy_step": max(0, published - c.k)},
-        "trainer": {"busy": tl.busy, "busy_seconds": round(busy, 3), "idle_seconds": round(idle, 3),
-                    "idle_fraction": round(idle / (busy + idle), 4) if busy + idle > 0 else 0.0,
+        "trainer": {"busy": tl.busy, "busy_seconds": round(tl.busy_seconds, 3),
+                    "idle_seconds": round(tl.idle_seconds, 3), "idle_fraction": round(tl.idle_fraction, 4),
                     "error": tl.error, "last_metrics": tl.last_metrics},
         "nodes": [{
             "node_id": n.node_id, "short_id": n.node_id[:8], "state": node_state(n, t),
@@ -80,18 +82,18 @@ def build_status(c) -> dict:
         "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
         # the batch being collected: usable groups vs needed, the unusable ones by reason, the streak of
         # unusable ones and, past run.stall_warn_groups, the warning with its likely cause (batch_health.py)
-        "batch_health": tl.health.snapshot(),
+        "batch_health": tl.batch_health,
         "verification": {"accepted": counts["accepted_rollouts"], "rejected": counts["rejected_rollouts"],
                          "rejected_by_reason": c.ledger.rejection_counts(),
                          "undecided_submissions": c.verdicts.pending(),
                          "groups_by_verdict": verdicts,
-                         **({"pool": pool_status(c.verifier_board, t)} if c.verifier_board is not None else {})},
+                         **({"pool": asdict(c.verifier_board.snapshot())} if c.verifier_board is not None else {})},
         "reward_curve": [{"step": r.step, "reward": r.metrics.get("reward_mean")}
                          for r in thin([r for r in steps if r.step > 0], CURVE_POINTS)],
         # optional: present when eval.every_steps > 0 (node/coordinator/evaluation.py)
         **({"eval_curve": [{"step": e["step"], "reward": e["reward"], "n": e["n"]}
-                           for e in thin(tl.evaluator.curve, CURVE_POINTS)]}
-           if getattr(tl, "evaluator", None) is not None else {}),
+                           for e in thin(tl.eval_curve, CURVE_POINTS)]}
+           if tl.eval_curve is not None else {}),
         "step_log": [{"step": r.step, "published_ms": r.published_ms, "encoding": r.encoding,
                       "compressed_bytes": r.compressed_bytes, "loss_tokens": r.metrics.get("loss_tokens", 0),
                       "idle_seconds": r.metrics.get("idle_seconds", 0.0), "busy_seconds": r.metrics.get("busy_seconds", 0.0),
@@ -108,11 +110,3 @@ def build_status(c) -> dict:
         "uptime_s": round((t - c.started_ms) / 1000, 1),
     }
 
-
-def pool_status(board, t_ms: int) -> dict:
-    """The verifier pool: listed keys, those that asked for work in the last 30 s, jobs waiting and leased."""
-    waiting, leased = board.pending()
-    return {"verifiers": len(board.keys), "active": sum(1 for ms in board.last_seen.values() if t_ms - ms < 30_000),
-            "jobs_waiting": waiting, "jobs_leased": leased,
-            # `unavailable` answers per verifier (key prefix) and jobs none could do, replayed in-process
-            "unavailable": {k[:16]: n for k, n in board.unavailable.items()}, "replayed_in_process": board.given_back}

@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -51,6 +52,24 @@ def trainable(r: StoredRollout, policy_step: int) -> Rollout:
                    loss_mask=mask if rest else None)
 
 
+@dataclass(frozen=True)
+class TrainerSnapshot:
+    """The training loop as /v1/status shows it (node/coordinator/status.py composes it)."""
+
+    busy: bool
+    busy_seconds: float
+    idle_seconds: float
+    error: str | None  # why the training thread died, if it did
+    last_metrics: dict
+    batch_health: dict  # batch_health.BatchHealth.snapshot()
+    eval_curve: list[dict] | None  # None: eval.every_steps = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_seconds + self.idle_seconds
+        return self.idle_seconds / total if total > 0 else 0.0
+
+
 class TrainingLoop:
     """`on_groups_dropped(by_batch, keep_rate)` and `on_step_published(step, consumed)` are called from this
     thread; the coordinator hands in callables that are safe to call from it (they post to its loop)."""
@@ -88,6 +107,17 @@ class TrainingLoop:
                                   warn_after=cfg.run.stall_warn_groups or 4 * cfg.run.batch_prompts,
                                   warn_interval_s=cfg.run.stall_warn_interval_s, metrics=metrics)
         self.health.observe_voided(ledger.verdict_counts().get("void", 0))  # the baseline: voids before this start
+        if metrics is not None:  # read at each scrape: nothing else has to remember to set them
+            metrics.trainer_busy.set_function(lambda: self.busy_seconds)
+            metrics.trainer_idle.set_function(lambda: self.idle_seconds)
+
+    def snapshot(self) -> "TrainerSnapshot":
+        """What the status shows of the training loop (any thread: plain reads of values it replaces whole)."""
+        ev = self.evaluator
+        return TrainerSnapshot(busy=self.busy, busy_seconds=self.busy_seconds, idle_seconds=self.idle_seconds,
+                               error=self.error, last_metrics=dict(self.last_metrics),
+                               batch_health=self.health.snapshot(),
+                               eval_curve=None if ev is None else list(ev.curve))
 
     # -- start-up ----------------------------------------------------------------------------------
     def _make_trainer(self, resume: bool) -> Trainer:
@@ -224,6 +254,12 @@ class TrainingLoop:
         with self._cond:
             self._cond.notify_all()
 
+    def notify_decided(self) -> None:
+        """A verdict was recorded (the verification thread): it may complete a batch or void groups, which the
+        batch's health counts at the loop's next turn (not only every VOID_POLL_S)."""
+        self._voided_polled = float("-inf")
+        self.notify()
+
     def _run(self) -> None:
         """The thread's body. An exception ends it: the run cannot go on. It is kept in `error` for status
         and raised on, to the thread's owner (the supervisor fails the coordinator; a plain thread logs it)."""
@@ -263,7 +299,7 @@ class TrainingLoop:
         assert trainer is not None  # restore_or_init made it before the thread started
         idle0, busy0 = self.idle_seconds, self.busy_seconds
         min_m = min_policy_for_batch(n, self.k)
-        fed: list[dict] = []
+        fed: list[GroupRow] = []
         seen: set[int] = set()
         dropped: dict[DropReason, list[GroupRow]] = {"stale": [], "filtered": []}
         self.health.begin_batch(n)

@@ -32,6 +32,22 @@ log = logging.getLogger("prime_node.verifier_jobs")
 ACTIVE_MS = 10_000  # a verifier that asked for work this recently can take a job another one refused
 
 
+ACTIVE_MS = 30_000  # a verifier that asked for work this recently counts as active
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """The verifier pool: listed keys, those that asked for work in the last 30 s, jobs waiting and leased,
+    `unavailable` answers per verifier (key prefix) and jobs none could do (replayed in-process)."""
+
+    verifiers: int
+    active: int
+    jobs_waiting: int
+    jobs_leased: int
+    unavailable: dict[str, int]
+    replayed_in_process: int
+
+
 @dataclass
 class Job:
     job_id: str
@@ -138,6 +154,15 @@ class JobBoard:
     def _give_back(self, job: Job) -> None:
         self.given_back += 1
         job.future.set_result(None)
+
+    def snapshot(self) -> "PoolSnapshot":
+        """The pool as /v1/status shows it."""
+        waiting, leased = self.pending()
+        now = self.clock()
+        return PoolSnapshot(verifiers=len(self.keys), active=sum(1 for ms in self.last_seen.values() if now - ms < ACTIVE_MS),
+                            jobs_waiting=waiting, jobs_leased=leased,
+                            unavailable={k[:16]: n for k, n in self.unavailable.items()},
+                            replayed_in_process=self.given_back)
 
     def pending(self) -> tuple[int, int]:
         """(jobs waiting for a verifier, jobs leased now)."""

@@ -141,6 +141,9 @@ async def test_groups_voided_by_verification_count_as_rejected(tmp_path, caplog)
         groups = len(w["prompts"])
         await wait_for(lambda: coord.status()["verification"]["groups_by_verdict"].get("void", 0) == groups, 120,
                        "the forged groups voided", coord)
+        # the training thread counts them at its next turn (woken by the verdict): not inside a status build
+        await wait_for(lambda: coord.status()["batch_health"]["unusable"]["rejected"] == groups, 10,
+                       "the voided groups counted as rejected", coord)
         bh = coord.status()["batch_health"]
         assert bh["unusable"]["rejected"] == groups and bh["usable"] == 0, bh
         assert "verification voids the groups" in bh["warning"]

@@ -205,3 +205,28 @@ async def test_super_seeding_counts_from_the_end_of_the_first_copy(tmp_path):
             bad["X-Prime-Signature"] = "00" * 64
             async with s.get(url, headers=bad) as r:
                 assert r.status == 401
+
+
+async def test_metrics_come_from_their_owners_not_from_building_a_status(tmp_path):
+    """Before issue #28 the node and trainer gauges were set only as a side effect of building /v1/status, and
+    /metrics built a status to refresh them. Now the components' own collectors are read at the scrape: a
+    scrape builds no status and still counts the node that just joined; a status build sets no gauge."""
+    async with running_coordinator(tmp_path, "verification.fraction=0") as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            node = RawNode(base, s)
+            st, _ = await node.post("/v1/join", {})
+            assert st == 200
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+            assert coord._status is None  # no status was built for the scrape
+            assert 'prime_nodes{state="joined"} 1.0' in text, [ln for ln in text.splitlines() if "nodes" in ln]
+            assert "prime_trainer_busy_seconds" in text and "prime_trainer_idle_seconds" in text
+            before = coord.metrics.render()
+            coord.status()
+            assert coord._status is not None
+            # what a scrape reads changed only where time moved (the trainer's seconds), never by the build
+            strip = [ln for ln in before.decode().splitlines() if not ln.startswith("prime_trainer_")
+                     and not ln.startswith("prime_http_requests")]
+            after = [ln for ln in coord.metrics.render().decode().splitlines()
+                     if not ln.startswith("prime_trainer_") and not ln.startswith("prime_http_requests")]
+            assert strip == after
