@@ -9,7 +9,7 @@ TEST_WORKERS ?= 3
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo demo-real test test-vllm test-wan test-real test-all bench clean venv venv-vllm real-model
+.PHONY: demo demo-real test test-vllm test-wan test-real test-all typecheck bench clean venv venv-vllm real-model
 
 venv: $(STAMP)
 
@@ -52,6 +52,11 @@ demo-real: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan and not real" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
+# mypy (pinned in the dev extra) over the three packages: strict on protocol/ and verify/, normal on node/
+# (pyproject.toml [tool.mypy]). Zero errors is the bar: CI runs it as its own lane.
+typecheck: $(STAMP)
+	$(BIN)/mypy protocol node verify
+
 # The WAN lab (tests/wan): network namespaces with NAT routers, shaped links and a delay line; needs root,
 # iproute2, nftables and iptables. Where a lab cannot be built, its tests skip with the reason.
 test-wan: $(STAMP)
@@ -78,4 +83,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache
