@@ -16,8 +16,13 @@ peak resident memory of the process (CPU) or peak GPU memory (CUDA), and the rat
 Targets (#8): evidence overhead <= 10 % of generation; node memory <= 1.15x vLLM alone; on a GPU, vLLM
 >= 3x transformers at batch 64.
 
-Run in the vLLM venv (`make venv-vllm`): .venv-vllm/bin/python bench/backends.py [--quick] [--device cpu]
--> bench/results/backends.json. Without vLLM installed only the transformers rows are measured.
+`--real` measures the real pretrained model instead (SmolLM2-135M-Instruct, node/real_model.py: 135M
+parameters, 30 layers of hidden 576, a 49,152-token vocabulary; issue #27): the same workload, its prompts
+drawn from the real vocabulary, completions forced to the full length so every engine does the same work.
+
+Run in the vLLM venv (`make venv-vllm`): .venv-vllm/bin/python bench/backends.py [--quick] [--real]
+[--device cpu] -> bench/results/backends.json (backends_real.json with --real). Without vLLM installed only
+the transformers rows are measured.
 """
 from __future__ import annotations
 
@@ -40,12 +45,37 @@ NATIVE = {"transformers": "hf-native", "vllm": "vllm-native"}
 PROMPT_TOKENS, NEW_TOKENS, VOCAB = 32, 256, 32000
 
 
+def write_payload(model, out: Path) -> tuple[Path, int]:
+    """The model's bf16 checkpoint payload beside `out` (what a node starts from; a tied head is not stored)."""
+    import torch
+
+    from protocol.checkpoint.payload import serialize_state
+
+    tied = model.config.tie_word_embeddings
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}
+    payload = out.parent / "payload.safetensors"
+    payload.write_bytes(serialize_state(state))
+    return payload, sum(p.numel() for p in model.parameters())
+
+
+def build_real(out: Path) -> tuple[Path, int, int]:
+    """The real SmolLM2-135M-Instruct directory (built once from PyPI's wheel, cached), linked at `out`."""
+    from transformers import AutoModelForCausalLM
+
+    from node.real_model import model_dir
+
+    src = model_dir()
+    out.symlink_to(src, target_is_directory=True)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    payload, n_params = write_payload(model, out)
+    return payload, n_params, int(model.config.vocab_size)
+
+
 def build_model(out: Path, *, hidden: int, layers: int) -> tuple[Path, int]:
     """A random Qwen2-shaped model directory and its bf16 checkpoint payload (what a node starts from)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from protocol.checkpoint.payload import serialize_state
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
@@ -53,18 +83,14 @@ def build_model(out: Path, *, hidden: int, layers: int) -> tuple[Path, int]:
                       max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.02)
     model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    payload = out.parent / "payload.safetensors"
-    payload.write_bytes(serialize_state(state))
-    n_params = sum(p.numel() for p in model.parameters())
-    return payload, n_params
+    return write_payload(model, out)
 
 
-def workload(batch: int) -> tuple[list[list[int]], list[int]]:
+def workload(batch: int, vocab: int) -> tuple[list[list[int]], list[int]]:
     import random
 
     rng = random.Random(batch)
-    return [[rng.randrange(10, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(batch)], \
+    return [[rng.randrange(10, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)], \
         [1000 + i for i in range(batch)]
 
 
@@ -76,11 +102,14 @@ def peak_memory(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_engine(engine: str, model_dir: Path, payload: Path, batches: list[int], device: str, dtype: str) -> dict:
+def run_engine(engine: str, model_dir: Path, payload: Path, batches: list[int], device: str, dtype: str,
+               vocab: int = VOCAB, new_tokens: int = NEW_TOKENS) -> dict:
     """In a fresh process: warm up, then time each batch size. Returns {batch: seconds, tokens} + memory."""
     import torch
 
-    eos = VOCAB - 1  # random weights almost never sample it: completions run to NEW_TOKENS
+    # The last id of the vocabulary as "EOS": random weights almost never sample it, and the real model's is a
+    # rare merge, so completions run to NEW_TOKENS (the native engines are told to ignore EOS outright).
+    eos = vocab - 1
     if engine == "hf-native":
         from transformers import AutoModelForCausalLM
 
@@ -116,12 +145,12 @@ def run_engine(engine: str, model_dir: Path, payload: Path, batches: list[int], 
                               max_tokens=n, eos_token_id=eos)
             return sum(len(r.completion_ids) for r in res)
 
-    gen(*workload(2), 8)  # warm-up (kernels, allocator)
+    gen(*workload(2, vocab), 8)  # warm-up (kernels, allocator)
     out = {}
     for b in batches:
-        prompts, seeds = workload(b)
+        prompts, seeds = workload(b, vocab)
         t0 = time.perf_counter()
-        tokens = gen(prompts, seeds, NEW_TOKENS)
+        tokens = gen(prompts, seeds, new_tokens)
         if device == "cuda":
             torch.cuda.synchronize()
         out[str(b)] = {"seconds": time.perf_counter() - t0, "tokens": tokens}
@@ -134,16 +163,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     ap.add_argument("--engines", default=",".join(ENGINES))
-    ap.add_argument("--child", nargs=3, metavar=("ENGINE", "MODEL_DIR", "PAYLOAD"), help=argparse.SUPPRESS)
+    ap.add_argument("--real", action="store_true", help="the real SmolLM2-135M-Instruct (node/real_model.py)")
+    ap.add_argument("--child", nargs=4, metavar=("ENGINE", "MODEL_DIR", "PAYLOAD", "VOCAB"), help=argparse.SUPPRESS)
     ap.add_argument("--batches", default=None)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/backends.json"))
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated per sequence ({NEW_TOKENS})")
+    ap.add_argument("--out", default=None, help="default bench/results/backends.json (backends_real.json with --real)")
     args = ap.parse_args()
     batches = [int(b) for b in (args.batches or ("1,16" if args.quick else "1,16,64")).split(",")]
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.child:
-        engine, model_dir, payload = args.child
-        print(json.dumps(run_engine(engine, Path(model_dir), Path(payload), batches, args.device, dtype)))
+        engine, model_dir, payload, vocab = args.child
+        print(json.dumps(run_engine(engine, Path(model_dir), Path(payload), batches, args.device, dtype, int(vocab),
+                                    args.new_tokens)))
         return
+    args.out = args.out or str(ROOT / "bench/results" / ("backends_real.json" if args.real else "backends.json"))
 
     try:
         import vllm  # noqa: F401
@@ -153,10 +186,15 @@ def main() -> None:
     engines = [e for e in args.engines.split(",") if have_vllm or not e.startswith("vllm")]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        payload, n_params = build_model(Path(tmp) / "model", hidden=768, layers=4 if args.quick else 12)
+        if args.real:
+            payload, n_params, vocab = build_real(Path(tmp) / "model")
+        else:
+            payload, n_params = build_model(Path(tmp) / "model", hidden=768, layers=4 if args.quick else 12)
+            vocab = VOCAB
         for engine in engines:
             t0 = time.monotonic()
             proc = subprocess.run([sys.executable, __file__, "--child", engine, str(Path(tmp) / "model"), str(payload),
+                                   str(vocab), "--new-tokens", str(args.new_tokens),
                                    "--device", args.device, "--dtype", dtype, "--batches", ",".join(map(str, batches))],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
@@ -169,7 +207,7 @@ def main() -> None:
         r = results[engine]
         for b in batches:
             m = r["batches"][str(b)]
-            row = {"engine": engine, "batch": b, "new_tokens": NEW_TOKENS, "tokens": m["tokens"],
+            row = {"engine": engine, "batch": b, "new_tokens": args.new_tokens, "tokens": m["tokens"],
                    "seconds": round(m["seconds"], 3), "tokens_per_s": round(m["tokens"] / m["seconds"], 1),
                    "peak_memory_mb": round(r["peak_memory_bytes"] / 2**20, 1)}
             native = NATIVE.get(engine)
@@ -185,8 +223,9 @@ def main() -> None:
             by[("vllm", b)]["vs_transformers"] = round(by[("vllm", b)]["tokens_per_s"]
                                                        / by[("transformers", b)]["tokens_per_s"], 2)
 
-    print(f"\nbackends: {n_params / 1e6:.0f}M params, {dtype} (bf16 checkpoint), {PROMPT_TOKENS}-token prompts, "
-          f"{NEW_TOKENS} new tokens, device {args.device}")
+    name = "SmolLM2-135M-Instruct" if args.real else "random Qwen2-shaped"
+    print(f"\nbackends: {name}, {n_params / 1e6:.0f}M params, {dtype} (bf16 checkpoint), {PROMPT_TOKENS}-token prompts, "
+          f"{args.new_tokens} new tokens, device {args.device}")
     print(f"{'engine':<13} {'batch':>5} {'tok/s':>9} {'evidence':>9} {'peak MB':>9} {'mem/native':>10} {'vs tf':>6}")
     for r in rows:
         ev = f"{r['evidence_overhead_pct']:+.1f}%" if "evidence_overhead_pct" in r else "-"
@@ -196,9 +235,9 @@ def main() -> None:
               f"{mem:>10} {vs:>6}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "benchmark": "backends", "params": n_params, "dtype": dtype, "checkpoint_dtype": "bfloat16",
+        "benchmark": "backends", "model": name, "params": n_params, "dtype": dtype, "checkpoint_dtype": "bfloat16",
         "device": args.device,
-        "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rows": rows,
+        "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens, "rows": rows,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }, indent=2))
     print(f"wrote {args.out}")

@@ -24,7 +24,9 @@ the same compute. So the work left in the open batches is kept, for a bounded ti
 before it), for nodes that asked for work and got none (`fair_waiting_s`) and have recently been given fewer
 prompts than the node asking (max-min fairness over the nodes that are asking: a node's compute decides how
 often it asks, its round trip no longer decides what it gets). Nobody's claims about its own speed are
-used, and a node that is busy generating does not ask, so it reserves nothing.
+used, and a node that is busy generating does not ask, so it reserves nothing. A node too stale for every open
+batch is waiting too: it fetches on that answer, and the work kept for it lets a far node catch up with a
+trainer that steps faster than it fetches (the trainer then waits, at most `fair_hold_s` per batch).
 """
 from __future__ import annotations
 
@@ -160,7 +162,12 @@ class Scheduler:
             batch = self.pick_batch(policy_step)
         except StaleNode:
             if node_id is not None:
-                self._waiting.pop(node_id, None)  # it cannot take work until it fetches: keep nothing for it
+                # It is fetching a newer step now (a worker fetches on 409) and will ask again with it: it waits
+                # for work like a node that got none. Kept out, a node whose fetch takes longer than a few
+                # trainer steps (200 ms away, a trainer stepping every 0.5 s) was stale at every ask and got
+                # 1/15 of a near node's work (tests/wan/test_wan_fair_share.py).
+                self._waiting[node_id] = now
+                self._bound(self._waiting)
             raise
         if batch is None or (node_id is not None and self._keep_for_others(node_id, batch, now)):
             if node_id is not None:

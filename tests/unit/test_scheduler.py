@@ -85,10 +85,25 @@ def test_fair_hold_is_bounded_and_only_when_scarce():
     assert s3.assign(0, "n2", "near", now=t + s3.fair_waiting_s + 0.1) is not None
 
 
-def test_a_stale_node_reserves_nothing():
+def test_a_stale_node_that_is_behind_is_waited_for():
+    """A far node whose fetch takes longer than the trainer's steps is stale whenever it asks; it fetches on
+    that answer, and scarce work is kept for it (bounded) as for any node that asked and got nothing."""
     s = make(0, batch=4, per=2)
+    t = 100.0
     s.published_step = 3
+    for i in range(2):
+        assert s.assign(3, f"n{i}", "near", now=t) is not None  # batch 4, whole, to the near node
     with pytest.raises(StaleNode):
-        s.assign(1, "f0", "far", now=1.0)
-    assert "far" not in s._waiting
-    assert s.assign(3, "n0", "near", now=1.0) is not None
+        s.assign(1, "f0", "far", now=t + 0.1)
+    assert "far" in s._waiting
+    s.on_step_published(4, {})
+    s.finish("n0", set())
+    assert s.assign(4, "n2", "near", now=t + 0.2) is None  # kept for the far node, 4 prompts behind
+    assert s.assign(4, "f1", "far", now=t + 0.5) is not None  # its fetch landed: it takes the work
+    # bounded: a stale node that never comes back is not waited for
+    s2 = make(0, batch=4, per=2)
+    s2.published_step = 3
+    s2.assign(3, "n0", "near", now=t)
+    with pytest.raises(StaleNode):
+        s2.assign(1, "f0", "far", now=t)
+    assert s2.assign(3, "n1", "near", now=t + s2.fair_waiting_s + 0.1) is not None

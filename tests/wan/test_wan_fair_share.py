@@ -27,13 +27,14 @@ pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[2]
 
 
-# A known miss of issue #26, kept as a test that runs and reports: on an idle box (the fresh-clone CI run of
-# 2026-11-26) the far node got 48 accepted rollouts against 864 (0.06) with the fair-share scheduler in, the
-# starvation the docstring describes; under load the old code already split fairly, so this test passed there.
-# It is an expected failure until the far node keeps up (e.g. fetching straight to the newest step, or a
-# trainer step bounded below by the far node's fetch time); an unexpected pass is reported as XPASS.
-@pytest.mark.xfail(reason="issue #26: a 200 ms node still gets ~1/15 of a 20 ms node's work when the trainer "
-                          "steps faster than it can fetch (48 vs 864 on an idle box)", strict=False)
+# Issue #26's target, met in 4 of 5 runs and so kept as a non-strict expected failure (an unexpected pass is
+# reported as XPASS) rather than a gate that would fail one CI run in five. The mechanism: a far node whose fetch
+# takes longer than a few trainer steps was stale (409) at each ask, and a stale node reserved nothing, so the near
+# node took every batch (48 vs 864 on the idle box of the 2026-11-26 CI run). Since the scheduler counts a stale
+# node as waiting (it fetches on that answer), this test on a quiet box (same day, A/B in one sitting): far/near
+# 0.34, 0.53, 0.53, 0.53, 0.52 with the change; 0.00, 0.34, 0.36 without; 16 trainer steps took 26.6 s vs 23.9 s
+# on average (the work kept for the far node makes the trainer wait a little).
+@pytest.mark.xfail(reason="issue #26: far/near >= 0.5 in 4 of 5 quiet-box runs (0.34 in the fifth)", strict=False)
 def test_a_far_node_gets_work_by_its_compute_not_its_round_trip(tmp_path):
     with Lab() as lab:  # run_loop checks the delay lines (lab.check_delay_lines) before it closes the lab
         r = run_loop(REPO, [10.0, 100.0], steps=16, workdir=tmp_path / "run", timeout_s=170, lab=lab,
