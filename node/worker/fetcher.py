@@ -185,16 +185,12 @@ class Fetcher:
 
     def prune(self) -> None:
         """Keep the newest `keep` steps plus the delta chain back to a full checkpoint (so peers and relays
-        can serve a node that holds nothing), and the reconstructed payloads of the newest `keep` steps only:
-        the next delta applies to the newest, the engine and verifier use the window, and the chain is served
-        from its shard files. (Payloads of the whole chain were kept before: with `full_every = 1000` a home
-        node's disk grew by a full model, 269 MB for SmolLM2, every step.)"""
+        can serve a node that holds nothing)."""
         held = self.store.held_steps()
-        recent = held[-self.keep:] if self.keep > 0 else []
         kept: set[int] = set()
-        for s in recent:
+        for s in held[-self.keep:] if self.keep > 0 else []:
             kept.update(self.store.chain_to_full(s, set(held)))
-        self.store.prune(kept, keep_payloads=set(recent))
+        self.store.prune(kept)
 
     async def _manifests(self, steps: list[int], early: tuple[ShardSource, int, bytes] | None = None
                          ) -> dict[int, Manifest]:

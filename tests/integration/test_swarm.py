@@ -31,9 +31,6 @@ async def test_two_nodes_k2_staleness_bounded_all_honest_accepted(tmp_path):
             # keeps the last k + 1 versions, plus the delta chain back to a full one (to serve peers)
             assert held[-1] >= 4 and held == list(range(held[0], held[-1] + 1))
             assert len(held) <= 3 or node.fetcher.store.manifest(held[0]).encoding == "full"
-            # ...but reconstructed payloads (a full model each) only of the last k + 1: disk does not grow per step
-            payloads = sorted(int(p.stem) for p in node.fetcher.store.payload_dir.glob("*.safetensors"))
-            assert held[-1] in payloads and set(payloads) <= set(held[-3:]), (payloads, held)
             # the checkpoints a node holds chain: each parent is the previous step's manifest hash
             for s in held[1:]:
                 m, prev = node.fetcher.store.manifest(s), node.fetcher.store.manifest(s - 1)
