@@ -16,7 +16,7 @@ import ast
 from collections import deque
 from pathlib import Path
 
-from tests.unit.test_layers import REPO, project_modules
+from tests.unit.test_layers import REPO, from_module, project_modules
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -44,11 +44,7 @@ def import_graph(modules) -> dict[str, dict[str, tuple[Path, int]]]:
                 continue
             targets: list[str] = []
             if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
+                source = from_module(package, node)
                 for alias in node.names:
                     sub = f"{source}.{alias.name}"
                     targets.append(sub if sub in known else source)

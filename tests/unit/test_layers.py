@@ -51,16 +51,19 @@ def project_modules():
                 yield ".".join(parts), path, False
 
 
+def from_module(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` statement in `package` reads from (relative ones resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(module: str, path: Path, is_package: bool):
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            yield node.lineno, target
+            yield node.lineno, from_module(package, node)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
