@@ -8,10 +8,11 @@
 Every site hangs off the core namespace on its own veth pair (its "line"); site i's line is 10.77.i.0/24
 (core .1, site .2). A home's line ends at its own router namespace, which masquerades the home's private
 network behind 10.77.i.2 and drops every new connection from outside (a typical home router: nothing dials
-in, homes cannot reach each other's private addresses). A line's uplink is a tbf at the site's end, its
-downlink a tbf at the core's end. Latency comes from a delay line (tests/wan/delay_line.py, NFQUEUE; this
-kernel has no netem) in the core, one per site: a packet waits its source site's delay on the way in and its
-destination site's on the way out, so the round trip between sites A and B is 2 * (delay A + delay B).
+in, homes cannot reach each other's private addresses) except to the ports it forwards (`Profile.forward`).
+A line's uplink is a tbf at the site's end, its downlink a tbf at the core's end. Latency comes from a delay
+line (tests/wan/delay_line.py, NFQUEUE; this kernel has no netem) in the core, one per site: a packet waits
+its source site's delay on the way in and its destination site's on the way out, so the round trip between
+sites A and B is 2 * (delay A + delay B).
 
 All addresses exist only inside the namespaces the lab made (named pnl<pid>-...); the root namespace is never
 touched. `Lab` is a context manager: on exit it stops every process it started (TERM, then KILL), kills
@@ -44,6 +45,9 @@ class Profile:
     one_way_ms: float  # between the site and the core, each way
     up: str  # tc rates: "20mbit", "1gbit"
     down: str
+    # a home router's port forwards: TCP ports on its public address that reach the home (DNAT), as a user
+    # who forwarded the node's port would set; the home's node must listen on them (p2p.listen_port)
+    forward: tuple[int, ...] = ()
 
 
 DATACENTER = Profile("dc", 0.0, "1gbit", "1gbit")
@@ -53,8 +57,9 @@ def public(one_way_ms: float = 10.0) -> Profile:
     return Profile("public", one_way_ms, "200mbit", "200mbit")
 
 
-def home(one_way_ms: float = 40.0, up: str = "20mbit", down: str = "100mbit") -> Profile:
-    return Profile("home", one_way_ms, up, down)
+def home(one_way_ms: float = 40.0, up: str = "20mbit", down: str = "100mbit",
+         forward: tuple[int, ...] = ()) -> Profile:
+    return Profile("home", one_way_ms, up, down, forward)
 
 
 @dataclass
@@ -108,6 +113,9 @@ class Lab:
             _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", f"192.168.{i}.1")
             _sh("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             _sh("ip", "netns", "exec", router, "nft", "-f", "-", input=_HOME_ROUTER_RULES)
+            if profile.forward:
+                _sh("ip", "netns", "exec", router, "nft", "-f", "-",
+                    input=_port_forward_rules(profile.forward, f"192.168.{i}.2"))
             uplink_at, addr = (router, "wan"), f"192.168.{i}.2"
         else:
             self._veth(self.core, f"c{i}", ns, "e0")
@@ -208,6 +216,25 @@ table ip home {
         oifname "wan" masquerade
     }
 }
+"""
+
+
+def _port_forward_rules(ports: tuple[int, ...], to: str) -> str:
+    """A home router's port forward: new connections to these TCP ports on its public side go to `to` (the
+    forward chain's policy drops every other new connection from outside)."""
+    if not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports):
+        raise ValueError(f"bad ports to forward: {ports!r}")
+    plist = ", ".join(str(p) for p in ports)
+    return f"""
+table ip home {{
+    chain prerouting {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname "wan" tcp dport {{ {plist} }} dnat to {to}
+    }}
+    chain forward {{
+        iifname "wan" oifname "lan" ct status dnat accept
+    }}
+}}
 """
 
 
