@@ -144,8 +144,9 @@ class P2PNode:
         self.run_id = run_id
         self.coordinator_key = coordinator_key.lower() if coordinator_key else None
         self.store = as_store(shard_root if shard_root is not None else shard_source)
-        # peer -> when our last dial to it failed (bounded): not dialled again for dial_retry_s, and ranked last
-        self._dial_failed: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # peer -> (when our last dial to it failed, the addresses it had announced then) (bounded): not dialled
+        # again for dial_retry_s, and ranked last, unless it announces other addresses (recently_failed)
+        self._dial_failed: collections.OrderedDict[str, tuple[float, tuple[str, ...]]] = collections.OrderedDict()
         # The join's dial-back verdict on our libp2p port (apply_reachability): None until told.
         self.reachable: bool | None = None
         self.stats = P2PStats()
@@ -325,8 +326,13 @@ class P2PNode:
         return [(addr, peer) for peer, addr in self._chosen.items()]
 
     def recently_failed(self, peer: str, now: float | None = None) -> bool:
+        """Our dial to `peer` failed less than dial_retry_s ago, at the addresses it announces now. A failure is
+        remembered for the addresses that failed: a NATed holder asked before its relay reservation (it announced
+        nothing) or through a relay since dropped is tried again as soon as it announces a new circuit (in the
+        WAN lab the first kind kept two homes from fetching from each other for 60 s, the whole run)."""
         failed = self._dial_failed.get(peer)
-        return failed is not None and (now or time.monotonic()) - failed < self.cfg.dial_retry_s
+        return (failed is not None and (now or time.monotonic()) - failed[0] < self.cfg.dial_retry_s
+                and failed[1] == self.table.addrs_of(peer))
 
     async def reserve_on(self, relay: str) -> float:
         """A circuit relay v2 reservation on `relay` (connected); its expiry in unix seconds (raises P2PError)."""
@@ -500,7 +506,7 @@ class P2PNode:
         return 1 if all(is_circuit(a) for a in addrs) else 0
 
     def _note_dial_failed(self, peer: str) -> None:
-        self._dial_failed[peer] = time.monotonic()
+        self._dial_failed[peer] = (time.monotonic(), self.table.addrs_of(peer))
         self._dial_failed.move_to_end(peer)
         while len(self._dial_failed) > 4096:
             self._dial_failed.popitem(last=False)
@@ -582,11 +588,11 @@ class P2PNode:
         data = await self._fetch_http(name, req, addrs)
         if data is not None:
             return data
-        failed = self._dial_failed.get(name)
-        if failed is not None and time.monotonic() - failed < self.cfg.dial_retry_s:
+        if self.recently_failed(name):
             # Remembered: not dialled again for a while, unless it has since connected to us (a NATed peer can).
             if not await self._bridge.call(self._async(lambda: self._service.is_connected(pid))):
-                raise PeerUnavailable(f"peer {name} could not be dialled {time.monotonic() - failed:.0f} s ago")
+                ago = time.monotonic() - self._dial_failed[name][0]
+                raise PeerUnavailable(f"peer {name} could not be dialled {ago:.0f} s ago")
         try:
             return await self._bridge.call(self._service.fetch, pid, req, addrs, timeout_s)
         except ShardPeerGone:

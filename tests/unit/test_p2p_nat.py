@@ -74,6 +74,25 @@ async def test_a_home_fetches_from_another_home_through_a_relay():
         assert home_a.stats.snapshot()["bytes_served"] == sum(map(len, SHARDS.values()))
 
 
+async def test_a_home_asked_before_its_reservation_is_tried_again_once_it_announces_a_circuit():
+    """A home's first `have`s go out before its relay reservation (it announces nothing yet); a peer that asked it
+    then could not reach it. That failure was remembered for dial_retry_s (60 s) whatever the home announced
+    next, so in the WAN lab two homes never fetched from each other for the whole run and were deferred by the
+    origin instead (5-13 s a step). Now a failure counts only for the addresses that failed."""
+    async with running(node(relay_hop=True), serving(listen=False), node(listen=False)) as (relay, home_a, home_b):
+        await home_a.connect(relay.listen_addrs)
+        await home_b.connect(relay.listen_addrs)
+        learn_have(home_a, home_b, [])  # before its reservation: no address at all
+        with pytest.raises(PeerUnavailable, match="announced no address"):
+            await home_b.fetch_shard(home_a.peer_id, 1, 0, 1 << 20, manifest_hash=H)
+        assert home_b.holder_rank(home_a.peer_id) == 3  # remembered, ranked last ...
+        home_a.apply_reachability("127.0.0.1", False, None)
+        await until("a relay circuit in home A's announcement", lambda: any(map(is_circuit, home_a.announce_addrs)))
+        learn_have(home_a, home_b, home_a.announce_addrs)
+        assert home_b.holder_rank(home_a.peer_id) == 1  # ... until it announces somewhere new to reach it
+        assert await home_b.fetch_shard(home_a.peer_id, 1, 0, 1 << 20, manifest_hash=H) == SHARDS[0]
+
+
 async def test_an_unreachable_node_keeps_connections_to_reachable_peers_and_serves_over_them():
     async with running(serving(listen=False, nat_keep_peers=2, relay_reserve=False),
                        node(), node(), node()) as (home, *public):
