@@ -89,6 +89,9 @@ class Scheduler:
     _given: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (decayed prompts, at)
     _waiting: dict[str, float] = field(default_factory=dict)  # node -> when it last asked and got nothing
     _held_since: float | None = None  # when work was first kept back for waiting nodes
+    # batch -> prompts in flight, kept with `inflight` (add_inflight/_pop_inflight): counting them per request was
+    # O(prompts in flight), a quarter of the event loop at 1,000 nodes (docs/BENCHMARKS.md, "Coordinator under load")
+    _inflight_counts: dict[int, int] = field(default_factory=dict)
 
     # -- capacity --------------------------------------------------------------------------------
     def open_batches(self) -> range:
@@ -100,11 +103,23 @@ class Scheduler:
         return math.ceil(self.batch_prompts / max(self.keep_rate, 0.25))
 
     def _inflight_by_batch(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
-        for slots in self.inflight.values():
-            for s in slots:
-                counts[s.batch_step] = counts.get(s.batch_step, 0) + 1
-        return counts
+        return self._inflight_counts
+
+    def add_inflight(self, assignment_id: str, slots: list[PromptSlot]) -> None:
+        """An assignment's prompts are out (issued now, or restored from the ledger at start)."""
+        self.inflight[assignment_id] = slots
+        for s in slots:
+            self._inflight_counts[s.batch_step] = self._inflight_counts.get(s.batch_step, 0) + 1
+
+    def _pop_inflight(self, assignment_id: str) -> list[PromptSlot]:
+        slots = self.inflight.pop(assignment_id, [])
+        for s in slots:
+            left = self._inflight_counts.get(s.batch_step, 0) - 1
+            if left > 0:
+                self._inflight_counts[s.batch_step] = left
+            else:
+                self._inflight_counts.pop(s.batch_step, None)
+        return slots
 
     def demand(self) -> dict[int, int]:
         """Open batch -> prompts still needed. Work for an already-trained batch rolls forward."""
@@ -176,7 +191,7 @@ class Scheduler:
             return None
         count = min(self.prompts_per_assignment, self.demand()[batch])
         slots = self.new_slots(batch, count)
-        self.inflight[assignment_id] = slots
+        self.add_inflight(assignment_id, slots)
         if node_id is not None:
             self._waiting.pop(node_id, None)
             self._given[node_id] = (self._recent(node_id, now) + len(slots), now)
@@ -227,7 +242,7 @@ class Scheduler:
         """An assignment was submitted: accepted prompts wait for training, the rest are re-issued
         (returned, for the ledger to keep them across a restart)."""
         again = []
-        for s in self.inflight.pop(assignment_id, []):
+        for s in self._pop_inflight(assignment_id):
             if s.prompt_id in accepted_prompt_ids:
                 self.waiting_by_batch[s.batch_step] = self.waiting_by_batch.get(s.batch_step, 0) + 1
             else:
@@ -236,7 +251,7 @@ class Scheduler:
         return again
 
     def expire(self, assignment_id: str) -> list[PromptSlot]:
-        again = self.inflight.pop(assignment_id, [])
+        again = self._pop_inflight(assignment_id)
         self.requeue.extend(again)
         return again
 

@@ -156,7 +156,7 @@ class Coordinator:
         s.next_problem_index = int(self.ledger.get("next_problem_index", 0))
         s.waiting_by_batch.update(self.ledger.accepted_by_batch())
         for a in self.ledger.open_assignments():
-            s.inflight[a.assignment_id] = list(a.prompts)
+            s.add_inflight(a.assignment_id, list(a.prompts))
         s.requeue.extend(self.ledger.requeued())
 
     async def stop(self) -> None:

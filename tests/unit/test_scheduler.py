@@ -107,3 +107,38 @@ def test_a_stale_node_that_is_behind_is_waited_for():
     with pytest.raises(StaleNode):
         s2.assign(1, "f0", "far", now=t)
     assert s2.assign(3, "n1", "near", now=t + s2.fair_waiting_s + 0.1) is not None
+
+
+def test_inflight_counts_follow_every_change():
+    """The per-batch count of prompts in flight is kept as assignments come and go (not recounted per request):
+    after any mix of assign / finish / expire / step published / restore it equals a recount of `inflight`."""
+    import random
+
+    rng = random.Random(7)
+    s = make(2, batch=6, per=2)
+    live: list[str] = []
+    for i in range(400):
+        op = rng.random()
+        if op < 0.5:
+            try:
+                if s.assign(s.published_step, f"a{i}") is not None:
+                    live.append(f"a{i}")
+            except StaleNode:
+                pass
+        elif live and op < 0.75:
+            aid = live.pop(rng.randrange(len(live)))
+            slots = s.inflight[aid]
+            s.finish(aid, {x.prompt_id for x in slots if rng.random() < 0.7})
+        elif live and op < 0.9:
+            s.expire(live.pop(rng.randrange(len(live))))
+        else:
+            s.on_step_published(s.published_step + 1, dict(s.waiting_by_batch))
+        recount: dict[int, int] = {}
+        for slots in s.inflight.values():
+            for x in slots:
+                recount[x.batch_step] = recount.get(x.batch_step, 0) + 1
+        assert s._inflight_by_batch() == recount
+    restored = make(2, batch=6, per=2)
+    for aid, slots in s.inflight.items():
+        restored.add_inflight(aid, list(slots))
+    assert restored._inflight_by_batch() == s._inflight_by_batch()
