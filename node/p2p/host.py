@@ -434,6 +434,8 @@ class P2PNode:
                     self._chosen.move_to_end(r)
                     while len(self._chosen) > 16:
                         self._chosen.popitem(last=False)
+        if chosen and reached and self.nat_keeper is not None:
+            self.nat_keeper.poke()  # a new relay to reserve on: now, not at the keeper's next tick (nat.py)
         if addrs and not reached:
             raise PeerUnavailable(f"could not reach any of {len(addrs)} peers: {errors[0]}")
         return reached

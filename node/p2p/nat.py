@@ -325,16 +325,28 @@ class NatKeeper:
     # relay peer -> (its address, expiry, lifetime granted), all unix seconds
     relays: dict[str, tuple[str, float, float]] = field(default_factory=dict)
     not_relays: dict[str, float] = field(default_factory=dict)  # peer -> when it refused (retried after 10 min)
+    # set by poke(): tick now instead of at the end of the interval
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def poke(self) -> None:
+        """Something changed (a bootstrap peer or relay was just connected): tick now. The keeper starts at the
+        join's dial-back, before the node dials the run's bootstrap, so its first tick finds no relay to reserve
+        on; waiting out the interval left a home unservable (announcing nothing) for its first 5 s."""
+        self._wake.set()
 
     async def run(self) -> None:
         while True:
+            self._wake.clear()
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # best effort: the node fetches and serves over what it has
                 log.warning("p2p: keeping NAT connections failed: %s", e)
-            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def tick(self) -> None:
         node = self.node

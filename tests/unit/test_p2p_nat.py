@@ -93,6 +93,20 @@ async def test_a_home_asked_before_its_reservation_is_tried_again_once_it_announ
         assert await home_b.fetch_shard(home_a.peer_id, 1, 0, 1 << 20, manifest_hash=H) == SHARDS[0]
 
 
+async def test_a_home_reserves_on_its_bootstrap_relay_as_soon_as_it_connects():
+    """The worker learns it is NATed (the join's dial-back) before it dials the run's bootstrap: the keeper's
+    first tick found no relay, and the reservation waited a whole interval (5 s in the CLI; 30 s here)."""
+    home = P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True, listen=False), run_id=RUN,
+                   nat_interval_s=30.0)
+    async with running(node(relay_hop=True), home) as (relay, _):
+        home.apply_reachability("127.0.0.1", False, None)  # the keeper starts: nothing to reserve on yet
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        await home.connect(relay.listen_addrs)  # then the bootstrap
+        await until("a relay circuit announced", lambda: any(map(is_circuit, home.announce_addrs)), deadline_s=10)
+        assert time.monotonic() - t0 < 10
+
+
 async def test_an_unreachable_node_keeps_connections_to_reachable_peers_and_serves_over_them():
     async with running(serving(listen=False, nat_keep_peers=2, relay_reserve=False),
                        node(), node(), node()) as (home, *public):
