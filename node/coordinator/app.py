@@ -146,7 +146,7 @@ def build_app(coord) -> web.Application:
                      gate=gate).add_to(app)
 
     async def status(request):
-        return _json(coord.status(max_age_s=STATUS_MAX_AGE_S))
+        return web.Response(body=coord.status_json(max_age_s=STATUS_MAX_AGE_S), content_type="application/json")
 
     async def metrics(request):
         return web.Response(body=coord.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from node.config import Config
 from node.coordinator.faults import crash_point
-from node.coordinator.ledger import Ledger, NodeRow
+from node.coordinator.ledger import Ledger
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.records import AssignmentRow, Rejection, StoredRollout, StoredTurn, SubmittedGroup
 from node.coordinator.run_model import RunModel
@@ -92,13 +92,13 @@ class Intake:
         self.model = model
         self.recent_staleness = recent_staleness
 
-    async def process(self, node: NodeRow, a: AssignmentRow, req: M.SubmitRequest) -> M.SubmitResponse:
+    async def process(self, node_id: str, a: AssignmentRow, req: M.SubmitRequest) -> M.SubmitResponse:
         # Off the event loop: a 1.3 MB submission costs ~0.2 s of commitment decoding, scoring, JSON and
         # an fsync'd commit (bench/load.py), which would stall every other node's request meanwhile.
-        groups, rejections, accepted, banned = await asyncio.to_thread(self._record, node, a, req)
+        groups, rejections, accepted, banned = await asyncio.to_thread(self._record, node_id, a, req)
         crash_point("intake")
         if banned:
-            log.warning("node %s banned (reputation below %.2f)", node.node_id[:12], self.cfg.verification.ban_below)
+            log.warning("node %s banned (reputation below %.2f)", node_id[:12], self.cfg.verification.ban_below)
         self.scheduler.finish(a.assignment_id, accepted)
         if groups:
             self.verdicts.submit(a.assignment_id)
@@ -115,7 +115,7 @@ class Intake:
             rejected=rejections,
         )
 
-    def _record(self, node: NodeRow, a: AssignmentRow,
+    def _record(self, node_id: str, a: AssignmentRow,
                 req: M.SubmitRequest) -> tuple[list[SubmittedGroup], list[M.Rejection], set[str], bool]:
         """triage → score → reputation → one ledger transaction (thread-safe: the ledger has its lock)."""
         slots = {p.prompt_id: p for p in a.prompts}
@@ -126,7 +126,7 @@ class Intake:
         rejections = [M.Rejection(prompt_id=p, sample_index=i, reason=why) for (p, i), why in t.reasons.items()]
         vc = self.cfg.verification
         delta = -vc.reputation_penalty if t.cheated else vc.reputation_reward
-        banned = self.ledger.record_submission(a.assignment_id, node.node_id, groups,
+        banned = self.ledger.record_submission(a.assignment_id, node_id, groups,
                                                  [Rejection(r.reason, r.prompt_id, r.sample_index) for r in rejections],
                                                  requeue, reputation_delta=delta, reputation_cap=vc.reputation_start,
                                                  ban_below=vc.ban_below)

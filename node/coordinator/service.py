@@ -20,7 +20,7 @@ from node.checkpoint_dir import CheckpointDir
 from node.config import Config
 from node.coordinator.faults import fault_point
 from node.coordinator.intake import Intake
-from node.coordinator.ledger import Ledger, NodeRow, now_ms
+from node.coordinator.ledger import Ledger, NodeStanding, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.node_bytes import NodeBytes
 from node.coordinator.publisher import Publisher
@@ -88,6 +88,7 @@ class Coordinator:
         self.url: str | None = None  # its HTTP server's base URL, set by app.start_server once the port is bound
         self.started_ms = now_ms()
         self._status: tuple[float, dict] | None = None
+        self._status_body: tuple[float, bytes] | None = None  # the cached document, serialised (status_json)
         self._liveness: dict[str, Liveness] = {}  # node id -> what it last said, not yet in the ledger
         # The join's dial-back (reachability.py): at most one dial per listed port per join the address may make.
         self.dialback = DialBack(timeout_s=cfg.p2p.dialback_timeout_s,
@@ -243,11 +244,11 @@ class Coordinator:
 
     def _on_failure(self, failure: Failure) -> None:
         self.metrics.failed.labels(failure.component).set(1)
-        self._status = None  # the next status read shows it
+        self._status = self._status_body = None  # the next status read shows it
 
     # -- API operations ----------------------------------------------------------------------------
-    def _known_node(self, node_id: str) -> NodeRow:
-        node = self.ledger.node(node_id)
+    def _known_node(self, node_id: str) -> NodeStanding:
+        node = self.ledger.standing(node_id)
         if node is None:
             raise Refused("unknown_node", "this key has not joined; POST /v1/join first")
         if node.banned:
@@ -407,7 +408,7 @@ class Coordinator:
         if seen:
             self.ledger.record_liveness(seen)
 
-    def _claimed_step(self, node: NodeRow) -> int | None:
+    def _claimed_step(self, node: NodeStanding) -> int | None:
         live = self._liveness.get(node.node_id)
         return live.policy_step if live is not None and live.policy_step is not None else node.policy_step
 
@@ -498,7 +499,7 @@ class Coordinator:
                           f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
         self._submitting.add(aid)
         try:
-            result = await self.intake.process(node, a, req)
+            result = await self.intake.process(node.node_id, a, req)
         finally:
             self._submitting.discard(aid)
         return result
@@ -510,3 +511,13 @@ class Coordinator:
         if self._status is None or now - self._status[0] > max_age_s:
             self._status = (now, build_status(self))
         return self._status[1]
+
+    def status_json(self, max_age_s: float = 0.0) -> bytes:
+        """`status(max_age_s)` as JSON, serialised once per document built: every node GETs /v1/status before it
+        joins, and serialising the document per request was most of that request's CPU (bench/load.py)."""
+        doc = self.status(max_age_s)
+        assert self._status is not None  # built just now, or cached
+        built = self._status[0]
+        if self._status_body is None or self._status_body[0] != built:
+            self._status_body = (built, json.dumps(doc).encode())
+        return self._status_body[1]
