@@ -14,6 +14,16 @@ node/coordinator/reachability.py) and that holds no reservation on the coordinat
 through it every peer can reach the node) is served but never holds a claim, so nobody is deferred to a holder
 they cannot connect to. With no such node asking, every node is served by the origin, as without seeding.
 
+First copies are spread over the servable nodes that ask (`SuperSeeder.admit`): a node that already holds more
+first copies of a step than another servable node asking lately holds, plus one, is deferred once for a shard that
+nobody holds yet, so that the shard's first copy goes to a node with fewer (BitTorrent's super-seeding: each peer
+gets different pieces, and every uplink serves). Without it the first node to ask for a step took every shard's
+first copy (a delta's shards are all asked at once), the others were deferred to it, fell behind, and asked
+last again at the next step: in the WAN lab a reachable home served 6-7 MB while two NATed homes with the same
+uplink and round trip served 0-1.3 MB (docs/P2P.md "Relaying and hole punching"). Only once per shard and node:
+the deferred node asks again after the planner's origin deferral (2 s) and is then served, with the first copy
+if nobody took it meanwhile. With one servable node asking, nothing changes.
+
 Timing: the window counts from the end of the first copy (under a thin uplink one copy can take longer
 than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` windows stops counting.
 """
@@ -28,6 +38,12 @@ from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
 from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
+
+
+def step_of(key: Hashable) -> Hashable:
+    """The group whose first copies are spread over the nodes: a (step, index) key's step. Any other key (the
+    swarm simulation's shard indices) is its own group: no spreading."""
+    return key[0] if isinstance(key, tuple) and key else key
 
 
 @dataclass
@@ -51,6 +67,9 @@ class SuperSeeder:
         self._claims: dict[Hashable, _Claim] = {}
         self._deferred: dict[tuple[Hashable, str], int] = {}
         self._broken: set[tuple[Hashable, str]] = set()  # (shard, node) whose claim died unannounced
+        self._groups: dict[Hashable, set[Hashable]] = {}  # step -> its keys that hold a claim (maybe dead)
+        # servable nodes that asked for a shard lately -> when (the ones first copies are spread over)
+        self._askers: OrderedDict[str, float] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -69,23 +88,65 @@ class SuperSeeder:
             if not claim.announced and claim.finished is not None:
                 self._broken.add((key, claim.node_id))
             del self._claims[key]
+            self._ungroup(key)
             return None
         return claim
+
+    def _ungroup(self, key: Hashable) -> None:
+        group = step_of(key)
+        keys = self._groups.get(group)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._groups[group]
 
     def admit(self, key: Hashable, node_id: str | None) -> bool:
         """Serve this request (True), or tell the node to fetch the shard from a peer (False)."""
         if not self.enabled or node_id is None:
             return True
+        servable = self.reachable(node_id) is not False
+        if servable:
+            self._asked(node_id)
         claim = self._claim(key)
-        if claim is None or claim.node_id == node_id:
+        if claim is not None and claim.node_id == node_id:
             return True
+        if claim is None:
+            if not servable or (key, node_id) in self._deferred or not self._has_more(node_id, key):
+                return True
+            self._defer(key, node_id, 1)  # leave this first copy to a node holding fewer (once)
+            return False
         n = self._deferred.get((key, node_id), 0) + 1
         if n > self.max_deferrals:
             return True
+        self._defer(key, node_id, n)
+        return False
+
+    def _defer(self, key: Hashable, node_id: str, n: int) -> None:
         if len(self._deferred) >= self.max_keys:
             self._deferred.clear()
         self._deferred[(key, node_id)] = n
-        return False
+
+    def _asked(self, node_id: str) -> None:
+        self._askers[node_id] = self.clock()
+        self._askers.move_to_end(node_id)
+        while len(self._askers) > self.max_keys:
+            self._askers.popitem(last=False)
+
+    def _has_more(self, node_id: str, key: Hashable) -> bool:
+        """`node_id` holds more live first copies of `key`'s step than another servable node that asked within
+        the window holds, plus one."""
+        now = self.clock()
+        while self._askers and now - next(iter(self._askers.values())) >= self.window:
+            self._askers.popitem(last=False)  # oldest first: askers are kept in order of their last ask
+        others = [n for n in self._askers if n != node_id]
+        if not others:
+            return False
+        held: dict[str, int] = {}
+        for k in list(self._groups.get(step_of(key), ())):
+            claim = self._claim(k)
+            if claim is not None:
+                held[claim.node_id] = held.get(claim.node_id, 0) + 1
+        return held.get(node_id, 0) > min(held.get(n, 0) for n in others) + 1
 
     def holder(self, key: Hashable) -> str | None:
         """The node whose first copy of `key` is complete and still spreading, if any."""
@@ -101,6 +162,11 @@ class SuperSeeder:
         if len(self._claims) >= self.max_keys:
             self._expire_all()
         self._claims[key] = _Claim(node_id, self.clock())
+        group = step_of(key)
+        if group != key:
+            if group not in self._groups and len(self._groups) >= self.max_keys:
+                self._groups.clear()
+            self._groups.setdefault(group, set()).add(key)
 
     def finished(self, key: Hashable, node_id: str | None) -> None:
         claim = self._claims.get(key)
@@ -112,6 +178,7 @@ class SuperSeeder:
         claim = self._claims.get(key)
         if claim is not None and claim.node_id == node_id and claim.finished is None:
             del self._claims[key]
+            self._ungroup(key)
 
     def announced(self, node_id: str, keys: Iterable[Hashable]) -> None:
         """`node_id` told its peers it holds these shards (a verified `have` announcement)."""
@@ -124,8 +191,10 @@ class SuperSeeder:
         now = self.clock()
         for key in [k for k, c in self._claims.items() if not self._live(c, now)]:
             del self._claims[key]
+            self._ungroup(key)
         if len(self._claims) >= self.max_keys:
             self._claims.clear()
+            self._groups.clear()
         if len(self._broken) >= self.max_keys:
             self._broken.clear()
 

@@ -104,3 +104,47 @@ def test_state_is_bounded():
         s.finished(key, f"n{i}")
         s.admit(key, "other")
     assert len(s._claims) <= 50 and len(s._deferred) <= 50
+
+
+def test_first_copies_of_a_step_are_spread_over_the_servable_nodes_that_ask():
+    """A delta's shards are all asked at once: the first node to ask took every first copy, the others were
+    deferred to it and fell behind (WAN lab: a reachable home served 6-7 MB, two NATed homes 0-1.3 MB). A node
+    holding more first copies of a step than another servable asker, plus one, is deferred once for a shard
+    nobody holds, and that shard's first copy goes to the other."""
+    s, clock = seeder(reachable=lambda n: {"natted": False}.get(n))
+    for node in ("fwd", "home1", "home2"):  # they asked for the previous step
+        assert s.admit((2, 0), node)
+    got = {}
+    for node in ("fwd", "home1", "home2"):  # each asks for every shard of step 3, in turn
+        for i in range(5):
+            if s.admit((3, i), node):
+                s.started((3, i), node)
+                s.finished((3, i), node)
+                s.announced(node, [(3, i)])
+                got.setdefault(node, []).append(i)
+    assert {n: len(v) for n, v in got.items()} == {"fwd": 2, "home1": 2, "home2": 1}, got
+    assert s.holder((3, 4)) == "home2"
+    assert s.admit((3, 4), "fwd") is False  # deferred to home2's first copy, as before
+    # the balance deferral is once per shard and node: asked again, it is served (and takes the first copy then)
+    s2, _ = seeder()
+    s2.admit((2, 0), "b")
+    for i in range(2):
+        assert s2.admit((3, i), "a")
+        s2.started((3, i), "a")
+    assert not s2.admit((3, 2), "a")
+    assert s2.admit((3, 2), "a")
+    s2.started((3, 2), "a")
+    assert s2._claims[(3, 2)].node_id == "a"
+
+
+def test_spreading_needs_another_servable_asker_and_ignores_unservable_ones():
+    s, clock = seeder(reachable=lambda n: {"natted": False}.get(n))
+    assert s.admit((2, 0), "natted")  # a NATed node without a relay reservation holds no first copy anyway
+    for i in range(5):
+        assert s.admit((3, i), "only")  # alone: every first copy, as before
+        s.started((3, i), "only")
+    assert s.admit((4, 0), "late")
+    clock.t += 10  # "late" asked a window ago: no longer counted
+    for i in range(5):
+        assert s.admit((5, i), "only")
+        s.started((5, i), "only")
