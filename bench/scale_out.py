@@ -4,8 +4,8 @@ in-process vs a pool of 1 and 2 `prime-node verifier` processes.
 Rows (bench/results/scale_out.json, {"rows": [...]}):
 
 - `step`: seconds per optimizer step of the same global batch on a single-process Trainer (all cores),
-  a 1-rank and a 2-rank DistributedTrainer (cores split between the ranks; gloo). `--hidden/--layers`
-  pick the model (a Llama of the tiny-model family).
+  a 1-rank and a 2-rank Trainer on an FSDPRunner ("DistributedTrainer" in the rows; cores split between the
+  ranks; gloo). `--hidden/--layers` pick the model (a Llama of the tiny-model family).
 - `save` / `resume`: trainer state (model + AdamW moments) written and read back: the single-rank
   safetensors format, and the sharded torch.distributed.checkpoint format on 2 ranks (resume = building
   the trainer, loading dcp/; the model build is reported separately as `build`).
@@ -95,8 +95,10 @@ def single_rank(model_dir: str, args, state_dir: str) -> list[dict]:
 
 
 def ranked(model_dir: str, args, state_dir: str, mode: str):
-    """One rank of a DistributedTrainer run (under node.trainer.distributed.run_ranks)."""
-    from node.trainer.distributed import DistributedTrainer, destroy_process_group, init_process_group, serve_follower
+    """One rank of a run of the Trainer on an FSDPRunner (under node.trainer.distributed.run_ranks); its rows keep
+    the label "DistributedTrainer" that bench/results/scale_out.json has."""
+    from node.trainer import Trainer
+    from node.trainer.distributed import FSDPRunner, destroy_process_group, init_process_group, serve_follower
 
     rank, world = init_process_group(threads=max(1, args.threads // int(os.environ["WORLD_SIZE"])))
     try:
@@ -106,7 +108,7 @@ def ranked(model_dir: str, args, state_dir: str, mode: str):
         rows = []
         base = {"trainer": "DistributedTrainer", "ranks": world}
         t0 = time.perf_counter()
-        t = DistributedTrainer(model_dir, _cfg(args), batch_prompts=args.groups, state_dir=state_dir)
+        t = Trainer(model_dir, _cfg(args), batch_prompts=args.groups, state_dir=state_dir, runner=FSDPRunner)
         rows.append({**base, "what": "build", "seconds": time.perf_counter() - t0})
         if mode == "step":
             times = _steps(t, args, _vocab(Path(model_dir)))
@@ -134,7 +136,8 @@ def ranked(model_dir: str, args, state_dir: str, mode: str):
 
 
 def ranked_resume(model_dir: str, args, state_dir: str):
-    from node.trainer.distributed import DistributedTrainer, destroy_process_group, init_process_group, serve_follower
+    from node.trainer import Trainer
+    from node.trainer.distributed import FSDPRunner, destroy_process_group, init_process_group, serve_follower
 
     rank, world = init_process_group(threads=max(1, args.threads // int(os.environ["WORLD_SIZE"])))
     try:
@@ -142,7 +145,7 @@ def ranked_resume(model_dir: str, args, state_dir: str):
             serve_follower()
             return None
         t0 = time.perf_counter()
-        t = DistributedTrainer.resume(state_dir, _cfg(args), batch_prompts=args.groups)
+        t = Trainer.resume(state_dir, _cfg(args), batch_prompts=args.groups, runner=FSDPRunner)
         row = {"trainer": "DistributedTrainer", "ranks": world, "what": "resume", "format": "dcp",
                "seconds": time.perf_counter() - t0, "note": "includes building the model (see build)"}
         t.close()

@@ -45,10 +45,9 @@ CURVE_POINTS = 1000  # status lists at most this many points (thinned like the r
 
 
 def model_to_evaluate(trainer):
-    """The model whose greedy decoding is the evaluation: the trainer's own, or, for a trainer whose model
-    is sharded over ranks (node.trainer.distributed: it has `full_model()`), rank 0's unsharded copy."""
-    full = getattr(trainer, "full_model", None)
-    return full() if full is not None else trainer.model
+    """The model whose greedy decoding is the evaluation (Trainer.full_model): the trainer's own on one rank,
+    rank 0's unsharded copy when its runner shards the model over ranks (node/trainer/distributed.py)."""
+    return trainer.full_model()
 
 
 def eval_seed(run_seed: int) -> int:

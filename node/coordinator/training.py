@@ -90,7 +90,7 @@ class TrainingLoop:
         self.on_groups_dropped = on_groups_dropped
         self.on_step_published = on_step_published
         self.published_step = 0
-        self.trainer: Trainer | None = None  # made by restore_or_init (a Trainer, or rank 0's DistributedTrainer)
+        self.trainer: Trainer | None = None  # made by restore_or_init (rank 0's, with trainer.ranks > 1)
         self.state_root = self.storage / "trainer_state"
         self._cond = threading.Condition()
         self._stop = False

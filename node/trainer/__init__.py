@@ -6,6 +6,7 @@ Coordinator-facing API (torch is imported lazily: `import node.trainer` is cheap
     trainer = Trainer(model_dir, cfg.trainer, batch_prompts=8, state_dir=Path(...),
                       stream=False, temperature=cfg.sampling.temperature)
     # or: Trainer.resume(state_dir, cfg.trainer, batch_prompts=8, ...)
+    # FSDP2 over local ranks: runner=FSDPRunner (node.trainer.distributed; `launch` starts the ranks)
     ok = trainer.add_group(Group(prompt_id="p1", prompt_ids=[...], rollouts=[
         Rollout(completion_ids=[...], inference_logprobs=[...], reward=0.7, policy_step=3,
                 finish_reason="stop", teacher_logprobs=None), ...]))   # False: filtered out
@@ -14,6 +15,9 @@ Coordinator-facing API (torch is imported lazily: `import node.trainer` is cheap
     trainer.weights_for_broadcast() # dict[str, Tensor]: broadcast dtype (bf16 default), contiguous CPU
     trainer.save_state(); trainer.step_count; trainer.keep_rate   # oversample prompts by 1 / keep_rate
     trainer.pools.counts()                                          # difficulty pools (easy/hard)
+
+The model, its optimizers and the arithmetic on them are the Trainer's model runner's
+(node.trainer.runner: LocalRunner, or FSDPRunner); the Trainer itself is one class for both.
 
 Streaming (`stream=True`, k = 0 periodic asynchrony): add_group back-propagates at once, step() only
 applies the optimizer; the result equals training on the full batch.

@@ -1,20 +1,21 @@
-"""FSDP2 data-parallel trainer: the training step on N local ranks, gradients equal to one rank's.
+"""FSDP2 data-parallel training: the model runner on N local ranks, gradients equal to one rank's.
 
 Who does what
 -------------
-Rank 0 is the coordinator's process. It runs a `DistributedTrainer`, which *is* a `Trainer`: groups are
-offered to it (`add_group`: advantages, filters, pools, keep rate -- all rank-0 state, unchanged), and
-the four methods that touch the model become collective commands that rank 0 broadcasts and every rank
-executes together:
+Rank 0 is the coordinator's process. Its `Trainer` (node/trainer/trainer.py, the same class as on one
+rank) holds an `FSDPRunner` instead of a `LocalRunner` (node/trainer/runner.py): groups are offered to the
+Trainer (`add_group`: advantages, filters, pools, keep rate -- all rank-0 state), and the runner's calls
+that touch the model become collective commands that rank 0 broadcasts and every rank executes together:
 
-    FB      forward/backward on a list of samples      (Trainer.forward_backward)
-    APPLY   divide by the batch's loss tokens, clip, optimizer step, zero grads  (Trainer._apply_gradients)
-    GATHER  full (unsharded) state dict for the broadcast checkpoint            (weights_for_broadcast),
-            or for evaluation on rank 0's unsharded copy of the model            (full_model)
-    SAVE    sharded trainer state with torch.distributed.checkpoint            (save_state)
+    FB      forward/backward on a list of samples                   (forward_backward)
+    APPLY   divide by the batch's loss tokens, clip, optimizer step, zero grads  (step)
+    NEW_OPTIMIZER  a second AdamW on every rank (the SFT warm start's)  (new_optimizer)
+    GATHER  full (unsharded) state dict for the broadcast checkpoint  (weights_for_broadcast),
+            or for evaluation on rank 0's unsharded copy of the model  (full_model)
+    SAVE / LOAD  sharded model + optimizer with torch.distributed.checkpoint  (write_weights / load_snapshot)
 
 Ranks 1..N-1 are followers (`python -m node.trainer.distributed`, or `serve_follower()` inside a process
-whose process group is up): they build the same model from the init message rank 0 broadcasts, then loop
+whose process group is up): they build the same runner from the init message rank 0 broadcasts, then loop
 on commands until STOP. A command is a header tensor plus int64 / float64 / uint8 payload tensors
 (`encode_samples`): no pickle crosses between ranks, and the followers never see network input --
 only samples rank 0 built from verified, already-selected groups.
@@ -32,7 +33,7 @@ single-rank run to float32 rounding (tests/unit/test_fsdp_trainer.py: 1e-5 after
 Trainer state (sharded): STATE_DIR/LATEST and STATE_DIR/step-NNNNNNNN/ as in node.trainer.state, with
 `dcp/` (model + optimizer through torch.distributed.checkpoint, one file per rank: resumable on any
 number of ranks), `model/` (config + tokenizer, no weights), rng.safetensors and trainer.json
-(format distributed_state.FSDP_FORMAT). The single-rank Trainer keeps its own safetensors format (see the report in
+(format distributed_state.FSDP_FORMAT). The LocalRunner keeps its own safetensors format (see the report in
 issue #15): DCP's `.metadata` file is a pickle, which the single-rank format avoids on purpose.
 
 All ranks live on one machine (MASTER_ADDR 127.0.0.1): gloo on CPU, NCCL with one GPU per rank.
@@ -55,10 +56,22 @@ import torch
 import torch.distributed as dist
 
 from node.trainer.config import TrainerConfig
-from node.trainer.loss import loss_mask_tensor, sft_loss
-from node.trainer.packing import TrainSample, build_micro_batches
+from node.trainer.distributed_state import FSDP_FORMAT, base_model_dir
+from node.trainer.loss import resolve_loss, sft_loss
+from node.trainer.packing import MicroBatch, TrainSample, build_micro_batches
+from node.trainer.runner import (
+    TOKEN_WEIGHTED,
+    LossFn,
+    LossTally,
+    ModelRunner,
+    StepResult,
+    build_model,
+    micro_batch_loss,
+    new_adamw,
+    optimizer_step,
+    vocab_size_of,
+)
 from node.trainer.trainer import Trainer, TrainerError
-from node.trainer.types import Group
 
 log = logging.getLogger("prime_node.trainer")
 
@@ -68,10 +81,9 @@ LOOPBACK = "127.0.0.1"
 # follower started by start_followers also watches its parent process).
 DEFAULT_TIMEOUT = timedelta(hours=24)
 
-OP_STOP, OP_FB, OP_APPLY, OP_GATHER, OP_SAVE, OP_NEW_OPTIMIZER, OP_INIT = 0, 1, 2, 3, 4, 5, 6
+OP_STOP, OP_FB, OP_APPLY, OP_GATHER, OP_SAVE, OP_NEW_OPTIMIZER, OP_INIT, OP_LOAD = 0, 1, 2, 3, 4, 5, 6, 7
 _HEADER = 8  # float64: op, n_ints, n_floats, n_bytes, a0..a3
-_LOSSES = {0: None, 1: sft_loss}  # 0 = the trainer's own loss (self.loss_fn)
-_WEIGHTED = ("masked_frac", "clipped_frac", "mean_ratio", "kl", "nll", "teacher_kl")  # trainer._TOKEN_WEIGHTED
+_LOSSES = {0: None, 1: sft_loss}  # 0 = the trainer's own loss (the runner's loss_fn)
 
 
 # ------------------------------------------------------------------------------- process group
@@ -189,10 +201,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 600.0)
 
 
 def launch(world_size: int, model_dir: str | Path | None, cfg: TrainerConfig | None = None, *,
-           resume_from: str | Path | None = None, device: str = "cpu", **kwargs: Any) -> "DistributedTrainer":
+           resume_from: str | Path | None = None, device: str = "cpu", **kwargs: Any) -> Trainer:
     """For the coordinator: make this process rank 0 of `world_size` local ranks (followers started as
-    subprocesses) and return its DistributedTrainer -- fresh from `model_dir`, or resumed from the latest
-    snapshot under `resume_from` (a state dir written by a DistributedTrainer, any world size; the model
+    subprocesses) and return its Trainer on an FSDPRunner -- fresh from `model_dir`, or resumed from the latest
+    snapshot under `resume_from` (a state dir written by an FSDPRunner, any world size; the model
     is built from `model_dir`, or if None the base model recorded in the snapshot, then overwritten).
     Call `.close()` when done (stops the followers, leaves the process group)."""
     # The followers run in another working directory: every path they are sent must be absolute.
@@ -205,16 +217,18 @@ def launch(world_size: int, model_dir: str | Path | None, cfg: TrainerConfig | N
     try:
         init_process_group(rank=0, world_size=world_size, port=port, device=device)
         if resume_from is not None:
-            trainer = DistributedTrainer.resume(resume_from, cfg, model_dir=model_dir, device=device, **kwargs)
+            trainer = Trainer.resume(resume_from, cfg, model_dir=model_dir, device=device, runner=FSDPRunner,
+                                     **kwargs)
         else:
             assert model_dir is not None, "launch: a new trainer needs model_dir (only a resume can do without)"
-            trainer = DistributedTrainer(model_dir, cfg, device=device, **kwargs)
+            trainer = Trainer(model_dir, cfg, device=device, runner=FSDPRunner, **kwargs)
     except BaseException:
         for p in procs:
             p.kill()
         destroy_process_group()
         raise
-    trainer._followers = procs
+    assert isinstance(trainer.runner, FSDPRunner)
+    trainer.runner.followers = procs  # its close() stops them, its abort() kills them
     return trainer
 
 
@@ -279,101 +293,74 @@ def assign_micro_batches(sizes: list[int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in share]
 
 
-# ------------------------------------------------------------------------------- the trainer
+# ------------------------------------------------------------------------------- the runner
 
-class DistributedTrainer(Trainer):
-    """A Trainer whose model is sharded with FSDP2 over the process group's ranks. On rank 0, use it like
-    a Trainer (plus `close()`); on the other ranks, `serve_follower()` builds and drives it."""
+class FSDPRunner(ModelRunner):
+    """A model runner whose model is sharded with FSDP2 over the process group's ranks. On rank 0 a Trainer
+    holds it (`Trainer(..., runner=FSDPRunner)`, or `launch`); on the other ranks `serve_follower()` builds
+    one from rank 0's init message and runs its commands."""
 
-    def __init__(self, model_dir: str | Path, cfg: TrainerConfig | None = None, *, _snapshot: Path | None = None,
-                 **kwargs: Any) -> None:
+    FORMAT = FSDP_FORMAT
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0, device: str = "cpu",
+                 attn_implementation: str = "sdpa") -> None:
         if not dist.is_initialized():
-            raise TrainerError("DistributedTrainer needs the process group (init_process_group or launch)")
+            raise TrainerError("the FSDP runner needs the process group (init_process_group or launch)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._ready = self._sharded = False
-        self._followers: list[subprocess.Popen] = []
+        self.cfg = cfg
+        self.temperature = temperature
+        self.model_dir = Path(model_dir)
+        self.followers: list[subprocess.Popen] = []  # the ranks `launch` started (rank 0 stops them on close)
         self._aborted = False
         # rank 0's unsharded copy for evaluation (full_model), made on first use
         self._full_model: torch.nn.Module | None = None
         self._extra_optimizer: torch.optim.Optimizer | None = None
-        cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
+        cuda = device.startswith("cuda")
         if self.rank == 0:  # tell the followers what to build (each picks its own GPU)
-            cfg = cfg or TrainerConfig()
-            init = {"model_dir": str(Path(model_dir).resolve()), "cfg": cfg.model_dump(mode="json"),
-                    "snapshot": None if _snapshot is None else str(Path(_snapshot).resolve()),
-                    "kwargs": {**{k: v for k, v in kwargs.items() if k != "state_dir"},
-                               "device": "cuda" if cuda else "cpu"}}
+            init = {"model_dir": str(self.model_dir.resolve()), "cfg": cfg.model_dump(mode="json"),
+                    "temperature": temperature, "device": "cuda" if cuda else "cpu",
+                    "attn_implementation": attn_implementation}
             self._comm_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             self._send(OP_INIT, text=json.dumps(init))
         if cuda:
-            kwargs["device"] = f"cuda:{torch.cuda.current_device()}"
-        self._comm_device = torch.device(kwargs["device"] if cuda else "cpu")
-        super().__init__(model_dir, cfg, **kwargs)
-        if _snapshot is not None:
-            self._load_sharded(_snapshot / "dcp")
-        self._ready = True
+            device = f"cuda:{torch.cuda.current_device()}"
+        self._comm_device = torch.device(device if cuda else "cpu")
+        self.model = build_model(model_dir, cfg, device=device, attn_implementation=attn_implementation)
+        self.vocab_size = vocab_size_of(self.model)  # before sharding: the embedding's full shape
+        _shard(self.model)
+        self.optimizer = new_adamw(self.model, cfg.lr, cfg)  # over the sharded parameters
+        self.loss_fn = resolve_loss(cfg.mode, cfg.loss)
 
-    # -- hooks of Trainer ------------------------------------------------------------------------
-    @staticmethod
-    def _shard(model) -> None:
-        """fully_shard every decoder layer, then the root (embeddings, final norm, output head)."""
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        layers = getattr(model.get_decoder(), "layers", None)
-        if layers is None:
-            raise TrainerError(f"{type(model).__name__}: no decoder layers to shard")
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
-        for m in model.modules():  # plain SUM over ranks (gloo has no PREMUL_SUM); APPLY divides by tokens
-            if hasattr(m, "set_gradient_divide_factor"):
-                m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)
-        # micro_batch_logprobs calls the decoder and the output embedding directly, not model.forward:
-        # run it as an FSDP forward method so the root's parameters are gathered (and reduced after).
-        model.prime_logprobs = _bound_logprobs(model)
-        register_fsdp_forward_method(model, "prime_logprobs")
-
-    def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        # Trainer.__init__ asks for its optimizer right after loading the model: shard it first.
-        if not self._sharded:
-            self._shard(self.model)
-            self._sharded = True
-        opt = super()._new_optimizer(lr)
-        if self._ready:  # after construction: a second optimizer (the SFT warm start)
-            if self.rank == 0:
-                self._send(OP_NEW_OPTIMIZER, args=(lr,))
-            self._extra_optimizer = opt
-        return opt
-
-    def forward_backward(self, groups: list[Group], loss_fn) -> None:
-        samples = [TrainSample(g.prompt_ids, r.completion_ids, r.inference_logprobs, g.advantages[j],
-                               r.teacher_logprobs, key=(gi, j), loss_mask=r.loss_mask)
-                   for gi, g in enumerate(groups) for j, r in enumerate(g.rollouts)]
+    # -- the runner's interface (rank 0: broadcast the command, then take part in it) ----------------
+    def forward_backward(self, samples: list[TrainSample], loss_fn: LossFn, tally: LossTally) -> None:
         loss_id = 0 if loss_fn is self.loss_fn else next((k for k, v in _LOSSES.items() if v is loss_fn), None)
         if loss_id is None:
-            raise TrainerError("DistributedTrainer runs its own loss or sft_loss only")
+            raise TrainerError("the FSDP runner runs the trainer's own loss or sft_loss only")
         ints, floats = encode_samples(samples)
         self._send(OP_FB, ints=ints, floats=floats, args=(loss_id,))
-        self._fb(samples, loss_id)
+        self._fb(samples, loss_id, tally)
 
-    def _apply_gradients(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> dict[str, Any]:
+    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float, tokens: int) -> StepResult:
         which = 0 if optimizer is self.optimizer else 1
         if which and optimizer is not self._extra_optimizer:
-            raise TrainerError("DistributedTrainer steps its own optimizers only")
-        tokens = self._win["loss_tokens"]
+            raise TrainerError("the FSDP runner steps its own optimizers only")
         self._send(OP_APPLY, args=(which, max_grad_norm, tokens))
         return self._apply(which, max_grad_norm, tokens)
+
+    def new_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        """The second optimizer (the SFT warm start's), on every rank; step() takes it as `which` 1."""
+        self._send(OP_NEW_OPTIMIZER, args=(lr,))
+        return self._new_extra_optimizer(lr)
 
     def weights_for_broadcast(self) -> dict[str, torch.Tensor]:
         self._send(OP_GATHER)
         return self._gather()
 
     def full_model(self) -> torch.nn.Module:
-        """Rank 0: a plain (unsharded, fp32, CPU) model holding this trainer's current weights, for
-        evaluation (node/coordinator/evaluation.py). Every rank takes part in one GATHER; what rank 0 then
-        does with the copy runs no collective, so nothing it does can wait on another rank. The copy is
-        kept (one model of CPU memory) and refreshed at each call."""
+        """Rank 0: a plain (unsharded, fp32, CPU) model holding the current weights, for evaluation
+        (node/coordinator/evaluation.py). Every rank takes part in one GATHER; what rank 0 then does with the
+        copy runs no collective, so nothing it does can wait on another rank. The copy is kept (one model of
+        CPU memory) and refreshed at each call."""
         from transformers import AutoModelForCausalLM
 
         self._send(OP_GATHER)
@@ -385,18 +372,27 @@ class DistributedTrainer(Trainer):
         self._full_model.load_state_dict(full)
         return self._full_model
 
-    def save_state(self) -> Path:
-        if self.state_dir is None:
-            raise TrainerError("this Trainer has no state_dir to save into")
-        from node.trainer import distributed_state
+    def snapshot_meta(self) -> dict[str, Any]:
+        return {"format": FSDP_FORMAT, "world_size": self.world_size,
+                "base_model_dir": str(self.model_dir.resolve())}
 
-        return distributed_state.save(self, self.state_dir)
+    def write_weights(self, tmp: Path) -> None:
+        """Rank 0, collective: every rank writes its shard of model + optimizer under tmp/dcp (DCP); rank 0
+        adds the model's config (the layout is node/trainer/distributed_state.py's)."""
+        self._send(OP_SAVE, text=str(tmp / "dcp"))
+        self._save_sharded(tmp / "dcp")
+        (tmp / "model").mkdir()
+        self.model.config.save_pretrained(str(tmp / "model"))  # type: ignore[operator]
+
+    def load_snapshot(self, snap: Path) -> None:
+        """Rank 0, collective: every rank loads its shard of model + optimizer from snap/dcp (resharded from
+        whatever number of ranks wrote it)."""
+        self._send(OP_LOAD, text=str(Path(snap).resolve() / "dcp"))
+        self._load_sharded(Path(snap).resolve() / "dcp")
 
     @classmethod
-    def resume(cls, state_dir: str | Path, cfg: TrainerConfig | None = None, **kwargs: Any) -> "DistributedTrainer":
-        from node.trainer import distributed_state
-
-        return distributed_state.load(cls, Path(state_dir), cfg or TrainerConfig(), **kwargs)
+    def model_dir_of_snapshot(cls, snap: Path, meta: dict[str, Any], model_dir: str | Path | None) -> Path:
+        return base_model_dir(snap, meta, model_dir)
 
     def close(self, timeout: float = 10.0) -> None:
         """Rank 0: stop the followers and leave the process group, within about `timeout` seconds: a
@@ -404,19 +400,19 @@ class DistributedTrainer(Trainer):
         way out, after a failure too)."""
         deadline = time.monotonic() + timeout
         if self.rank == 0 and dist.is_initialized() and not self._aborted and \
-                all(p.poll() is None for p in self._followers):
+                all(p.poll() is None for p in self.followers):
             try:
                 self._send(OP_STOP)  # a few bytes per rank: the sockets' buffers take them even if none reads
             except Exception as e:  # noqa: BLE001 - a dead rank: the kill below is the stop
                 log.warning("could not send STOP to the trainer ranks: %s", e)
-        for p in self._followers:
+        for p in self.followers:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("trainer rank (pid %d) did not stop within %.0f s; killed", p.pid, timeout)
                 p.kill()
                 p.wait()
-        self._followers = []
+        self.followers = []
         try:  # after the followers are gone: nothing left to wait for
             destroy_process_group()
         except Exception as e:  # noqa: BLE001
@@ -427,66 +423,44 @@ class DistributedTrainer(Trainer):
         fails (its peers' sockets close), so the thread driving this trainer ends; close() afterwards
         only leaves the process group."""
         self._aborted = True
-        for p in self._followers:
+        for p in self.followers:
             if p.poll() is None:
                 p.kill()
 
     # -- collective bodies (every rank) ------------------------------------------------------------
-    def _fb(self, samples: list[TrainSample], loss_id: int) -> None:
+    def _fb(self, samples: list[TrainSample], loss_id: int, tally: LossTally) -> None:
+        """This rank's share of the micro-batches, then the tallies summed over the ranks into `tally`."""
         loss_fn = self.loss_fn if loss_id == 0 else _LOSSES[loss_id]
-        t0 = time.perf_counter()
         mbs = build_micro_batches(samples, self.cfg.packing, self.cfg.micro_batch_tokens)
         share = assign_micro_batches([mb.padded_tokens for mb in mbs], self.world_size)
         slots = max(len(s) for s in share)
-        outer, self._win = self._win, _fresh_window(self._win)
-        try:
-            mine = share[self.rank]
-            for slot in range(slots):
-                if slot < len(mine):
-                    self._micro_batch_backward(mbs[mine[slot]], loss_fn)
-                else:
-                    self._dummy_backward()
-            local = self._win
-        finally:
-            self._win = outer
-        vec = [local["loss_sum"], local["loss_tokens"], local["nonfinite"], local["tokens_processed"]]
-        vec += [local["weighted"].get(k, 0.0) for k in _WEIGHTED]
-        vec += [float(k in local["weighted"]) for k in _WEIGHTED]
+        local = LossTally()
+        mine = share[self.rank]
+        for slot in range(slots):
+            if slot < len(mine):
+                self._micro_batch_backward(mbs[mine[slot]], loss_fn, local)
+            else:
+                self._dummy_backward()
+        vec = [local.loss_sum, local.loss_tokens, local.nonfinite, local.tokens_processed]
+        vec += [local.weighted.get(k, 0.0) for k in TOKEN_WEIGHTED]
+        vec += [float(k in local.weighted) for k in TOKEN_WEIGHTED]
         t = torch.tensor(vec, dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(t)
         v = t.tolist()
-        w = self._win
-        w["loss_sum"] += v[0]
-        w["loss_tokens"] += int(round(v[1]))
-        w["nonfinite"] += int(round(v[2]))
-        w["tokens_processed"] += int(round(v[3]))
-        n = len(_WEIGHTED)
-        for i, k in enumerate(_WEIGHTED):
+        tally.loss_sum += v[0]
+        tally.loss_tokens += int(round(v[1]))
+        tally.nonfinite += int(round(v[2]))
+        tally.tokens_processed += int(round(v[3]))
+        n = len(TOKEN_WEIGHTED)
+        for i, k in enumerate(TOKEN_WEIGHTED):
             if v[4 + n + i] > 0:
-                w["weighted"][k] = w["weighted"].get(k, 0.0) + v[4 + i]
-        w["seconds"] += time.perf_counter() - t0
+                tally.weighted[k] = tally.weighted.get(k, 0.0) + v[4 + i]
 
-    def _micro_batch_backward(self, mb, loss_fn) -> None:
-        # The body of Trainer.forward_backward's loop, with the logprobs computed under FSDP.
-        from node.trainer.loss import LossInputs
-
-        slices = [s for row in mb.rows for s in row.slices]
+    def _micro_batch_backward(self, mb: MicroBatch, loss_fn: LossFn, tally: LossTally) -> None:
+        # LocalRunner.forward_backward's loop body, with the logprobs computed under FSDP.
         logprobs = _split_logprobs(self.model.prime_logprobs(mb, self.temperature), mb)
-        total = None
-        for sl, lp in zip(slices, logprobs):
-            s = sl.sample
-            n = len(s.completion_ids)
-            like: dict[str, Any] = dict(dtype=lp.dtype, device=lp.device)
-            out = loss_fn(LossInputs(
-                trainer_logprobs=lp,
-                inference_logprobs=torch.tensor(s.inference_logprobs, **like),
-                teacher_logprobs=None if s.teacher_logprobs is None else torch.tensor(s.teacher_logprobs, **like),
-                advantages=torch.full((n,), float(s.advantage), **like),
-                loss_mask=loss_mask_tensor(s, lp.device),
-            ))
-            total = out.loss if total is None else total + out.loss
-            self._record_loss_metrics(out, n if s.loss_mask is None else sum(s.loss_mask))
-        self._win["tokens_processed"] += mb.padded_tokens
+        total = micro_batch_loss(mb, logprobs, loss_fn, tally)
+        tally.tokens_processed += mb.padded_tokens
         if total is not None and total.requires_grad:
             total.backward()
         else:  # keep the collectives in step with the other ranks
@@ -500,11 +474,13 @@ class DistributedTrainer(Trainer):
         mb = build_micro_batches([TrainSample([0], [0], [0.0], 0.0)], "packed", 64)[0]
         (self.model.prime_logprobs(mb, self.temperature).sum() * 0.0).backward()
 
-    def _apply(self, which: int, max_grad_norm: float, tokens: int) -> dict[str, Any]:
-        """Trainer._apply_gradients on sharded gradients: the same division, clipping and skip rule."""
+    def _apply(self, which: int, max_grad_norm: float, tokens: int) -> StepResult:
+        """LocalRunner.step on sharded gradients: the same division, clipping and skip rule."""
         from torch.distributed.tensor import DTensor
 
         optimizer = self.optimizer if which == 0 else self._extra_optimizer
+        if optimizer is None:
+            raise TrainerError("APPLY on the second optimizer before NEW_OPTIMIZER")
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
         if tokens > 0:
@@ -517,7 +493,11 @@ class DistributedTrainer(Trainer):
                 total = total.full_tensor()
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, total)
             grad_norm = float(total)
-        return self._apply_update(optimizer, tokens, grad_norm)
+        return StepResult(grad_norm, optimizer_step(optimizer, tokens, grad_norm))
+
+    def _new_extra_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        self._extra_optimizer = new_adamw(self.model, lr, self.cfg)
+        return self._extra_optimizer
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """The collective of GATHER (every rank calls it): the full state dict on rank 0's CPU, {} elsewhere."""
@@ -536,7 +516,7 @@ class DistributedTrainer(Trainer):
                 for name in self._broadcast_keys()}
 
     def _broadcast_keys(self) -> list[str]:
-        """state_dict keys minus tied duplicates (as Trainer.weights_for_broadcast drops them)."""
+        """state_dict keys minus tied duplicates (as LocalRunner.weights_for_broadcast drops them)."""
         seen: set[int] = set()
         dup: set[str] = set()
         for name, p in self.model.named_parameters(remove_duplicate=False):
@@ -554,12 +534,6 @@ class DistributedTrainer(Trainer):
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-
-    def save_shards(self, path: Path) -> None:
-        """Rank 0, collective: every rank writes its shard of model + optimizer under `path` (DCP; the
-        snapshot layout around it is node.trainer.distributed_state's)."""
-        self._send(OP_SAVE, text=str(path))
-        self._save_sharded(path)
 
     def _save_sharded(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -586,7 +560,7 @@ class DistributedTrainer(Trainer):
             if t is not None and t.numel():
                 dist.broadcast(t.to(dev), src=0)
 
-    def _serve(self) -> None:
+    def serve(self) -> None:
         """Followers: execute rank 0's commands until STOP."""
         while True:
             op, args, ints, floats, text = _receive(self._comm_device)
@@ -594,19 +568,41 @@ class DistributedTrainer(Trainer):
                 return
             if op == OP_FB:
                 assert ints is not None and floats is not None  # rank 0 sends the batch with FB
-                self._fb(decode_samples(ints, floats), int(args[0]))
+                self._fb(decode_samples(ints, floats), int(args[0]), LossTally())  # rank 0 keeps the tally
             elif op == OP_APPLY:
                 self._apply(int(args[0]), float(args[1]), int(args[2]))
-                self._reset_window()
             elif op == OP_GATHER:
                 self._gather()
             elif op == OP_SAVE:
                 assert text is not None  # rank 0 sends the path with SAVE
                 self._save_sharded(Path(text))
+            elif op == OP_LOAD:
+                assert text is not None  # rank 0 sends the path with LOAD
+                self._load_sharded(Path(text))
             elif op == OP_NEW_OPTIMIZER:
-                self._extra_optimizer = super()._new_optimizer(float(args[0]))
+                self._new_extra_optimizer(float(args[0]))
             else:
                 raise TrainerError(f"unknown trainer command {op}")
+
+
+def _shard(model) -> None:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, output head)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise TrainerError(f"{type(model).__name__}: no decoder layers to shard")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for m in model.modules():  # plain SUM over ranks (gloo has no PREMUL_SUM); APPLY divides by tokens
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    # micro_batch_logprobs calls the decoder and the output embedding directly, not model.forward:
+    # run it as an FSDP forward method so the root's parameters are gathered (and reduced after).
+    model.prime_logprobs = _bound_logprobs(model)
+    register_fsdp_forward_method(model, "prime_logprobs")
 
 
 def _bound_logprobs(model):
@@ -621,11 +617,6 @@ def _bound_logprobs(model):
 
 def _split_logprobs(lp: torch.Tensor, mb) -> list[torch.Tensor]:
     return list(torch.split(lp, [len(s.pred_index) for r in mb.rows for s in r.slices]))
-
-
-def _fresh_window(like: dict) -> dict:
-    w = {k: (type(v)() if isinstance(v, (list, dict)) else 0 * v) for k, v in like.items()}
-    return w
 
 
 def _text_of(t: torch.Tensor) -> str:
@@ -652,7 +643,7 @@ def _receive(dev: torch.device) -> tuple[int, list[float], torch.Tensor | None, 
 
 
 def serve_follower(device: str | None = None) -> None:
-    """Ranks 1..N-1 (process group already up): build the trainer rank 0 describes, serve its commands."""
+    """Ranks 1..N-1 (process group already up): build the runner rank 0 describes, serve its commands."""
     device = device or os.environ.get("PRIME_TRAINER_DEVICE", "cpu")
     dev = torch.device(f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else "cpu")
     op, _, _, _, text = _receive(dev)
@@ -660,9 +651,8 @@ def serve_follower(device: str | None = None) -> None:
         raise TrainerError(f"expected the init message from rank 0, got command {op}")
     init = json.loads(text)
     cfg = TrainerConfig.model_validate(init["cfg"])
-    snap = None if init["snapshot"] is None else Path(init["snapshot"])
-    trainer = DistributedTrainer(init["model_dir"], cfg, _snapshot=snap, **init["kwargs"])
-    trainer._serve()
+    FSDPRunner(init["model_dir"], cfg, temperature=float(init["temperature"]), device=init["device"],
+               attn_implementation=init["attn_implementation"]).serve()
 
 
 def _watch_parent(interval: float = 1.0) -> None:

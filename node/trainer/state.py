@@ -8,6 +8,10 @@ Layout (each snapshot written to a temp dir, then renamed into place; LATEST swa
     STATE_DIR/step-00000012/optimizer.json          param groups and which keys are tensors
     STATE_DIR/step-00000012/rng.safetensors         torch CPU generator state
     STATE_DIR/step-00000012/trainer.json            step, pools, keep-rate history, queued groups
+
+The model and optimizer files are the model runner's (node/trainer/runner.py: the layout above is
+LocalRunner's, format FORMAT; FSDPRunner writes dcp/ instead, node/trainer/distributed_state.py); the rest is
+the Trainer's and is written and read here, for every runner alike.
 """
 from __future__ import annotations
 
@@ -16,13 +20,16 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from node.trainer.buffer import DifficultyPools
 from node.trainer.types import Group, Rollout
 from protocol.errors import PrimeNodeError
+
+if TYPE_CHECKING:
+    from node.trainer.trainer import Trainer
 
 FORMAT = "prime-node/trainer-state/v1"
 _SNAPSHOT = re.compile(r"^step-\d{8}$")
@@ -35,19 +42,7 @@ class TrainerStateError(PrimeNodeError):
     pass
 
 
-def save_state(trainer, state_dir: Path) -> Path:
-    from safetensors.torch import save_file
-
-    def write(tmp: Path) -> None:
-        trainer.model.save_pretrained(str(tmp / "model"), safe_serialization=True)
-        tensors, structure = _flatten_optimizer(trainer.optimizer.state_dict())
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        _write_json(tmp / "optimizer.json", structure)
-
-    return write_snapshot(trainer, state_dir, write, format=FORMAT)
-
-
-def write_snapshot(trainer, state_dir: Path, write_weights: Callable[[Path], None], **meta: Any) -> Path:
+def write_snapshot(trainer: Trainer, state_dir: Path, write_weights: Callable[[Path], None], **meta: Any) -> Path:
     """STATE_DIR/step-NNNNNNNN, written whole or not at all: `write_weights(tmp)` writes the model (into
     tmp/model) and optimizer; then the tokenizer files, the RNG, trainer.json (`meta` first, then step,
     pools, keep-rate history, queued groups), an atomic rename, LATEST, and pruning to `keep_states`."""
@@ -64,7 +59,7 @@ def write_snapshot(trainer, state_dir: Path, write_weights: Callable[[Path], Non
             if (trainer.model_dir / f).is_file():
                 shutil.copy2(trainer.model_dir / f, tmp / "model" / f)
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-        _write_json(tmp / "trainer.json", {
+        write_json(tmp / "trainer.json", {
             **meta,
             "step": trainer.step_count,
             "pools": trainer.pools.to_json(),
@@ -84,47 +79,35 @@ def write_snapshot(trainer, state_dir: Path, write_weights: Callable[[Path], Non
     return final
 
 
-def load_state(cls, state_dir: Path, cfg, *, lift_pools: bool = True, **kwargs: Any):
-    from safetensors.torch import load_file
+@dataclass
+class SnapshotState:
+    """What every snapshot holds besides weights and optimizer (Trainer.resume applies it)."""
 
-    snap = latest_snapshot(state_dir)
-    meta = _read_json(snap / "trainer.json")
-    if meta.get("format") != FORMAT:
-        raise TrainerStateError(f"{snap}: not a prime-node trainer state ({meta.get('format')!r})")
-    kwargs.pop("state_dir", None)  # snapshots keep going to the directory resumed from
-    trainer = cls(snap / "model", cfg, state_dir=state_dir, **kwargs)
-    trainer.model_dir = snap / "model"
-    structure = _read_json(snap / "optimizer.json")
-    tensors = load_file(str(snap / "optimizer.safetensors"))
-    trainer.optimizer.load_state_dict(_unflatten_optimizer(tensors, structure))
-    return restore_snapshot_state(trainer, snap, meta, cfg, lift_pools=lift_pools)
+    step: int
+    pools: DifficultyPools
+    keep_history: Any  # KeepRate.load_json's input
+    queued_groups: list[Group]  # already selected and given advantages
 
 
-def restore_snapshot_state(trainer, snap: Path, meta: dict, cfg, *, lift_pools: bool):
-    """What every snapshot format holds besides weights and optimizer: RNG, step, pools, keep-rate history
-    and the queued groups."""
+def read_snapshot_state(snap: Path, meta: dict, cfg, *, lift_pools: bool) -> SnapshotState:
+    """trainer.json's step, pools (thresholds from `cfg`, lifted when asked), keep-rate history and queued
+    groups; the RNG is restored here, as the snapshot recorded it."""
     import torch
     from safetensors.torch import load_file
 
     torch.set_rng_state(load_file(str(snap / "rng.safetensors"))["torch_cpu"])
-    trainer.step_count = int(meta["step"])
-    trainer.pools = DifficultyPools.from_json(meta["pools"])
-    trainer.pools.easy_threshold = cfg.buffer.easy_threshold
-    trainer.pools.hard_threshold = cfg.buffer.hard_threshold
+    step = int(meta["step"])
+    pools = DifficultyPools.from_json(meta["pools"])
+    pools.easy_threshold = cfg.buffer.easy_threshold
+    pools.hard_threshold = cfg.buffer.hard_threshold
     if lift_pools:
-        trainer.pools.lift(cfg.buffer.easy_fraction, cfg.buffer.hard_fraction, seed=cfg.seed + trainer.step_count)
-    trainer.keep.load_json(meta["keep_history"])
+        pools.lift(cfg.buffer.easy_fraction, cfg.buffer.hard_fraction, seed=cfg.seed + step)
     try:
         groups = [Group(g["prompt_id"], g["prompt_ids"], [Rollout(**r) for r in g["rollouts"]], g["advantages"])
                   for g in meta["queued_groups"]]
     except (KeyError, TypeError) as e:
         raise TrainerStateError(f"{snap}: queued groups are malformed: {e}") from None
-    # Already selected and given advantages: straight into the queue. In stream mode this replays their
-    # forward/backward (on every rank), and the window's loss-token count (the gradient divisor) includes
-    # them again.
-    for g in groups:
-        trainer._enqueue(g)
-    return trainer
+    return SnapshotState(step, pools, meta["keep_history"], groups)
 
 
 def latest_snapshot(state_dir: Path) -> Path:
@@ -140,7 +123,7 @@ def latest_snapshot(state_dir: Path) -> Path:
     return snap
 
 
-def _flatten_optimizer(sd: dict) -> tuple[dict, dict]:
+def flatten_optimizer(sd: dict) -> tuple[dict, dict]:
     """torch optimizer state_dict -> (name -> tensor, JSON structure). Scalars stay in JSON."""
     import torch
 
@@ -158,7 +141,7 @@ def _flatten_optimizer(sd: dict) -> tuple[dict, dict]:
     return tensors, {"state": state, "param_groups": groups}
 
 
-def _unflatten_optimizer(tensors: dict, structure: Any) -> dict:
+def unflatten_optimizer(tensors: dict, structure: Any) -> dict:
     try:
         state = {}
         for idx, entry in structure["state"].items():
@@ -174,11 +157,11 @@ def _group_json(g) -> dict:
             "rollouts": [asdict(r) for r in g.rollouts]}
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, allow_nan=False))
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     if not path.is_file():
         raise TrainerStateError(f"{path} is missing")
     if path.stat().st_size > MAX_JSON_BYTES:

@@ -8,10 +8,9 @@ each group as it arrives, step when the batch is full) identical to training on 
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -19,11 +18,9 @@ from node.trainer.advantages import resolve_advantage
 from node.trainer.buffer import DifficultyPools, KeepRate, uninformative
 from node.trainer.config import TrainerConfig
 from node.trainer.filters import apply_filters, build_filters
-from node.trainer.forward import micro_batch_logprobs
-from node.trainer.loss import LossInputs, LossOutputs, loss_mask_tensor, resolve_loss, sft_loss
-from node.trainer.model import load_model
-from node.trainer.packing import TrainSample, build_micro_batches
-from node.trainer.state import load_state, save_state
+from node.trainer.loss import sft_loss
+from node.trainer.runner import LocalRunner, LossFn, LossTally, ModelRunner, samples_of
+from node.trainer.state import latest_snapshot, read_json, read_snapshot_state, write_snapshot
 from node.trainer.types import Group, validate_group
 from protocol.errors import PrimeNodeError
 
@@ -32,15 +29,18 @@ class TrainerError(PrimeNodeError):
     pass
 
 
-# Per-token metrics that loss functions report as fractions/means of a sequence; averaged by tokens.
-_TOKEN_WEIGHTED = ("masked_frac", "clipped_frac", "mean_ratio", "kl", "nll", "teacher_kl")
-
-
 class Trainer:
-    """Not thread-safe: call every method from one thread (the coordinator's trainer thread)."""
+    """Not thread-safe: call every method from one thread (the coordinator's trainer thread).
+
+    The model, its optimizers and the arithmetic on them belong to the trainer's model runner
+    (node/trainer/runner.py): `runner=LocalRunner` (the default) keeps them in this process,
+    `runner=FSDPRunner` (node/trainer/distributed.py, inside a process group) shards them over local ranks.
+    Everything else -- what is trained on, when a step is taken, the metrics, the snapshot's bookkeeping --
+    is the Trainer's, the same for both."""
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig | None = None, *, batch_prompts: int = 8,
                  state_dir: str | Path | None = None, stream: bool = False, temperature: float = 1.0,
-                 max_sequence_tokens: int = 32768, device: str = "cpu", attn_implementation: str = "sdpa") -> None:
+                 max_sequence_tokens: int = 32768, device: str = "cpu", attn_implementation: str = "sdpa",
+                 runner: type[ModelRunner] = LocalRunner) -> None:
         if batch_prompts < 1:
             raise TrainerError("batch_prompts must be at least 1")
         self.cfg = cfg or TrainerConfig()
@@ -50,15 +50,13 @@ class Trainer:
         self.stream = stream
         self.temperature = temperature
         self.max_sequence_tokens = max_sequence_tokens
-        torch.manual_seed(self.cfg.seed)
-        self.model = load_model(model_dir, dtype="float32", attn_implementation=attn_implementation, device=device)
-        self.model.train()
-        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.runner: ModelRunner = runner(self.model_dir, self.cfg, temperature=temperature, device=device,
+                                          attn_implementation=attn_implementation)
+        self.vocab_size = self.runner.vocab_size
         positions = getattr(self.model.config, "max_position_embeddings", None)
         if positions:  # a longer sequence would index past the position table
             self.max_sequence_tokens = min(self.max_sequence_tokens, int(positions))
-        self.optimizer = self._new_optimizer(self.cfg.lr)
-        self.loss_fn = resolve_loss(self.cfg.mode, self.cfg.loss)
+        self.loss_fn: LossFn = self.runner.loss_fn
         self.advantage_fn = resolve_advantage(self.cfg.advantage)
         self.filters = build_filters(self.cfg.filters)
         self.pools = DifficultyPools(self.cfg.buffer.easy_threshold, self.cfg.buffer.hard_threshold)
@@ -71,9 +69,41 @@ class Trainer:
     # ----------------------------------------------------------------- public API
 
     @classmethod
-    def resume(cls, state_dir: str | Path, cfg: TrainerConfig | None = None, **kwargs: Any) -> "Trainer":
-        """A Trainer continuing from the latest snapshot in `state_dir` (see node.trainer.state)."""
-        return load_state(cls, Path(state_dir), cfg or TrainerConfig(), **kwargs)
+    def resume(cls, state_dir: str | Path, cfg: TrainerConfig | None = None, *, lift_pools: bool = True,
+               model_dir: str | Path | None = None, runner: type[ModelRunner] = LocalRunner,
+               **kwargs: Any) -> "Trainer":
+        """A Trainer continuing from the latest snapshot in `state_dir` (see node.trainer.state), which the
+        same kind of runner wrote. Its model is built from the directory the runner names for the snapshot
+        (LocalRunner: the snapshot's own model/; FSDPRunner: `model_dir`, default the base model the run
+        started from), then the runner loads its weights and optimizer; the rest is the Trainer's."""
+        state_dir = Path(state_dir)
+        cfg = cfg or TrainerConfig()
+        snap = latest_snapshot(state_dir)
+        meta = read_json(snap / "trainer.json")
+        base = runner.model_dir_of_snapshot(snap, meta, model_dir)
+        kwargs.pop("state_dir", None)  # snapshots keep going to the directory resumed from
+        trainer = cls(base, cfg, state_dir=state_dir, runner=runner, **kwargs)
+        trainer.runner.load_snapshot(snap)
+        restored = read_snapshot_state(snap, meta, cfg, lift_pools=lift_pools)
+        trainer.step_count = restored.step
+        trainer.pools = restored.pools
+        trainer.keep.load_json(restored.keep_history)
+        # Already selected and given advantages: straight into the queue. In stream mode this replays their
+        # forward/backward (on every rank), and the window's loss-token count (the gradient divisor) includes
+        # them again.
+        for g in restored.queued_groups:
+            trainer._enqueue(g)
+        return trainer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The runner's model (FSDPRunner: rank 0's shard of it; to evaluate, use full_model())."""
+        return self.runner.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The RL optimizer (the warm start's is another, see sft())."""
+        return self.runner.optimizer
 
     @property
     def batch_complete(self) -> bool:
@@ -117,7 +147,7 @@ class Trainer:
             batch, self.pending = self.pending[: self.batch_prompts], self.pending[self.batch_prompts:]
             self.forward_backward(batch, self.loss_fn)
         t0 = time.perf_counter()
-        metrics = self._apply_gradients(self.optimizer, self.cfg.max_grad_norm)
+        metrics = self._optimizer_step(self.optimizer)
         self.step_count += 1
         metrics.update(self._window_metrics(batch))
         metrics["step"] = self.step_count
@@ -131,96 +161,57 @@ class Trainer:
     def weights_for_broadcast(self) -> dict[str, torch.Tensor]:
         """Model state in the broadcast dtype, contiguous on CPU, tied duplicates removed (as in
         save_pretrained), every tensor its own storage (safetensors refuses shared memory)."""
-        dtype = getattr(torch, self.cfg.broadcast_dtype)
-        out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, t in self.model.state_dict().items():
-            if t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
-        return out
+        return self.runner.weights_for_broadcast()
+
+    def full_model(self) -> torch.nn.Module:
+        """A plain (unsharded) model holding the current weights, for evaluation: the model itself on a
+        LocalRunner, rank 0's gathered copy on an FSDPRunner (node/coordinator/evaluation.py)."""
+        return self.runner.full_model()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Release what this trainer holds beyond its memory (nothing here; a DistributedTrainer's ranks,
-        within about `timeout` seconds)."""
+        """Release what this trainer holds beyond its memory (an FSDPRunner's ranks, within about `timeout`
+        seconds). Never raises."""
+        self.runner.close(timeout)
+
+    def abort(self) -> None:
+        """From any thread: make a call blocked on the trainer's other ranks fail now (FSDPRunner: kills
+        them); close() afterwards only leaves the process group. Nothing to do on a LocalRunner."""
+        self.runner.abort()
 
     def save_state(self) -> Path:
         if self.state_dir is None:
             raise TrainerError("this Trainer has no state_dir to save into")
-        return save_state(self, self.state_dir)
+        return write_snapshot(self, self.state_dir, self.runner.write_weights, **self.runner.snapshot_meta())
 
     def sft(self, batches: Iterable[list[Group]], lr: float | None = None) -> list[float]:
         """Supervised steps (sft_loss), one per batch of groups, with an AdamW of their own (`lr`, default
         cfg.warm_start_lr) so that the RL optimizer starts clean; `step_count` does not advance. Returns each
         step's per-token NLL. The warm start (node/trainer/warm_start.py) runs it before RL step 1."""
-        optimizer = self._new_optimizer(lr or self.cfg.warm_start_lr)
+        optimizer = self.runner.new_optimizer(lr or self.cfg.warm_start_lr)
         losses = []
         for groups in batches:
             self._reset_window()
             self.forward_backward(groups, sft_loss)
-            losses.append(self._win["loss_sum"] / max(self._win["loss_tokens"], 1))
-            self._apply_gradients(optimizer, self.cfg.max_grad_norm)
+            losses.append(self.tally.loss_sum / max(self.tally.loss_tokens, 1))
+            self._optimizer_step(optimizer)
         self._reset_window()
         return losses
 
-    # ----------------------------------------------------------------- training internals
-
-    def forward_backward(self, groups: list[Group], loss_fn: Callable[[LossInputs], LossOutputs]) -> None:
-        """Back-propagate the summed loss of `groups` into .grad (accumulating), tracking metrics."""
+    def forward_backward(self, groups: list[Group], loss_fn: LossFn) -> None:
+        """Back-propagate the summed loss of `groups` into .grad (accumulating), tallied in `tally`. An
+        FSDPRunner takes the trainer's own `loss_fn` or sft_loss only (its ranks resolve them by name)."""
         t0 = time.perf_counter()
-        samples = [
-            TrainSample(g.prompt_ids, r.completion_ids, r.inference_logprobs, g.advantages[j],
-                        r.teacher_logprobs, key=(gi, j), loss_mask=r.loss_mask)
-            for gi, g in enumerate(groups) for j, r in enumerate(g.rollouts)
-        ]
-        for mb in build_micro_batches(samples, self.cfg.packing, self.cfg.micro_batch_tokens):
-            slices = [s for row in mb.rows for s in row.slices]
-            logprobs = micro_batch_logprobs(self.model, mb, self.temperature)
-            total = None
-            for sl, lp in zip(slices, logprobs):
-                s = sl.sample
-                n = len(s.completion_ids)
-                like: dict[str, Any] = dict(dtype=lp.dtype, device=lp.device)
-                inputs = LossInputs(
-                    trainer_logprobs=lp,
-                    inference_logprobs=torch.tensor(s.inference_logprobs, **like),
-                    teacher_logprobs=None if s.teacher_logprobs is None else torch.tensor(s.teacher_logprobs, **like),
-                    advantages=torch.full((n,), float(s.advantage), **like),
-                    loss_mask=loss_mask_tensor(s, lp.device),
-                )
-                out = loss_fn(inputs)
-                total = out.loss if total is None else total + out.loss
-                self._record_loss_metrics(out, n if s.loss_mask is None else sum(s.loss_mask))
-            self._win["tokens_processed"] += mb.padded_tokens
-            if total is not None and total.requires_grad:
-                total.backward()
+        self.runner.forward_backward(samples_of(groups), loss_fn, self.tally)
         self._win["seconds"] += time.perf_counter() - t0
 
-    def _apply_gradients(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> dict[str, Any]:
-        tokens = self._win["loss_tokens"]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if tokens > 0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(tokens)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if tokens else 0.0
-        return self._apply_update(optimizer, tokens, grad_norm)
+    # ----------------------------------------------------------------- training internals
 
-    def _apply_update(self, optimizer, tokens: int, grad_norm: float) -> dict:
-        """The optimizer step on gradients already divided and clipped, and the step's metrics. A
-        non-finite gradient (a custom loss gone wrong) must not poison the weights: the update is skipped."""
-        skipped = not (tokens > 0 and math.isfinite(grad_norm))
-        if not skipped:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return {"loss": self._win["loss_sum"] / max(tokens, 1), "grad_norm": grad_norm,
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The runner's step on the window's gradients, and the step's metrics."""
+        tokens = self.tally.loss_tokens
+        grad_norm, skipped = self.runner.step(optimizer, self.cfg.max_grad_norm, tokens)
+        return {"loss": self.tally.loss_sum / max(tokens, 1), "grad_norm": grad_norm,
                 "loss_tokens": tokens, "lr": optimizer.param_groups[0]["lr"], "optimizer_skipped": skipped}
-
-    def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        # foreach=False: the single-tensor path is bit-reproducible across save/resume.
-        return torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(self.cfg.beta1, self.cfg.beta2),
-                                 weight_decay=self.cfg.weight_decay, eps=1e-8, foreach=False)
 
     def _validate(self, group: Group) -> None:
         if self.cfg.mode == "sft":  # reference completions carry no sampler logprobs
@@ -262,34 +253,27 @@ class Trainer:
     # ----------------------------------------------------------------- metrics
 
     def _reset_window(self) -> None:
+        # The step's offered groups and timing; `tally` is what back-propagation has added up (the gradient's
+        # divisor, the loss metrics), which the runner accumulates into.
         self._win: dict[str, Any] = {
             "rewards": [], "staleness": [], "offered": 0, "difficulty_dropped": 0, "groups_emptied_by_filters": 0,
-            "filtered": {}, "loss_sum": 0.0, "loss_tokens": 0, "nonfinite": 0, "weighted": {},
-            "tokens_processed": 0, "seconds": 0.0,
+            "filtered": {}, "seconds": 0.0,
         }
-
-    def _record_loss_metrics(self, out: LossOutputs, n: int) -> None:
-        self._win["loss_sum"] += float(out.loss.detach())
-        self._win["loss_tokens"] += n
-        self._win["nonfinite"] += int(out.metrics.get("nonfinite", 0))
-        for k in _TOKEN_WEIGHTED:
-            if k in out.metrics:
-                self._win["weighted"][k] = self._win["weighted"].get(k, 0.0) + float(out.metrics[k]) * n
+        self.tally = LossTally()
 
     def _window_metrics(self, batch: list[Group]) -> dict[str, Any]:
-        w = self._win
-        tokens = max(w["loss_tokens"], 1)
+        w, t = self._win, self.tally
+        tokens = max(t.loss_tokens, 1)
         trained = [r for g in batch for r in g.rollouts]
-        m: dict[str, Any] = {k: v / tokens for k, v in w["weighted"].items()}
+        m: dict[str, Any] = {k: v / tokens for k, v in t.weighted.items()}
         m.update(
             reward_mean=sum(w["rewards"]) / len(w["rewards"]) if w["rewards"] else 0.0,
             reward_mean_trained=sum(r.reward for r in trained) / len(trained) if trained else 0.0,
             groups=len(batch), samples=len(trained), groups_offered=w["offered"],
             difficulty_dropped=w["difficulty_dropped"], filtered=dict(w["filtered"]),
-            groups_emptied_by_filters=w["groups_emptied_by_filters"], nonfinite=w["nonfinite"],
+            groups_emptied_by_filters=w["groups_emptied_by_filters"], nonfinite=t.nonfinite,
             completion_len_mean=sum(len(r.completion_ids) for r in trained) / max(len(trained), 1),
             staleness_mean=sum(w["staleness"]) / len(w["staleness"]) if w["staleness"] else 0.0,
-            keep_rate=self.keep_rate, pools=self.pools.counts(), tokens_processed=w["tokens_processed"],
+            keep_rate=self.keep_rate, pools=self.pools.counts(), tokens_processed=t.tokens_processed,
         )
         return m
-

@@ -7,8 +7,13 @@ RL optimizer starts clean; does not advance `trainer.step_count`.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from node.envs import encode_prompt
 from node.trainer.types import Group, Rollout
+
+if TYPE_CHECKING:
+    from node.trainer.trainer import Trainer
 
 
 def reference_groups(task, tokenizer, *, seed: int, start: int, count: int) -> list[Group]:
@@ -24,9 +29,10 @@ def reference_groups(task, tokenizer, *, seed: int, start: int, count: int) -> l
     return groups
 
 
-def sft_warm_start(trainer, task, tokenizer, *, steps: int, batch_size: int = 16, lr: float | None = None,
+def sft_warm_start(trainer: Trainer, task, tokenizer, *, steps: int, batch_size: int = 16, lr: float | None = None,
                    seed: int = 10_000) -> list[float]:
-    """Run `steps` SFT steps on `trainer.model`; returns the per-token NLL of each step.
+    """Run `steps` SFT steps on the trainer's model (Trainer.sft, whichever its runner); returns the per-token
+    NLL of each step.
 
     `seed` defaults to a range the RL run does not sample from (the RL run uses its own seed).
     """

@@ -1,5 +1,5 @@
-"""FSDP2 trainer on 2 CPU ranks (gloo, spawned as torchrun would): the same weights as one rank, and a
-sharded save/resume that equals never stopping."""
+"""The Trainer on an FSDP2 runner over 2 CPU ranks (gloo, spawned as torchrun would): the same weights as one
+rank, and a sharded save/resume that equals never stopping."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,7 +35,7 @@ def _train(trainer, batches) -> list[dict]:
 
 def _job(model_dir: str, out_dir: str, mode: str):
     """One rank of a run. straight: 3 steps, saving after step 2; resume*: from that save, step 3."""
-    from node.trainer.distributed import DistributedTrainer, destroy_process_group, init_process_group, serve_follower
+    from node.trainer.distributed import FSDPRunner, destroy_process_group, init_process_group, serve_follower
 
     rank, _ = init_process_group(threads=1)
     try:
@@ -45,12 +45,12 @@ def _job(model_dir: str, out_dir: str, mode: str):
         out = Path(out_dir)
         batches = _batches()
         if mode == "straight":
-            t = DistributedTrainer(model_dir, CFG, batch_prompts=3, state_dir=out / "state")
+            t = Trainer(model_dir, CFG, batch_prompts=3, state_dir=out / "state", runner=FSDPRunner)
             metrics = _train(t, batches[:2])
             t.save_state()
             metrics += _train(t, batches[2:])
         else:
-            t = DistributedTrainer.resume(out / "state", CFG, batch_prompts=3)
+            t = Trainer.resume(out / "state", CFG, batch_prompts=3, runner=FSDPRunner)
             assert t.step_count == 2
             metrics = _train(t, batches[2:])
         save_file(t.weights_for_broadcast(), str(out / f"{mode}.safetensors"))
@@ -126,9 +126,13 @@ def _launch_job(model_dir: str, out_dir: str):
     from node.trainer.distributed import launch
 
     t = launch(2, model_dir, CFG, batch_prompts=3, state_dir=Path(out_dir) / "launched-state")
-    procs = list(t._followers)
+    from node.trainer.distributed import FSDPRunner
+
+    runner = t.runner
+    assert isinstance(runner, FSDPRunner)
+    procs = list(runner.followers)
     try:
-        assert t.world_size == 2 and len(procs) == 1
+        assert runner.world_size == 2 and len(procs) == 1
         _train(t, _batches())
         weights = t.weights_for_broadcast()
     finally:

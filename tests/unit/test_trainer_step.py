@@ -47,7 +47,7 @@ def test_micro_batched_gradient_equals_full_batch(model_dir, layout):
     groups = make_groups(4)
     for t in (full, micro):
         t.forward_backward(_selected(t, groups), t.loss_fn)
-    assert full._win["loss_tokens"] == micro._win["loss_tokens"]
+    assert full.tally.loss_tokens == micro.tally.loss_tokens
     g_full, g_micro = _grads(full), _grads(micro)
     assert set(g_full) == set(g_micro) and g_full
     for name in g_full:
@@ -182,7 +182,7 @@ def test_sft_steps_use_their_own_optimizer_and_leave_the_rl_state_clean(model_di
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     nll = t.sft([groups] * 4, lr=1e-2)
     assert len(nll) == 4 and nll[-1] < nll[0]
-    assert t.step_count == 0 and not t.optimizer.state and t._win["loss_tokens"] == 0
+    assert t.step_count == 0 and not t.optimizer.state and t.tally.loss_tokens == 0
     assert any(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
 
 
@@ -281,7 +281,7 @@ def test_a_multi_turn_episode_trains_on_the_model_tokens_only(model_dir):
     a.forward_backward(_selected(a, episode_groups([2, 9, 10, 3], [0.0] * 4)), a.loss_fn)
     b.forward_backward(_selected(b, episode_groups([2, 9, 10, 3], [-9.0] * 4)), b.loss_fn)
     masked = sum(sum(r.loss_mask) for g in episode_groups([2, 9, 10, 3], [0.0] * 4) for r in g.rollouts)
-    assert a._win["loss_tokens"] == b._win["loss_tokens"] == masked
+    assert a.tally.loss_tokens == b.tally.loss_tokens == masked
     for name, grad in _grads(a).items():  # the environment's logprobs play no part
         torch.testing.assert_close(_grads(b)[name], grad, atol=0, rtol=0, msg=name)
     with pytest.raises(RolloutError, match="loss_mask"):
