@@ -83,7 +83,7 @@ DEFAULT_TIMEOUT = timedelta(hours=24)
 
 OP_STOP, OP_FB, OP_APPLY, OP_GATHER, OP_SAVE, OP_NEW_OPTIMIZER, OP_INIT, OP_LOAD = 0, 1, 2, 3, 4, 5, 6, 7
 _HEADER = 8  # float64: op, n_ints, n_floats, n_bytes, a0..a3
-_LOSSES = {0: None, 1: sft_loss}  # 0 = the trainer's own loss (the runner's loss_fn)
+_LOSSES: dict[int, LossFn] = {1: sft_loss}  # by id on the wire; 0 = the trainer's own loss (the runner's loss_fn)
 
 
 # ------------------------------------------------------------------------------- process group
@@ -382,7 +382,7 @@ class FSDPRunner(ModelRunner):
         self._send(OP_SAVE, text=str(tmp / "dcp"))
         self._save_sharded(tmp / "dcp")
         (tmp / "model").mkdir()
-        self.model.config.save_pretrained(str(tmp / "model"))  # type: ignore[operator]
+        self.model.config.save_pretrained(str(tmp / "model"))
 
     def load_snapshot(self, snap: Path) -> None:
         """Rank 0, collective: every rank loads its shard of model + optimizer from snap/dcp (resharded from

@@ -111,8 +111,7 @@ def new_adamw(model: torch.nn.Module, lr: float, cfg: TrainerConfig) -> torch.op
                              weight_decay=cfg.weight_decay, eps=1e-8, foreach=False)
 
 
-def build_model(model_dir: str | Path, cfg: TrainerConfig, *, device: str,
-                attn_implementation: str) -> torch.nn.Module:
+def build_model(model_dir: str | Path, cfg: TrainerConfig, *, device: str, attn_implementation: str) -> Any:
     """The trainable fp32 model, loaded under the run's seed (every rank loads it the same way)."""
     torch.manual_seed(cfg.seed)
     model = load_model(model_dir, dtype="float32", attn_implementation=attn_implementation, device=device)
@@ -120,7 +119,7 @@ def build_model(model_dir: str | Path, cfg: TrainerConfig, *, device: str,
     return model
 
 
-def vocab_size_of(model: torch.nn.Module) -> int:
+def vocab_size_of(model: Any) -> int:
     return int(model.get_input_embeddings().weight.shape[0])
 
 
@@ -128,10 +127,18 @@ class ModelRunner(ABC):
     """Owns the model and its optimizers for a Trainer (see the module docstring). Driven from one thread."""
 
     FORMAT: ClassVar[str]  # trainer.json's "format" for the snapshots it writes
-    model: torch.nn.Module
+    # a transformers causal LM (FSDP-wrapped on an FSDPRunner): Any, as load_model's, because torch types the
+    # attributes of a Module (save_pretrained, config, the FSDP forward method) as Tensor | Module
+    model: Any
     optimizer: torch.optim.Optimizer  # the RL optimizer (cfg.lr)
     loss_fn: LossFn  # the training loss of cfg.mode / cfg.loss (resolved once: its identity selects it)
     vocab_size: int
+
+    @abstractmethod
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0, device: str = "cpu",
+                 attn_implementation: str = "sdpa") -> None:
+        """Build the model from `model_dir` (build_model: under cfg.seed) and the RL optimizer; `temperature`
+        is the sampler's, which the trainer's logprobs must match."""
 
     @abstractmethod
     def forward_backward(self, samples: list[TrainSample], loss_fn: LossFn, tally: LossTally) -> None:
@@ -230,7 +237,7 @@ class LocalRunner(ModelRunner):
     def write_weights(self, tmp: Path) -> None:
         from safetensors.torch import save_file
 
-        self.model.save_pretrained(str(tmp / "model"), safe_serialization=True)  # type: ignore[operator]
+        self.model.save_pretrained(str(tmp / "model"), safe_serialization=True)
         tensors, structure = flatten_optimizer(self.optimizer.state_dict())
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", structure)

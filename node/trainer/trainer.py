@@ -96,7 +96,7 @@ class Trainer:
         return trainer
 
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> Any:
         """The runner's model (FSDPRunner: rank 0's shard of it; to evaluate, use full_model())."""
         return self.runner.model
 
