@@ -345,7 +345,7 @@ class NatKeeper:
                 log.warning("p2p: keeping NAT connections failed: %s", e)
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def tick(self) -> None:

@@ -111,7 +111,7 @@ def test_first_copies_of_a_step_are_spread_over_the_servable_nodes_that_ask():
     deferred to it and fell behind (WAN lab: a reachable home served 6-7 MB, two NATed homes 0-1.3 MB). A node
     holding more first copies of a step than another servable asker, plus one, is deferred once for a shard
     nobody holds, and that shard's first copy goes to the other."""
-    s, clock = seeder(reachable=lambda n: {"natted": False}.get(n))
+    s, _ = seeder(reachable=lambda n: {"natted": False}.get(n))
     for node in ("fwd", "home1", "home2"):  # they asked for the previous step
         assert s.admit((2, 0), node)
     got = {}
