@@ -300,8 +300,6 @@ class FSDPRunner(ModelRunner):
     holds it (`Trainer(..., runner=FSDPRunner)`, or `launch`); on the other ranks `serve_follower()` builds
     one from rank 0's init message and runs its commands."""
 
-    FORMAT = FSDP_FORMAT
-
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0, device: str = "cpu",
                  attn_implementation: str = "sdpa") -> None:
         if not dist.is_initialized():

@@ -24,7 +24,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -126,7 +126,6 @@ def vocab_size_of(model: Any) -> int:
 class ModelRunner(ABC):
     """Owns the model and its optimizers for a Trainer (see the module docstring). Driven from one thread."""
 
-    FORMAT: ClassVar[str]  # trainer.json's "format" for the snapshots it writes
     # a transformers causal LM (FSDP-wrapped on an FSDPRunner): Any, as load_model's, because torch types the
     # attributes of a Module (save_pretrained, config, the FSDP forward method) as Tensor | Module
     model: Any
@@ -189,8 +188,6 @@ class ModelRunner(ABC):
 
 class LocalRunner(ModelRunner):
     """The model in this process, on one device. Snapshots: safetensors only (node/trainer/state.py's layout)."""
-
-    FORMAT = FORMAT
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0, device: str = "cpu",
                  attn_implementation: str = "sdpa") -> None:

@@ -41,28 +41,46 @@ def test_nothing_subclasses_trainer():
     assert not found, "Trainer is composed with a model runner, not subclassed:\n" + "\n".join(found)
 
 
-def test_no_module_reaches_into_a_trainers_private_members():
-    """`trainer._x`, `self.trainer._x`, `t._x` on a Trainer from outside node/trainer/trainer.py: the warm start,
-    the snapshot code and the FSDP launcher use the Trainer's public methods (the old state.py called
-    `trainer._enqueue`, the old launcher set `trainer._followers`)."""
+def private_trainer_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, `owner._member`) for each private member read or written on something named trainer/Trainer."""
     found = []
-    for path in SOURCES:
-        if path == REPO / "node" / "trainer" / "trainer.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                owner = _name_of(node.value)
-                if owner.split(".")[-1] in ("trainer", "Trainer"):
-                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {owner}.{node.attr}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = _name_of(node.value)
+            if owner.split(".")[-1] in ("trainer", "Trainer"):
+                found.append((node.lineno, f"{owner}.{node.attr}"))
+    return found
+
+
+def test_no_module_reaches_into_a_trainers_private_members():
+    """`trainer._x`, `self.trainer._x` from outside node/trainer/trainer.py: the warm start, the snapshot code
+    and the FSDP launcher use the Trainer's public methods (the old state.py called `trainer._enqueue`, the old
+    launcher set `trainer._followers`)."""
+    found = [f"{path.relative_to(REPO)}:{line} {use}" for path in SOURCES
+             if path != REPO / "node" / "trainer" / "trainer.py"
+             for line, use in private_trainer_uses(ast.parse(path.read_text(), str(path)))]
     assert not found, "private members of a Trainer used outside trainer.py:\n" + "\n".join(found)
 
 
 def test_the_private_member_check_sees_the_old_patterns():
-    """The check above is not vacuous: the lines the old code had are found."""
+    """The check above is not vacuous: the lines the old code had are found, public calls are not."""
     old = "def f(trainer, self):\n    trainer._enqueue(1)\n    self.trainer._win['x'] = 0\n    trainer.sft([])\n"
-    hits = [_name_of(n.value) + "." + n.attr for n in ast.walk(ast.parse(old))
-            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and _name_of(n.value).split(".")[-1] == "trainer"]
-    assert hits == ["trainer._enqueue", "self.trainer._win"]
+    assert private_trainer_uses(ast.parse(old)) == [(2, "trainer._enqueue"), (3, "self.trainer._win")]
+
+
+def test_each_snapshot_format_is_defined_once():
+    """FORMAT (LocalRunner's, node/trainer/state.py) and FSDP_FORMAT (node/trainer/distributed_state.py): one
+    assignment each in the project; everything else imports them."""
+    where: dict[str, list[str]] = {"FORMAT": [], "FSDP_FORMAT": []}
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id in where:
+                    where[t.id].append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert [w.split(":")[0] for w in where["FORMAT"]] == ["node/trainer/state.py"], where
+    assert [w.split(":")[0] for w in where["FSDP_FORMAT"]] == ["node/trainer/distributed_state.py"], where
 
 
 # ------------------------------------------------------------------ one Trainer, two runners
