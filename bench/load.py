@@ -91,7 +91,11 @@ def batch_prompts(args, n: int) -> int:
     return int(args.batch_prompts)
 
 
-def coordinator_overrides(args, storage: Path, n: int) -> list[str]:
+# --trainer idle: a batch no run fills, so the training thread only waits and the coordinator's CPU is the API's
+IDLE_BATCH_PROMPTS = 1_000_000
+
+
+def coordinator_overrides(args, storage: Path, n: int, trainer: str = "train") -> list[str]:
     return [
         f"storage.dir={storage}",
         "verification.fraction=0",  # the rollouts are not model output
@@ -101,7 +105,7 @@ def coordinator_overrides(args, storage: Path, n: int) -> list[str]:
         f"server.rate_limit_burst={args.rate_burst}",
         f"run.group_size={args.group_size}",
         f"run.prompts_per_assignment={args.prompts_per_assignment}",
-        f"run.batch_prompts={batch_prompts(args, n)}",
+        f"run.batch_prompts={IDLE_BATCH_PROMPTS if trainer == 'idle' else batch_prompts(args, n)}",
         f"sampling.max_tokens={args.max_tokens}",
         *args.set,
     ]
@@ -357,8 +361,10 @@ def client_process(args: dict, conn) -> None:
 
 
 # --- the coordinator process -------------------------------------------------------------------------
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds of a process, or of one of its threads (the main thread, tid == pid, runs the event loop)."""
+    stat = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
 
 
@@ -404,16 +410,123 @@ class DiskProbe:
                 "max": round(ms[-1], 2) if ms else None}
 
 
+# --py-spy: where the coordinator's CPU goes in the window, by category. A sample is put in the category of its
+# innermost frame that matches (so "ledger" is SQLite work reached from anywhere, and "aiohttp" is HTTP
+# parsing and writing that no more specific frame claims). Endpoints: the app.py handler on the stack.
+PROFILE_CATEGORIES = [
+    ("signature (Ed25519)", ("verify_bytes",)),
+    ("body sha256", ("sha256_hex",)),
+    ("commitment decode", ("parse_commitment",)),
+    ("pydantic validation", ("model_validate",)),
+    ("JSON parse", ("strict_json_loads",)),
+    ("response JSON", ("model_dump_json", "json_response", "_json (node/coordinator/app.py")),
+    ("status build", ("build_status",)),
+    ("ledger (SQLite)", ("node/coordinator/ledger.py",)),
+    ("prometheus", ("prometheus_client",)),
+    ("logging", ("logging/",)),
+    ("intake (triage, rewards)", ("node/coordinator/intake.py",)),
+    ("scheduler", ("node/coordinator/scheduler.py",)),
+    ("rate limits, body budget", ("node/rate_limit.py", "BodyBudget")),
+    ("training", ("node/coordinator/training.py", "node/trainer/", "torch/")),
+    ("aiohttp (HTTP)", ("aiohttp/",)),
+    ("asyncio", ("asyncio/", "selectors.py")),
+]
+HANDLERS = ("join", "heartbeat", "work", "submit", "status", "metrics")
+
+
+def start_py_spy(args, pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
+    if not args.py_spy:
+        return None
+    # --nonblocking: the process is not paused per sample (blocking sampling at 100+ Hz slowed it visibly);
+    # --gil: only samples whose thread holds the GIL, i.e. Python at work (a thread in a lock or epoll wait is
+    # not CPU); C code that drops the GIL (SQLite's page I/O, hashing of large bodies) is under-counted.
+    return subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))),
+                             "--rate", str(args.py_spy_rate), "--nonblocking", "--gil", "--threads", "--format", "raw",
+                             "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def finish_py_spy(spy: subprocess.Popen | None, path: Path, args, name: str) -> dict | None:
+    if spy is None:
+        return None
+    try:
+        spy.wait(60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+    if not path.exists():
+        return {"error": "py-spy wrote nothing (ptrace not permitted?)"}
+    shutil.copy(path, OUT / f"load_profile_{name}.txt")
+    return summarise_profile(path.read_text())
+
+
+def summarise_profile(collapsed: str) -> dict:
+    """py-spy's collapsed stacks -> % of samples by thread, by category (loop thread apart) and by endpoint."""
+    import re
+
+    by_thread: Counter = Counter()
+    by_cat: Counter = Counter()
+    by_ep: Counter = Counter()
+    total = 0
+    handler = re.compile(rf"^(?:build_app\.<locals>\.)?({'|'.join(HANDLERS)}) \(node/coordinator/app\.py")
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        thread = ("loop" if "MainThread" in frames[0] else
+                  "training" if any("node/coordinator/training.py" in f for f in frames) else
+                  "to_thread" if any("concurrent/futures/thread.py" in f for f in frames) else "other threads")
+        by_thread[thread] += n
+        cat = next((c for f in reversed(frames) for c, keys in PROFILE_CATEGORIES if any(k in f for k in keys)), "other")
+        by_cat[f"{thread}: {cat}"] += n
+        ep = next((m[1] for f in frames if (m := handler.match(f))), None)
+        if ep is None and any("checkpoint_routes.py" in f for f in frames):
+            ep = "checkpoints"
+        by_ep[f"{thread}: {ep or '-'}"] += n
+
+    def pct_of(c: Counter) -> dict:
+        return {k: round(100 * v / max(1, total), 1) for k, v in c.most_common()}
+    return {"samples": total, "by_thread_pct": pct_of(by_thread), "by_category_pct": pct_of(by_cat),
+            "by_endpoint_pct": pct_of(by_ep)}
+
+
+def print_profile(p: dict, top: int = 14) -> None:
+    print(f"{'':<19}profile ({p['samples']} GIL-holding samples): threads " +
+          ", ".join(f"{k} {v}%" for k, v in p["by_thread_pct"].items()))
+    print(f"{'':<19}  categories: " + ", ".join(f"{k} {v}%" for k, v in list(p["by_category_pct"].items())[:top]))
+    print(f"{'':<19}  endpoints: " + ", ".join(f"{k} {v}%" for k, v in list(p["by_endpoint_pct"].items())[:8]))
+
+
+def baseline_tree(ref: str) -> Path:
+    """A detached git worktree of `ref` under the temp dir (removed by remove_tree), whose coordinator the bench runs
+    with this venv, side by side with the working tree's."""
+    path = Path(tempfile.mkdtemp(prefix="prime-load-baseline-"))
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=REPO, check=True,
+                   capture_output=True, text=True)
+    got = subprocess.run([sys.executable, "-c", "import node; print(node.__file__)"], cwd=path,
+                         env={**os.environ, "PYTHONPATH": str(path)}, capture_output=True, text=True, check=True)
+    if not Path(got.stdout.strip()).resolve().is_relative_to(path.resolve()):
+        raise RuntimeError(f"the baseline's python imports node from {got.stdout.strip()}, not from {path}")
+    return path
+
+
+def remove_tree(path: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, capture_output=True, check=False)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as r:
         return json.loads(r.read())
 
 
-def start_coordinator(args, work: Path, n: int) -> tuple[subprocess.Popen, str]:
+def start_coordinator(args, work: Path, n: int, tree: Path = REPO, trainer: str = "train") -> tuple[subprocess.Popen, str]:
+    """`tree`: the source tree whose coordinator runs (a git worktree of --baseline, or this one), with this venv."""
     ready = work / "ready.json"
-    cmd = [sys.executable, "-m", "node.cli", "coordinator", "--config", str(REPO / "configs/local.toml"),
-           *[f"--set={o}" for o in coordinator_overrides(args, work / "coord", n)], "--ready-file", str(ready)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    cmd = [sys.executable, "-m", "node.cli", "coordinator", "--config", str(tree / "configs/local.toml"),
+           *[f"--set={o}" for o in coordinator_overrides(args, work / "coord", n, trainer)], "--ready-file", str(ready)]
+    proc = subprocess.Popen(cmd, cwd=tree, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)},
                             stdout=open(work / "coord.log", "w"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     while not ready.exists():
@@ -440,9 +553,9 @@ def expected(endpoint: str, status: int, code: str) -> bool:
     return status == 409 and code == "stale_policy"
 
 
-def run_one(n: int, args) -> list[dict]:
+def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str = "current") -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix=f"prime-load-{n}-", dir=args.tmp_root))
-    proc, base = start_coordinator(args, work, n)
+    proc, base = start_coordinator(args, work, n, tree, trainer)
     model = json.loads((work / "coord" / "model" / "config.json").read_text())
     pid = proc.pid
     try:
@@ -482,7 +595,8 @@ def run_one(n: int, args) -> list[dict]:
         print(f"N={n}: coordinator pid {pid} at {base}; {procs} client processes, joins over {ramp:.0f} s, warm-up {warmup:.0f} s, "
               f"measuring {seconds:.0f} s…", flush=True)
         time.sleep(max(0.0, w0 - time.time()))
-        cpu_a, busy_a, wall_a = proc_cpu_s(pid), machine_busy_s(), time.time()
+        spy = start_py_spy(args, pid, w1 - time.time(), work / "profile.txt")
+        cpu_a, loop_a, busy_a, wall_a = proc_cpu_s(pid), proc_cpu_s(pid, pid), machine_busy_s(), time.time()
         rss_peak, probe, next_probe = 0, DiskProbe(work / "probe.sqlite"), 0.0
         while time.time() < w1:
             rss_peak = max(rss_peak, proc_mem_kib(pid)["VmRSS"])
@@ -490,8 +604,9 @@ def run_one(n: int, args) -> list[dict]:
                 probe.commit()
                 next_probe = time.time() + 1.0
             time.sleep(0.25)
-        cpu_b, busy_b, wall_b = proc_cpu_s(pid), machine_busy_s(), time.time()
+        cpu_b, loop_b, busy_b, wall_b = proc_cpu_s(pid), proc_cpu_s(pid, pid), machine_busy_s(), time.time()
         mem = proc_mem_kib(pid)
+        profile = finish_py_spy(spy, work / "profile.txt", args, f"{label}_{trainer}_{args.shape_name}_{n}")
         results = [c.recv() for c in conns]
         for pr in live:
             pr.join(30)
@@ -508,9 +623,14 @@ def run_one(n: int, args) -> list[dict]:
             print(f"  kept {work}", flush=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    return summarise(n, args, results, status, w0, w1, t0, dict(
-        cpu=cpu_b - cpu_a, wall=wall_b - wall_a, disk_commit_ms=probe.summary(), machine_busy=busy_b - busy_a, rss_peak_kib=rss_peak,
+    rows = summarise(n, args, results, status, w0, w1, t0, dict(
+        cpu=cpu_b - cpu_a, loop_cpu=loop_b - loop_a, wall=wall_b - wall_a, disk_commit_ms=probe.summary(), machine_busy=busy_b - busy_a, rss_peak_kib=rss_peak,
         hwm_kib=mem["VmHWM"], log_errors=[ln for ln in log_tail.splitlines() if " ERROR " in ln][-5:]))
+    for r in rows:
+        r["code"], r["trainer"] = label, trainer
+    if profile is not None:
+        rows[-1]["profile"] = profile
+    return rows
 
 
 def summarise(n, args, results, status, w0, w1, t0, coord) -> list[dict]:
@@ -559,7 +679,13 @@ def summarise(n, args, results, status, w0, w1, t0, coord) -> list[dict]:
         "errors": errors_total, "rate_limited_429": limited_total,
         "heartbeats_sent_of_due": f"{len(by_ep.get('/v1/heartbeat', []))} of {int(n * seconds / args.heartbeat)}",
         "coordinator_cpu_s": round(coord["cpu"], 2),
-        "coordinator_cpu_ms_per_request": round(1000 * coord["cpu"] / max(1, len(window_all)), 2), "coordinator_cpu_cores": round(coord["cpu"] / coord["wall"], 3),
+        "coordinator_cpu_ms_per_request": round(1000 * coord["cpu"] / max(1, len(window_all)), 3), "coordinator_cpu_cores": round(coord["cpu"] / coord["wall"], 3),
+        # the event loop's thread alone (HTTP, signatures, validation, the ledger's reads and small writes): with
+        # the trainer idle the process's CPU is the API's; training, it also holds the trainer thread's
+        "loop_cpu_s": round(coord["loop_cpu"], 2), "loop_cpu_cores": round(coord["loop_cpu"] / coord["wall"], 3),
+        "loop_cpu_ms_per_request": round(1000 * coord["loop_cpu"] / max(1, len(window_all)), 3),
+        "requests_per_cpu_s": round(len(window_all) / max(coord["cpu"], 1e-9), 1),
+        "requests_per_node_per_s": round(len(window_all) / seconds / n, 4),
         "coordinator_peak_rss_mib": round(coord["rss_peak_kib"] / 1024, 1),
         "coordinator_vmhwm_mib": round(coord["hwm_kib"] / 1024, 1),
         "batch_prompts": batch_prompts(args, n), "group_size": args.group_size,
@@ -589,6 +715,10 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'shape':<12} {'N':>5} {'endpoint':<16} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7} {'429':>6}")
     for r in rows:
         if r["endpoint"] == "summary":
+            print(f"{'':<19}[{r.get('code', 'current')}, trainer {r.get('trainer', 'train')}] loop thread "
+                  f"{r['loop_cpu_cores']:.2f} cores, {r['loop_cpu_ms_per_request']:.3f} ms/request; process "
+                  f"{r['coordinator_cpu_ms_per_request']:.3f} ms/request = {r['requests_per_cpu_s']:.0f} requests per "
+                  f"CPU-second; {r['requests_per_node_per_s']:.3f} requests/s per node")
             print(f"{r.get('shape', ''):<12} {r['nodes']:>5} {'all (window)':<16} {r['requests_per_s']:>8.1f} {r['p50_ms']:>8.1f} "
                   f"{r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} {r['errors']:>7} {r['rate_limited_429']:>6}")
             print(f"{'':<19}coordinator: {r['coordinator_cpu_s']:.1f} CPU s in {r['seconds']:.0f} s "
@@ -599,9 +729,39 @@ def print_table(rows: list[dict]) -> None:
                   f"cores; heartbeats sent {r['heartbeats_sent_of_due']} due; one SQLite commit on this disk p50/p99 "
                   f"{r['disk_commit_ms_during_window']['p50']}/{r['disk_commit_ms_during_window']['p99']} ms; "
                   f"target met: {r['target_met']}")
+            if r.get("profile") and "samples" in r["profile"]:
+                print_profile(r["profile"])
         else:
             print(f"{r.get('shape', ''):<12} {r['nodes']:>5} {r['endpoint']:<16} {r['requests_per_s']:>8.2f} {r['p50_ms']:>8.1f} "
                   f"{r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} {r['errors']:>7} {r['rate_limited_429']:>6}")
+
+
+def print_comparison(rows: list[dict]) -> None:
+    """Baseline and current side by side per (shape, trainer, N): CPU per request and latency, with ratios."""
+    def key(r: dict) -> tuple:
+        return r["shape"], r["trainer"], r["nodes"], r["endpoint"]
+    base = {key(r): r for r in rows if r.get("code") == "baseline"}
+    print(f"\n{'shape':<12} {'trainer':<7} {'N':>5} {'endpoint':<16} {'p50 base/now ms':>17} {'p99 base/now ms':>19} "
+          f"{'p99 now/base':>12}")
+    for r in rows:
+        b = base.get(key(r))
+        if r.get("code") != "current" or b is None:
+            continue
+        if r["endpoint"] == "summary":
+            print(f"{r['shape']:<12} {r['trainer']:<7} {r['nodes']:>5} {'all (window)':<16} "
+                  f"{b['p50_ms']:>8.1f}/{r['p50_ms']:<8.1f} {b['p99_ms']:>9.1f}/{r['p99_ms']:<9.1f} "
+                  f"{r['p99_ms'] / max(b['p99_ms'], 1e-9):>12.2f}")
+            print(f"{'':<27}CPU ms/request {b['coordinator_cpu_ms_per_request']:.3f} -> "
+                  f"{r['coordinator_cpu_ms_per_request']:.3f} "
+                  f"({r['coordinator_cpu_ms_per_request'] / max(b['coordinator_cpu_ms_per_request'], 1e-9):.2f}x); "
+                  f"loop thread {b['loop_cpu_ms_per_request']:.3f} -> {r['loop_cpu_ms_per_request']:.3f} "
+                  f"({r['loop_cpu_ms_per_request'] / max(b['loop_cpu_ms_per_request'], 1e-9):.2f}x); requests per "
+                  f"CPU-second {b['requests_per_cpu_s']:.0f} -> {r['requests_per_cpu_s']:.0f}; "
+                  f"req/s {b['requests_per_s']:.1f} -> {r['requests_per_s']:.1f}")
+        else:
+            print(f"{r['shape']:<12} {r['trainer']:<7} {r['nodes']:>5} {r['endpoint']:<16} "
+                  f"{b['p50_ms']:>8.1f}/{r['p50_ms']:<8.1f} {b['p99_ms']:>9.1f}/{r['p99_ms']:<9.1f} "
+                  f"{r['p99_ms'] / max(b['p99_ms'], 1e-9):>12.2f}")
 
 
 def git_state() -> dict:
@@ -647,32 +807,62 @@ def main() -> None:
                          "disk's fsync out of the picture)")
     ap.add_argument("--keep-work", action="store_true", help="keep the coordinator's storage and log")
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
+    ap.add_argument("--trainer", default="train",
+                    help="comma-separated: 'train' (the run's batches: the CPU trainer steps in the coordinator "
+                         "process) and/or 'idle' (a batch no run fills: the process's CPU is the API's)")
+    ap.add_argument("--baseline", metavar="GIT_REF",
+                    help="also run the coordinator of this commit (a git worktree in the temp dir, this venv) before "
+                         "the working tree's at every point, and print the ratios")
+    ap.add_argument("--py-spy", metavar="PATH", help="py-spy binary: profile the coordinator during each window "
+                                                      "(bench/results/load_profile_*.txt and a summary in the JSON)")
+    ap.add_argument("--py-spy-rate", type=int, default=50, help="py-spy samples per second")
     args = ap.parse_args()
+    trainers = [x.strip() for x in args.trainer.split(",") if x.strip()]
+    if bad := [x for x in trainers if x not in ("train", "idle")]:
+        ap.error(f"unknown --trainer {bad}")
     shapes = [x.strip() for x in args.shape.split(",") if x.strip()]
     if unknown := [x for x in shapes if x not in SHAPES]:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
     given = {k: getattr(args, k) for k in SHAPES["local"]}
     rows: list[dict] = []
     load0 = os.getloadavg()
-    for shape in shapes:
-        for k, v in SHAPES[shape].items():
-            setattr(args, k, v if given[k] is None else given[k])
-        for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
-            got = run_one(n, args)
-            for r in got:
-                r["shape"] = shape
-                r["storage"] = args.tmp_root or tempfile.gettempdir()
-            got[-1]["coordinator_overrides"] = coordinator_overrides(args, Path("TMP"), n)
-            rows.extend(got)
-            print_table(got)
+    trees = [("current", REPO)]
+    base_commit = None
+    if args.baseline:
+        base_tree = baseline_tree(args.baseline)
+        base_commit = subprocess.run(["git", "rev-parse", args.baseline], cwd=REPO, capture_output=True,
+                                     text=True, check=True).stdout.strip()
+        trees.insert(0, ("baseline", base_tree))
+    try:
+        for shape in shapes:
+            args.shape_name = shape
+            for k, v in SHAPES[shape].items():
+                setattr(args, k, v if given[k] is None else given[k])
+            for trainer in trainers:
+                for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
+                    for label, tree in trees:
+                        print(f"--- {label} ({tree}), {shape}, trainer {trainer}", flush=True)
+                        got = run_one(n, args, tree, trainer, label)
+                        for r in got:
+                            r["shape"] = shape
+                            r["storage"] = args.tmp_root or tempfile.gettempdir()
+                        got[-1]["coordinator_overrides"] = coordinator_overrides(args, Path("TMP"), n, trainer)
+                        rows.extend(got)
+                        print_table(got)
+    finally:
+        if args.baseline:
+            remove_tree(base_tree)
     print_table(rows)
+    if args.baseline:
+        print_comparison(rows)
     doc = {"benchmark": "load", "rows": rows,
            "config": {"coordinator": "python -m node.cli coordinator --config configs/local.toml --set ... "
                                      "(each summary row lists its overrides)",
                       "heartbeat_s": args.heartbeat, "gen_s": args.gen, "idle_s": args.idle, "procs": args.procs,
                       "warmup_s": args.warmup, "checkpoint_poll_s": args.checkpoint_poll,
                       "storage_under": args.tmp_root or tempfile.gettempdir()},
-           "code": git_state(), "machine": f"{os.cpu_count()} cores", "loadavg_before": [round(x, 2) for x in load0],
+           "code": git_state(), "baseline": {"ref": args.baseline, "commit": base_commit} if args.baseline else None,
+           "machine": f"{os.cpu_count()} cores", "loadavg_before": [round(x, 2) for x in load0],
            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "note": args.note}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
