@@ -138,15 +138,14 @@ class SuperSeeder:
         now = self.clock()
         while self._askers and now - next(iter(self._askers.values())) >= self.window:
             self._askers.popitem(last=False)  # oldest first: askers are kept in order of their last ask
-        others = [n for n in self._askers if n != node_id]
-        if not others:
-            return False
         held: dict[str, int] = {}
-        for k in list(self._groups.get(step_of(key), ())):
+        for k in list(self._groups.get(step_of(key), ())):  # at most the step's shard count
             claim = self._claim(k)
             if claim is not None:
                 held[claim.node_id] = held.get(claim.node_id, 0) + 1
-        return held.get(node_id, 0) > min(held.get(n, 0) for n in others) + 1
+        mine = held.get(node_id, 0)
+        # O(askers) only for a node holding 2 or more, and it stops at the first asker holding fewer than mine - 1
+        return mine >= 2 and any(held.get(n, 0) < mine - 1 for n in self._askers if n != node_id)
 
     def holder(self, key: Hashable) -> str | None:
         """The node whose first copy of `key` is complete and still spreading, if any."""
