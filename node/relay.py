@@ -54,7 +54,7 @@ class Relay:
         self.key = upstream_key.lower() if upstream_key else None
         self.keep = keep
         self.bytes_served = 0
-        self.routes = CheckpointRoutes(self.store, servable=self.store.held_steps, throttle=AsyncRateLimiter(upload_limit),
+        self.routes = CheckpointRoutes(self.store, servable=self.store.steps, throttle=AsyncRateLimiter(upload_limit),
                                        on_bytes=self._count)
         self.stop_event = asyncio.Event()
         self.url: str | None = None
@@ -135,7 +135,7 @@ class Relay:
             # the hop's addresses and counters (reservations held, circuits relayed and refused) for its operator
             hop: dict[str, Any] = {"relay_hop": self.hop_addrs, "relay_hop_stats": await self.hop.relay_stats()} if (
                 self.hop is not None and self.hop.running) else {}
-            return web.json_response({"role": "relay", "upstream": self.upstream, "steps": self.store.held_steps(),
+            return web.json_response({"role": "relay", "upstream": self.upstream, "steps": self.store.steps(),
                                       "bytes_served": self.bytes_served, **hop, **known})
 
         app.router.add_get("/v1/status", status)

@@ -61,6 +61,7 @@ class Verifier:
         self._arrived = asyncio.Event()
         self._backends: dict[int, TransformersBackend] = {}  # step -> fp32 backend with that step's weights
         self._spare: list[TransformersBackend] = []  # backends of steps that left the window, reused next
+        self._loading: set[int] = set()  # steps whose payload a backend is reading: the fetcher keeps them
         self.jobs_done = 0
         self.rollouts_judged = 0
 
@@ -82,7 +83,7 @@ class Verifier:
                 [HttpSource(r, "relay", session) for r in spec.relays]
             self.fetcher = Fetcher(CheckpointDir(self.root / "checkpoints"), sources, spec.coordinator_key,
                                    keep=spec.async_level + 2, window=spec.async_level,
-                                   on_new_step=self._on_new_step)
+                                   on_new_step=self._on_new_step, in_use=lambda: self._loading)
             log.info("verifier %s serving run %s at %s", self.identity.node_id[:12], spec.run_id, self.url)
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.fetcher.run(self.stop_event, poll_seconds=0.25))
@@ -172,7 +173,11 @@ class Verifier:
             payload = self.payloads[step]
             if not payload.is_file():
                 return None
-            self._backends[step] = await asyncio.to_thread(self._load, step, payload)
+            self._loading.add(step)
+            try:
+                self._backends[step] = await asyncio.to_thread(self._load, step, payload)
+            finally:
+                self._loading.discard(step)
         return self._backends[step].model
 
     def _load(self, step: int, payload: Path) -> TransformersBackend:

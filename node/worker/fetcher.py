@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from node.aio import client_counts, sleep_or_stop, wait_any
 from node.backoff import Backoff
@@ -45,7 +45,8 @@ class Fetcher:
     def __init__(self, store: CheckpointDir, sources: Sequence[ShardSource], trusted_key: str, *, keep: int,
                  on_new_step: Callable[[int, Path], None],
                  on_shards: Callable[[int, str, list[int]], None] | None = None,
-                 parallel: int = 8, progress: bool = False, window: int = 0, small_step_bytes: int = 4 << 20):
+                 in_use: Callable[[], Iterable[int]] = tuple, parallel: int = 8, progress: bool = False,
+                 window: int = 0, small_step_bytes: int = 4 << 20):
         self.store = store
         self.sources = list(sources)
         self.trusted = TrustedManifests(trusted_key)
@@ -55,6 +56,7 @@ class Fetcher:
         self.window = window
         self.on_new_step = on_new_step
         self.on_shards = on_shards or (lambda step, manifest_hash, indices: None)  # verified: we can serve them
+        self.in_use = in_use  # steps whose payload an engine holds or is loading: never pruned under it
         self.parallel = parallel
         # Shard requests in flight, across every step being fetched: each costs a round trip before its first
         # byte, so a step of many small shards (a delta keeps the full checkpoint's shard count) is fetched
@@ -184,13 +186,19 @@ class Fetcher:
             raise
 
     def prune(self) -> None:
-        """Keep the newest `keep` steps plus the delta chain back to a full checkpoint (so peers and relays
-        can serve a node that holds nothing)."""
-        held = self.store.held_steps()
-        kept: set[int] = set()
-        for s in held[-self.keep:] if self.keep > 0 else []:
-            kept.update(self.store.chain_to_full(s, set(held)))
-        self.store.prune(kept)
+        """Keep the newest `keep` steps plus the delta chain back to a full checkpoint (so peers and relays can
+        serve a node that holds nothing), but reconstructed payloads (a full model each, 269 MB for SmolLM2) only
+        of the newest `keep` steps and of the steps in use: the next delta applies to the newest, and the chain
+        is served from its shard files. (Every payload of the chain was kept before: with `full_every = 1000` a
+        home node's disk grew by a full model a step.) The chain is followed through complete steps, not held
+        payloads, or the second prune would drop the chain the first one kept."""
+        held, complete = self.store.held_steps(), set(self.store.steps())
+        recent = held[-self.keep:] if self.keep > 0 else []
+        in_use = set(self.in_use()) & complete
+        kept: set[int] = set(in_use)
+        for s in recent:
+            kept.update(self.store.chain_to_full(s, complete))
+        self.store.prune(kept, keep_payloads=set(recent) | in_use)
 
     async def _manifests(self, steps: list[int], early: tuple[ShardSource, int, bytes] | None = None
                          ) -> dict[int, Manifest]:

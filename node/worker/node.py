@@ -86,6 +86,7 @@ class WorkerNode:
         self.spec: M.RunSpec | None = None
         self.episodes: EpisodePlayer | None = None  # multi-turn tasks only
         self._pending_step: tuple[int, Path] | None = None
+        self._loading_step: int | None = None  # the step whose payload the engine is reading (the fetcher keeps it)
         self._ask_ahead = True  # ask for the next assignment while generating (_work_loop)
         self._probes: deque[dict] = deque(maxlen=PROBES_KEPT)
 
@@ -164,6 +165,7 @@ class WorkerNode:
                 sources.append(PeerSource(self.p2p))
             self.fetcher = Fetcher(store, sources, key, keep=spec.async_level + 1, on_new_step=self._on_new_step,
                                    on_shards=self._on_shards if self.announcer else None,
+                                   in_use=self._payloads_in_use,
                                    progress=self.status_line)
             held = store.held_steps()
             if held:
@@ -252,6 +254,13 @@ class WorkerNode:
         self._pending_step = (step, payload)
         self.new_weights.set()
 
+    def _payloads_in_use(self) -> set[int]:
+        """Steps whose payload file must outlive the fetcher's next prune: the one the engine is loading (a
+        load takes seconds to minutes, and the fetcher may commit several newer steps meanwhile) and the one
+        it is about to load."""
+        pending = self._pending_step
+        return {s for s in (self._loading_step, pending[0] if pending else None) if s is not None}
+
     @property
     def policy_step(self) -> int:
         """Step of the weights generating now (-1 until the engine has started on a checkpoint)."""
@@ -264,14 +273,18 @@ class WorkerNode:
         step, payload = pending
         w = self.cfg.worker
         t0 = time.monotonic()
-        if self.backend is None:  # the engine starts on the first verified checkpoint
-            self.state = "starting"
-            log.info("starting the %s engine on step %d", w.backend, step)
-            self.backend = await asyncio.to_thread(
-                start_backend, w.backend, self.model_dir, payload, step, dtype=w.dtype, device=w.device,
-                vllm=w.vllm.model_dump(exclude_none=True))
-        else:
-            await asyncio.to_thread(self.backend.load_payload, payload, step)
+        self._loading_step = step
+        try:
+            if self.backend is None:  # the engine starts on the first verified checkpoint
+                self.state = "starting"
+                log.info("starting the %s engine on step %d", w.backend, step)
+                self.backend = await asyncio.to_thread(
+                    start_backend, w.backend, self.model_dir, payload, step, dtype=w.dtype, device=w.device,
+                    vllm=w.vllm.model_dump(exclude_none=True))
+            else:
+                await asyncio.to_thread(self.backend.load_payload, payload, step)
+        finally:
+            self._loading_step = None
         await self._probe(step)
         log.info("now generating with step %d (swap took %.2f s)", step, time.monotonic() - t0)
 

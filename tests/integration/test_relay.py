@@ -27,7 +27,7 @@ async def test_relay_serves_a_node(tmp_path):
         assert relay.bytes_served > 0 and node.fetcher.bytes_by_kind["relay"] > 0
         assert node.stats.rejected == 0
         # everything the relay holds is byte-identical to what the coordinator published
-        for s in relay.store.held_steps():
+        for s in relay.store.steps():
             ours = (relay.store.ckpt_dir / str(s) / "shards")
             theirs = coord.checkpoints.ckpt_dir / str(s) / "shards"
             if theirs.exists():
