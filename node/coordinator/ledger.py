@@ -266,7 +266,8 @@ class Ledger:
 
     def standing(self, node_id: str) -> NodeStanding | None:
         """The node's ban and claimed step, or None if it never joined (or was forgotten): the per-request check.
-        A fifth of the cost of `node()` (whole row, its `info` JSON), which every signed request paid twice."""
+        A third to a fifth of the cost of `node()` (whole row, its `info` JSON), which each signed request paid
+        twice."""
         row = self._reader().execute("SELECT banned, policy_step FROM nodes WHERE node_id=?", (node_id,)).fetchone()
         return NodeStanding(node_id, bool(row[0]), row[1]) if row else None
 
