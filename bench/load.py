@@ -34,6 +34,11 @@ Latency is measured by the client (send to full answer read); each client proces
 own event-loop lag, so a client that could not keep up shows up as such.
 
     .venv/bin/python bench/load.py [--nodes 100,1000] [--seconds 60] [--shape gpu-example,local] [--procs 4]
+        [--trainer train,idle] [--baseline GIT_REF] [--py-spy PATH]
+--trainer idle gives the run a batch nobody fills (the training thread only waits: the process's CPU is the
+API's); --baseline runs that commit's coordinator (a git worktree in the temp dir, this venv) before the working
+tree's at every point and prints the ratios; --py-spy profiles each window (where the CPU goes, by category and
+endpoint). Each summary row also has the event loop thread's CPU apart and CPU ms per request.
 Writes bench/results/load.json ({"rows": [...]}: one row per (shape, N, endpoint), one summary row per
 (shape, N) with the coordinator's CPU and RSS, and whether the target was met: p99 < 200 ms on every
 endpoint and 0 errors). Expected answers: 2xx (204 included), 429 (counted apart) and 409 stale_policy;
