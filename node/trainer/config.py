@@ -1,6 +1,6 @@
 """Trainer section of the config tree (owned by node/trainer). Only pydantic here: imported at start-up.
 
-Nested sections: `loss`, `advantage`, `filters`, `buffer`. Every model forbids unknown keys so a typo in
+Nested sections: `loss`, `advantage`, `filters`, `buffer`, `lora`. Every model forbids unknown keys so a typo in
 a TOML file is an error at start-up, not a silently ignored knob.
 """
 from __future__ import annotations
@@ -87,6 +87,35 @@ class BufferConfig(_Strict):
         return self
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_LORA_TARGETS: tuple[LoraTarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters on the named projections of a Llama/Qwen2-shaped model (node/trainer/lora.py, peft); the
+    base weights are frozen and only the adapters train. rank 0 (the default) = off: full fine-tuning.
+    The published checkpoints stay full merged weights (W + alpha / rank * B @ A) for now."""
+
+    rank: int = Field(0, ge=0, le=1024)
+    # The adapter's update is scaled by alpha / rank: with a fixed alpha a higher rank does not need another lr.
+    alpha: float = Field(32.0, gt=0, le=1e6)
+    # 0 by default: dropout in the trainer's forward would make its logprobs (the importance ratio's
+    # numerator) noisy against the sampler's, which decodes without it.
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Attention projections by default; add gate_proj, up_proj, down_proj for the MLP (more bytes, more capacity).
+    target_modules: list[LoraTarget] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @model_validator(mode="after")
+    def _unique_targets(self) -> "LoraConfig":
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"lora.target_modules names a module twice: {self.target_modules}")
+        return self
+
+
 class TrainerConfig(_Strict):
     mode: str = Field("rl", pattern="^(rl|sft|opd)$")
     lr: float = Field(3e-3, gt=0)
@@ -115,3 +144,10 @@ class TrainerConfig(_Strict):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     filters: FiltersConfig = Field(default_factory=FiltersConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_validator(mode="after")
+    def _lora_single_rank(self) -> "TrainerConfig":
+        if self.lora.enabled and self.ranks > 1:  # the FSDPRunner does not wrap its shards with peft yet
+            raise ValueError("trainer.lora with trainer.ranks > 1 is not supported yet")
+        return self

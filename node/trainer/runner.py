@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from node.trainer import lora
 from node.trainer.config import TrainerConfig
 from node.trainer.forward import micro_batch_logprobs
 from node.trainer.loss import LossInputs, LossOutputs, loss_mask_tensor, resolve_loss
@@ -106,8 +107,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, tokens: int, grad_norm: flo
 
 
 def new_adamw(model: torch.nn.Module, lr: float, cfg: TrainerConfig) -> torch.optim.Optimizer:
-    # foreach=False: the single-tensor path is bit-reproducible across save/resume.
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(cfg.beta1, cfg.beta2),
+    # foreach=False: the single-tensor path is bit-reproducible across save/resume. Only the trainable
+    # parameters (all of them, but the adapters alone with trainer.lora): the optimizer state indexes them.
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=(cfg.beta1, cfg.beta2),
                              weight_decay=cfg.weight_decay, eps=1e-8, foreach=False)
 
 
@@ -187,13 +190,19 @@ class ModelRunner(ABC):
 
 
 class LocalRunner(ModelRunner):
-    """The model in this process, on one device. Snapshots: safetensors only (node/trainer/state.py's layout)."""
+    """The model in this process, on one device. Snapshots: safetensors only (node/trainer/state.py's layout).
+
+    With trainer.lora the model is wrapped with peft's LoRA (node/trainer/lora.py: base frozen, only the
+    adapters train); what is published is still the full merged model under the base names, and a snapshot's
+    model/ holds the frozen base (the model a resume builds from) with the adapter in lora.safetensors."""
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0, device: str = "cpu",
                  attn_implementation: str = "sdpa") -> None:
         self.cfg = cfg
         self.temperature = temperature
         self.model = build_model(model_dir, cfg, device=device, attn_implementation=attn_implementation)
+        if cfg.lora.enabled:  # the adapters' init draws from the RNG build_model seeded
+            self.model = lora.wrap(self.model, cfg.lora)
         self.vocab_size = vocab_size_of(self.model)
         self.optimizer = new_adamw(self.model, cfg.lr, cfg)
         self.loss_fn = resolve_loss(cfg.mode, cfg.loss)
@@ -221,7 +230,8 @@ class LocalRunner(ModelRunner):
         dtype = getattr(torch, self.cfg.broadcast_dtype)
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-        for name, t in self.model.state_dict().items():
+        state = lora.merged_state_dict(self.model) if self.cfg.lora.enabled else self.model.state_dict()
+        for name, t in state.items():
             if t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
@@ -229,12 +239,20 @@ class LocalRunner(ModelRunner):
         return out
 
     def snapshot_meta(self) -> dict[str, Any]:
+        if self.cfg.lora.enabled:
+            return {"format": FORMAT, "lora": self.cfg.lora.model_dump()}
         return {"format": FORMAT}
 
     def write_weights(self, tmp: Path) -> None:
         from safetensors.torch import save_file
 
-        self.model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        if self.cfg.lora.enabled:  # model/ = the frozen base under its own names; the adapter beside it
+            self.model.get_base_model().save_pretrained(str(tmp / "model"), state_dict=lora.base_state_dict(
+                self.model), safe_serialization=True)
+            save_file({n: p.detach().contiguous().cpu() for n, p in lora.adapter_state_dict(self.model).items()},
+                      str(tmp / lora.ADAPTER_FILE))
+        else:
+            self.model.save_pretrained(str(tmp / "model"), safe_serialization=True)
         tensors, structure = flatten_optimizer(self.optimizer.state_dict())
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", structure)
@@ -242,6 +260,17 @@ class LocalRunner(ModelRunner):
     def load_snapshot(self, snap: Path) -> None:
         from safetensors.torch import load_file
 
+        saved = read_json(snap / "trainer.json").get("lora")
+        if saved is not None and not self.cfg.lora.enabled:
+            raise TrainerStateError(f"{snap} was trained with trainer.lora ({saved}); resume it with the same "
+                                    f"trainer.lora")
+        if self.cfg.lora.enabled:
+            if saved != self.cfg.lora.model_dump():
+                raise TrainerStateError(f"{snap}: trainer.lora is {self.cfg.lora.model_dump()}, the snapshot was "
+                                        f"trained with {saved}")
+            if not (snap / lora.ADAPTER_FILE).is_file():
+                raise TrainerStateError(f"{snap / lora.ADAPTER_FILE} is missing")
+            lora.load_adapter(self.model, load_file(str(snap / lora.ADAPTER_FILE)), snap)
         structure = read_json(snap / "optimizer.json")
         self.optimizer.load_state_dict(unflatten_optimizer(load_file(str(snap / "optimizer.safetensors")), structure))
 
