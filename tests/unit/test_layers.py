@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     # shared by several roles, so beside the roles and below all of them; the roles' config sections are
     # plain pydantic models that import nothing of the roles
     ("node.aio", "node.backoff", "node.fdlimits", "node.lifecycle", "node.logs", "node.rate_limit", "node.peer_log",
-     "node.plugins", "node.real_model",
+     "node.plugins", "node.real_model", "node.model_loading",
      "node.http",
      "node.checkpoint_dir", "node.checkpoint_routes",
      "node.p2p.config", "node.trainer.config", "node.worker.config",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from node.model_loading import MODEL_LOADS
 from protocol.checkpoint import load_payload
 from verify.commitment import capture_final_hidden, make_commitment
 from verify.rollouts import left_pad, resolve_device, resolve_dtype
@@ -35,7 +36,8 @@ class TransformersBackend:
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype, use_safetensors=True)
+            with MODEL_LOADS:  # one load at a time in a process (node/model_loading.py)
+                model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype, use_safetensors=True)
         # transformers wraps PreTrainedModel.to in functools.wraps, which typeshed types as unbound
         self.model = model.to(self.device, self.dtype).eval()  # type: ignore[arg-type]
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])

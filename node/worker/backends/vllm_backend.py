@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from node.model_loading import MODEL_LOADS
 from verify.commitment import make_commitment
 from verify.rollouts import resolve_device
 from verify.sampler import check_sampling, check_seed, sample_step
@@ -201,16 +202,17 @@ class VLLMBackend:
         on_cpu = self.device.type == "cpu"
         if kv_cache_gib is None and on_cpu:
             kv_cache_gib = 1.0
-        self.llm = LLM(
-            model=str(model_dir), dtype=dtype, seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=gpu_memory_utilization or 0.85,
-            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
-            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-            skip_tokenizer_init=True,  # token ids in, token ids out
-            enable_prefix_caching=True, async_scheduling=False,
-            logits_processors=[EvidenceLogitsProcessor],
-            worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
-        )
+        with MODEL_LOADS:  # vLLM's loader sets the default dtype too: one load at a time (node/model_loading.py)
+            self.llm = LLM(
+                model=str(model_dir), dtype=dtype, seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                gpu_memory_utilization=gpu_memory_utilization or 0.85,
+                kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+                enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                skip_tokenizer_init=True,  # token ids in, token ids out
+                enable_prefix_caching=True, async_scheduling=False,
+                logits_processors=[EvidenceLogitsProcessor],
+                worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
+            )
         self.llm.collective_rpc("prime_node_install_hook")
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.policy_step = -1
