@@ -98,7 +98,7 @@ class LoraConfig(_Strict):
 
     rank: int = Field(0, ge=0, le=1024)
     # The adapter's update is scaled by alpha / rank: with a fixed alpha a higher rank does not need another lr.
-    alpha: float = Field(32.0, gt=0, le=1e6)
+    alpha: int = Field(32, ge=1, le=65536)  # an int, as peft's lora_alpha
     # 0 by default: dropout in the trainer's forward would make its logprobs (the importance ratio's
     # numerator) noisy against the sampler's, which decodes without it.
     dropout: float = Field(0.0, ge=0, lt=1)

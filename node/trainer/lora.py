@@ -62,11 +62,13 @@ def base_state_dict(model: Any) -> dict[str, torch.Tensor]:
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The base model's names and shapes, every target's weight replaced by W + alpha / rank * B @ A (a new
     tensor; the model is not touched), every other entry the model's own tensor."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Linear, LoraLayer
 
     out = base_state_dict(model)
     for name, module in _base(model).named_modules():
-        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+        if isinstance(module, LoraLayer) and not isinstance(module, Linear):  # would be published unmerged
+            raise TypeError(f"{name}: LoRA on a {type(module).__name__} is not merged for publication")
+        if isinstance(module, Linear) and ADAPTER in module.lora_A:
             key = f"{name}.weight"
             base = out[key]
             out[key] = base + module.get_delta_weight(ADAPTER).to(base.dtype)

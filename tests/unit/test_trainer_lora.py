@@ -13,7 +13,7 @@ from node.trainer.model import build_tiny_model_dir, load_model
 from node.trainer.state import TrainerStateError
 from tests.unit.test_trainer_step import make_groups
 
-RANK, ALPHA = 4, 8.0
+RANK, ALPHA = 4, 8
 LORA = dict(rank=RANK, alpha=ALPHA)
 CFG = TrainerConfig(lr=1e-2, weight_decay=0.01, lora=LORA)
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -162,7 +162,8 @@ def test_an_adapter_of_other_shapes_is_refused(model_dir, tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({"rank": -1}, "greater than or equal"),
     ({"rank": 4096}, "less than or equal"),
-    ({"rank": 8, "alpha": 0}, "greater than"),
+    ({"rank": 8, "alpha": 0}, "greater than or equal"),
+    ({"rank": 8, "alpha": 0.5}, "valid integer"),
     ({"rank": 8, "dropout": 1.0}, "less than"),
     ({"rank": 8, "target_modules": ["q_proj", "attn"]}, "q_proj"),
     ({"rank": 8, "target_modules": []}, "at least 1"),
@@ -191,7 +192,7 @@ def test_lora_off_is_full_fine_tuning_as_before(model_dir, tmp_path):
     """rank 0 (the default, or given) trains every parameter of a plain transformers model, and writes the
     snapshot it always wrote (no adapter file, no lora entry)."""
     default = Trainer(model_dir, TrainerConfig(lr=1e-2), batch_prompts=2, state_dir=tmp_path / "d")
-    off = Trainer(model_dir, TrainerConfig(lr=1e-2, lora={"rank": 0, "alpha": 4.0}), batch_prompts=2)
+    off = Trainer(model_dir, TrainerConfig(lr=1e-2, lora={"rank": 0, "alpha": 4}), batch_prompts=2)
     assert type(off.model) is type(load_model(model_dir))
     assert all(p.requires_grad for p in off.model.parameters())
     assert len([p for g in off.optimizer.param_groups for p in g["params"]]) == len(list(off.model.parameters()))
