@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, Callable, Collection, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from protocol.identity import Identity, parse_public_key
 
@@ -443,10 +443,6 @@ class P2PNode:
     async def connected_peers(self) -> list[str]:
         return await self._bridge.call(self._async(self._service.connected_peers))
 
-    async def direct_peers(self) -> set[str]:
-        """Peers we hold an open connection to that is not a relay circuit (service.py direct_peers)."""
-        return set(await self._bridge.call(self._async(self._service.direct_peers)))
-
     async def wait_for_mesh(self, peer: str, timeout_s: float = 5.0) -> bool:
         """True once `peer` is in our gossip mesh (our announcements then reach it directly)."""
         return await self._bridge.call(self._service.wait_for_mesh, self._peer_id(peer).to_base58(), timeout_s)
@@ -499,15 +495,11 @@ class P2PNode:
         now = time.monotonic()
         return sorted(self.table.peers_with(step, index, manifest_hash), key=lambda p: self.holder_rank(p, now))
 
-    def holder_rank(self, peer: str, now: float | None = None, direct: Collection[str] = ()) -> int:
-        """0: announced a direct address, or is in `direct` (we hold an open connection to it that is not a relay
-        circuit: a NATed holder's kept or hole-punched connection costs nothing more than a reachable holder's);
-        1: only relay circuits; 2: nothing (serves over open connections); 3: our dial failed lately. A caller
-        that shuffles holders sorts by this after (peers.py)."""
+    def holder_rank(self, peer: str, now: float | None = None) -> int:
+        """0: announced a direct address; 1: only relay circuits; 2: nothing (serves over open connections);
+        3: our dial failed lately. A caller that shuffles holders sorts by this after (peers.py)."""
         from .nat import is_circuit
 
-        if peer in direct:
-            return 0
         if self.recently_failed(peer, now):
             return 3
         addrs = self.table.addrs_of(peer)

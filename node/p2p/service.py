@@ -283,21 +283,6 @@ class P2PService:
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]
 
-    def direct_peers(self) -> list[str]:
-        """Peers with an open connection that is not a relay circuit: one a NATed peer keeps to us (nat.py's
-        keeper) or a hole-punched one. A circuit's raw connection is typed RELAYED by py-libp2p's circuit
-        transport and by our STOP handler (nat.py); a TCP one is not."""
-        from libp2p.connection_types import ConnectionType
-
-        def direct(conn: Any) -> bool:
-            try:
-                return conn.muxed_conn.get_connection_type() != ConnectionType.RELAYED
-            except Exception:  # a connection being torn down: not one to count on
-                return False
-
-        return [p.to_base58() for p, conns in self.host.get_network().connections.items()
-                if any(direct(c) for c in (conns if isinstance(conns, (list, tuple)) else [conns]))]
-
     async def connect(self, addr: str, timeout_s: float | None = None) -> str:
         """Dial `addr` (ending in /p2p/<peer id>); return the peer id once its pubsub stream is up."""
         limit = timeout_s or self.cfg.connect_timeout_s

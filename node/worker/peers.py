@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections import defaultdict
 
 from node.p2p.errors import ShardBusy, ShardNotFound
@@ -50,12 +49,8 @@ class PeerSource:
             raise SourceError(f"no peer holds shard {index} of step {step}")
         random.shuffle(holders)
         # random within a rank, ranks in order: direct holders before relayed ones (a circuit costs the relay's
-        # uplink and a second Noise layer) before those we cannot dial (node/p2p/host.py holder_rank). A NATed
-        # holder we already hold a direct connection to (the one it keeps to us, or a hole-punched one) ranks
-        # with the reachable: fetching over it costs no dial and no relay (docs/P2P.md, Reachability).
-        direct = await self.p2p.direct_peers()
-        now = time.monotonic()
-        holders.sort(key=lambda p: self.p2p.holder_rank(p, now, direct))
+        # uplink and a second Noise layer) before those we cannot dial (node/p2p/host.py holder_rank)
+        holders.sort(key=self.p2p.holder_rank)
         errors, busy = [], 0
         for peer in holders[:4]:
             self._last[(step, index)] = peer
