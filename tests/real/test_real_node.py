@@ -17,10 +17,14 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]  # minutes on a quiet 
 
 def real_run_settings(model_dir, *extra: str) -> tuple[str, ...]:
     """configs/local.toml (via the harness) on the real model, kept small: 4 prompts x 2 samples x 24 tokens a
-    step. arithmetic: short answers, so some completions stop (at 16 tokens 1 in 20 did); difficulty filtering off (a group whose
-    rewards are all equal would be dropped, and this is about the plumbing, not the learning); 32 MiB shards
-    (the demo's 256 KiB would cut the ~200 MB checkpoint into ~800 requests)."""
-    return (f"model.path={model_dir}", "task.name=arithmetic", "run.max_steps=2", "run.batch_prompts=4",
+    step. mental-math as `make demo-real` asks it (configs/real.toml): short replies ("1 + 5 = 6."), so many
+    completions stop and the EOS path is exercised (with `arithmetic` 1 completion in 20 stopped, and a CI run
+    once had none among its 16); difficulty filtering off (a group whose rewards are all
+    equal would be dropped, and this is about the plumbing, not the learning); 32 MiB shards (the demo's 256 KiB
+    would cut the ~200 MB checkpoint into ~800 requests)."""
+    return (f"model.path={model_dir}", "task.name=mental-math",
+            'task.kwargs={ min_value = 0, max_value = 9, ops = "+*", system = "Reply with only the final number." }',
+            "run.max_steps=2", "run.batch_prompts=4",
             "run.group_size=2", "run.prompts_per_assignment=2", "sampling.max_tokens=24",
             "trainer.buffer.online_difficulty_filtering=false", "verification.fraction=1.0",
             "distribution.shard_size=33554432", "run.assignment_deadline_seconds=300", *extra)
@@ -49,10 +53,18 @@ def check_real_groups(coord, tok) -> list[StoredRollout]:
     return rollouts
 
 
+def stopped_stored(coord) -> bool:
+    return any(r.finish_reason == "stop" for g in coord.ledger.groups(list(range(1, 1000))) for r in g.rollouts)
+
+
 async def train_two_steps(tmp_path, model_dir, tok, *worker_settings):
-    async with running_coordinator(tmp_path, *real_run_settings(model_dir)) as (coord, url):
+    # A quarter to a half of the replies stop within 24 tokens ("8 + 0 is equal to 8."; 7 of 20, 5 of 24 and
+    # 18 of 28 in three runs), so a run of 2 steps with none stopped is rare but possible: the run may go on
+    # (up to 6 steps) until one has been stored, and the test never depends on that luck.
+    async with running_coordinator(tmp_path, *real_run_settings(model_dir, "run.max_steps=6")) as (coord, url):
         worker = start_worker(tmp_path, "a", coord, url, "worker.dtype=bfloat16", *worker_settings)
-        await wait_for(lambda: coord.published_step >= 2, 780, "2 training steps", coord)
+        await wait_for(lambda: coord.published_step >= 2 and stopped_stored(coord), 780,
+                       "2 training steps and a completion that stopped", coord)
         await wait_for(lambda: coord.status()["verification"]["groups_by_verdict"].get("verified", 0) > 0, 60,
                        "a verified submission", coord)
         await stop_workers(worker)
@@ -61,7 +73,7 @@ async def train_two_steps(tmp_path, model_dir, tok, *worker_settings):
         assert node.stats.accepted > 0 and node.stats.rejected == 0
         rollouts = check_real_groups(coord, tok)
         stopped = [r for r in rollouts if r.finish_reason == "stop"]
-        assert stopped, "no completion stopped within 24 tokens: the EOS path was not exercised"
+        assert stopped
         print(f"{len(rollouts)} rollouts, {len(stopped)} stopped, e.g. {tok.decode(stopped[0].completion_ids)!r}")
         return node
 
