@@ -13,7 +13,7 @@ from node.trainer.config import TrainerConfig
 from node.trainer.distributed import assign_micro_batches, decode_samples, encode_samples, run_ranks
 from node.trainer.model import build_tiny_model_dir
 from node.trainer.packing import TrainSample
-from tests.unit.test_trainer_step import make_groups
+from tests.unit.test_trainer_step import make_groups, train_batches
 
 # Small micro-batches: each step is several micro-batches, split unevenly between the ranks.
 CFG = TrainerConfig(lr=1e-2, weight_decay=0.01, micro_batch_tokens=64, broadcast_dtype="float32")
@@ -22,15 +22,6 @@ STEPS = 3
 
 def _batches() -> list[list]:
     return [make_groups(3, seed=200 + i) for i in range(STEPS)]
-
-
-def _train(trainer, batches) -> list[dict]:
-    out = []
-    for batch in batches:
-        for g in batch:
-            trainer.add_group(g)
-        out.append(trainer.step())
-    return out
 
 
 def _job(model_dir: str, out_dir: str, mode: str):
@@ -46,13 +37,13 @@ def _job(model_dir: str, out_dir: str, mode: str):
         batches = _batches()
         if mode == "straight":
             t = Trainer(model_dir, CFG, batch_prompts=3, state_dir=out / "state", runner=FSDPRunner)
-            metrics = _train(t, batches[:2])
+            metrics = train_batches(t, batches[:2])
             t.save_state()
-            metrics += _train(t, batches[2:])
+            metrics += train_batches(t, batches[2:])
         else:
             t = Trainer.resume(out / "state", CFG, batch_prompts=3, runner=FSDPRunner)
             assert t.step_count == 2
-            metrics = _train(t, batches[2:])
+            metrics = train_batches(t, batches[2:])
         save_file(t.weights_for_broadcast(), str(out / f"{mode}.safetensors"))
         t.close()
         return [{k: m[k] for k in ("loss", "grad_norm", "loss_tokens", "step")} for m in metrics]
@@ -76,7 +67,7 @@ def straight(model_dir, tmp_path_factory):
 def test_two_ranks_equal_one_rank(model_dir, straight):
     out, metrics = straight
     single = Trainer(model_dir, CFG, batch_prompts=3)
-    ref_metrics = _train(single, _batches())
+    ref_metrics = train_batches(single, _batches())
     ref = single.weights_for_broadcast()
     got = load_file(str(out / "straight.safetensors"))
     assert set(got) == set(ref)
@@ -133,7 +124,7 @@ def _launch_job(model_dir: str, out_dir: str):
     procs = list(runner.followers)
     try:
         assert runner.world_size == 2 and len(procs) == 1
-        _train(t, _batches())
+        train_batches(t, _batches())
         weights = t.weights_for_broadcast()
     finally:
         t.close()

@@ -11,7 +11,7 @@ from node.trainer import lora
 from node.trainer.config import LoraConfig, TrainerConfig
 from node.trainer.model import build_tiny_model_dir, load_model
 from node.trainer.state import TrainerStateError
-from tests.unit.test_trainer_step import make_groups
+from tests.unit.test_trainer_step import make_groups, train_batches
 
 RANK, ALPHA = 4, 8
 LORA = dict(rank=RANK, alpha=ALPHA)
@@ -22,15 +22,6 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, layers=2, heads=4, seed=11)
-
-
-def _train(trainer: Trainer, batches: list[list]) -> list[dict]:
-    out = []
-    for batch in batches:
-        for g in batch:
-            trainer.add_group(g)
-        out.append(trainer.step())
-    return out
 
 
 def _batches(n: int) -> list[list]:
@@ -52,7 +43,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(model_dir):
     assert len(optimized) == len(trainable) == len(adapters0)
     assert all(any(p is q for q in trainable) for p in optimized)
 
-    metrics = _train(t, _batches(3))
+    metrics = train_batches(t, _batches(3))
     assert all(not m["optimizer_skipped"] and m["grad_norm"] > 0 for m in metrics)
     t.weights_for_broadcast()  # merging for publication must not write into the training model
     for name, before in base0.items():
@@ -80,7 +71,7 @@ def test_sft_warm_start_lowers_the_loss_on_a_fixed_batch(model_dir):
 def test_broadcast_is_the_base_plus_the_merged_adapter_in_the_base_format(model_dir):
     plain = Trainer(model_dir, TrainerConfig(broadcast_dtype="float32"), batch_prompts=2)
     t = Trainer(model_dir, CFG.model_copy(update={"broadcast_dtype": "float32"}), batch_prompts=2)
-    _train(t, _batches(2))
+    train_batches(t, _batches(2))
     published, reference = t.weights_for_broadcast(), plain.weights_for_broadcast()
     # the same names, shapes and dtypes as full fine-tuning's: the checkpoint format does not change
     assert {k: (v.shape, v.dtype) for k, v in published.items()} == {k: (v.shape, v.dtype)
@@ -111,10 +102,10 @@ def test_broadcast_is_the_base_plus_the_merged_adapter_in_the_base_format(model_
 def test_resume_is_bit_identical_to_never_stopping(model_dir, tmp_path):
     batches = _batches(4)
     straight = Trainer(model_dir, CFG, batch_prompts=2)
-    _train(straight, batches)
+    train_batches(straight, batches)
 
     first = Trainer(model_dir, CFG, batch_prompts=2, state_dir=tmp_path / "state")
-    _train(first, batches[:2])
+    train_batches(first, batches[:2])
     snap = first.save_state()
     del first
     # The snapshot's model/ is the base model, in the base model's own names: a resume builds from it.
@@ -124,7 +115,7 @@ def test_resume_is_bit_identical_to_never_stopping(model_dir, tmp_path):
     assert (snap / lora.ADAPTER_FILE).is_file()
     resumed = Trainer.resume(tmp_path / "state", CFG, batch_prompts=2)
     assert resumed.step_count == 2
-    _train(resumed, batches[2:])
+    train_batches(resumed, batches[2:])
     for name, p in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], p), name
     s_opt, r_opt = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
@@ -138,7 +129,7 @@ def test_resume_is_bit_identical_to_never_stopping(model_dir, tmp_path):
 
 def test_a_lora_snapshot_refuses_another_lora_config(model_dir, tmp_path):
     t = Trainer(model_dir, CFG, batch_prompts=2, state_dir=tmp_path / "s")
-    _train(t, _batches(1))
+    train_batches(t, _batches(1))
     snap = t.save_state()
     with pytest.raises(TrainerStateError, match="trained with trainer.lora"):
         Trainer.resume(tmp_path / "s", TrainerConfig(lr=1e-2), batch_prompts=2)  # would drop the adapter
@@ -184,7 +175,7 @@ def test_lora_with_fsdp_ranks_is_refused_at_config_time():
 def test_the_mlp_projections_can_be_targets(model_dir):
     t = Trainer(model_dir, TrainerConfig(lora={"rank": 2, "target_modules": list(ALL_TARGETS)}), batch_prompts=2)
     assert len(lora.adapter_state_dict(t.model)) == 2 * 7 * 2
-    _train(t, _batches(1))
+    train_batches(t, _batches(1))
     assert set(t.weights_for_broadcast()) == set(Trainer(model_dir, batch_prompts=2).weights_for_broadcast())
 
 
@@ -197,8 +188,8 @@ def test_lora_off_is_full_fine_tuning_as_before(model_dir, tmp_path):
     assert all(p.requires_grad for p in off.model.parameters())
     assert len([p for g in off.optimizer.param_groups for p in g["params"]]) == len(list(off.model.parameters()))
     batches = _batches(2)
-    _train(default, batches)
-    _train(off, batches)
+    train_batches(default, batches)
+    train_batches(off, batches)
     assert default.model.state_dict().keys() == off.model.state_dict().keys()
     for name, w in default.model.state_dict().items():
         assert torch.equal(off.model.state_dict()[name], w), name

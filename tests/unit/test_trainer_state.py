@@ -8,7 +8,7 @@ from node.trainer import Trainer
 from node.trainer.config import BufferConfig, TrainerConfig
 from node.trainer.model import build_tiny_model_dir
 from node.trainer.state import TrainerStateError
-from tests.unit.test_trainer_step import make_groups
+from tests.unit.test_trainer_step import make_groups, train_batches
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +19,6 @@ def model_dir(tmp_path_factory):
 CFG = TrainerConfig(lr=1e-2, weight_decay=0.01)
 
 
-def _train(trainer: Trainer, batches: list[list]) -> None:
-    for batch in batches:
-        for g in batch:
-            trainer.add_group(g)
-        trainer.step()
-
-
 def _batches(n: int) -> list[list]:
     return [make_groups(2, seed=100 + i) for i in range(n)]
 
@@ -33,15 +26,15 @@ def _batches(n: int) -> list[list]:
 def test_resume_is_bit_identical_to_never_stopping(model_dir, tmp_path):
     batches = _batches(4)
     straight = Trainer(model_dir, CFG, batch_prompts=2)
-    _train(straight, batches)
+    train_batches(straight, batches)
 
     first = Trainer(model_dir, CFG, batch_prompts=2, state_dir=tmp_path / "state")
-    _train(first, batches[:2])
+    train_batches(first, batches[:2])
     first.save_state()
     del first
     resumed = Trainer.resume(tmp_path / "state", CFG, batch_prompts=2)
     assert resumed.step_count == 2
-    _train(resumed, batches[2:])
+    train_batches(resumed, batches[2:])
     assert resumed.step_count == 4
     for name, p in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], p), name
@@ -55,10 +48,10 @@ def test_resume_is_bit_identical_to_never_stopping(model_dir, tmp_path):
 def test_stream_mode_resume_replays_groups_already_back_propagated(model_dir, tmp_path):
     batches = _batches(2)
     straight = Trainer(model_dir, CFG, batch_prompts=2, stream=True)
-    _train(straight, batches)
+    train_batches(straight, batches)
 
     first = Trainer(model_dir, CFG, batch_prompts=2, stream=True, state_dir=tmp_path / "s")
-    _train(first, batches[:1])
+    train_batches(first, batches[:1])
     first.add_group(batches[1][0])  # half of the next batch is already in .grad
     first.save_state()
     resumed = Trainer.resume(tmp_path / "s", CFG, batch_prompts=2, stream=True)
@@ -75,7 +68,7 @@ def test_snapshot_holds_no_pickle_and_keeps_pools_and_rng(model_dir, tmp_path):
     for r in flat.rollouts:
         r.reward = 1.0
     t.add_group(flat)  # goes to the easy pool
-    _train(t, _batches(1))
+    train_batches(t, _batches(1))
     torch.manual_seed(1234)
     rng_before = torch.get_rng_state()
     snap = t.save_state()
@@ -99,7 +92,7 @@ def test_snapshot_holds_no_pickle_and_keeps_pools_and_rng(model_dir, tmp_path):
 def test_latest_is_replaced_and_old_snapshots_pruned(model_dir, tmp_path):
     t = Trainer(model_dir, TrainerConfig(keep_states=2), batch_prompts=2, state_dir=tmp_path / "st")
     for batch in _batches(3):
-        _train(t, [batch])
+        train_batches(t, [batch])
         t.save_state()
     names = sorted(p.name for p in (tmp_path / "st").iterdir())
     assert names == ["LATEST", "step-00000002", "step-00000003"]

@@ -32,6 +32,16 @@ def make_groups(n: int, g: int = 4, seed: int = 0, teacher: bool = False) -> lis
     return groups
 
 
+def train_batches(trainer: Trainer, batches: list[list[Group]]) -> list[dict]:
+    """One trainer step per batch of groups; the steps' metrics."""
+    out = []
+    for batch in batches:
+        for g in batch:
+            trainer.add_group(g)
+        out.append(trainer.step())
+    return out
+
+
 def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
