@@ -314,15 +314,14 @@ class FSDPRunner(ModelRunner):
         self._full_model: torch.nn.Module | None = None
         self._extra_optimizer: torch.optim.Optimizer | None = None
         cuda = device.startswith("cuda")
+        if cuda:
+            device = f"cuda:{torch.cuda.current_device()}"
+        self._comm_device = torch.device(device if cuda else "cpu")  # where collectives' tensors live (_send too)
         if self.rank == 0:  # tell the followers what to build (each picks its own GPU)
             init = {"model_dir": str(self.model_dir.resolve()), "cfg": cfg.model_dump(mode="json"),
                     "temperature": temperature, "device": "cuda" if cuda else "cpu",
                     "attn_implementation": attn_implementation}
-            self._comm_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             self._send(OP_INIT, text=json.dumps(init))
-        if cuda:
-            device = f"cuda:{torch.cuda.current_device()}"
-        self._comm_device = torch.device(device if cuda else "cpu")
         self.model = build_model(model_dir, cfg, device=device, attn_implementation=attn_implementation)
         self.vocab_size = vocab_size_of(self.model)  # before sharding: the embedding's full shape
         _shard(self.model)

@@ -11,7 +11,8 @@ from node.trainer import lora
 from node.trainer.config import LoraConfig, TrainerConfig
 from node.trainer.model import build_tiny_model_dir, load_model
 from node.trainer.state import TrainerStateError
-from tests.unit.test_trainer_step import make_groups, train_batches
+from tests.unit.test_trainer_step import (assert_same_weights_and_moments, make_groups, straight_and_resumed,
+                                          train_batches)
 
 RANK, ALPHA = 4, 8
 LORA = dict(rank=RANK, alpha=ALPHA)
@@ -100,29 +101,15 @@ def test_broadcast_is_the_base_plus_the_merged_adapter_in_the_base_format(model_
 
 
 def test_resume_is_bit_identical_to_never_stopping(model_dir, tmp_path):
-    batches = _batches(4)
-    straight = Trainer(model_dir, CFG, batch_prompts=2)
-    train_batches(straight, batches)
-
-    first = Trainer(model_dir, CFG, batch_prompts=2, state_dir=tmp_path / "state")
-    train_batches(first, batches[:2])
-    snap = first.save_state()
-    del first
-    # The snapshot's model/ is the base model, in the base model's own names: a resume builds from it.
     from safetensors.torch import load_file
+
+    straight, resumed, snap = straight_and_resumed(model_dir, CFG, tmp_path / "state", _batches(4))
+    # The snapshot's model/ is the base model, in the base model's own names: a resume builds from it.
     assert set(load_file(str(snap / "model" / "model.safetensors"))) == set(
         load_file(str(model_dir / "model.safetensors")))
     assert (snap / lora.ADAPTER_FILE).is_file()
-    resumed = Trainer.resume(tmp_path / "state", CFG, batch_prompts=2)
-    assert resumed.step_count == 2
-    train_batches(resumed, batches[2:])
-    for name, p in straight.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[name], p), name
-    s_opt, r_opt = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
-    assert set(s_opt) == set(r_opt) and len(s_opt) == 2 * 4 * 2
-    for idx in s_opt:
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(s_opt[idx][key], r_opt[idx][key])
+    assert_same_weights_and_moments(straight, resumed)
+    assert len(straight.optimizer.state_dict()["state"]) == 2 * 4 * 2  # the adapters only
     for name, w in straight.weights_for_broadcast().items():
         assert torch.equal(resumed.weights_for_broadcast()[name], w), name
 

@@ -8,7 +8,12 @@ from node.trainer import Trainer
 from node.trainer.config import BufferConfig, TrainerConfig
 from node.trainer.model import build_tiny_model_dir
 from node.trainer.state import TrainerStateError
-from tests.unit.test_trainer_step import make_groups, train_batches
+from tests.unit.test_trainer_step import (
+    assert_same_weights_and_moments,
+    make_groups,
+    straight_and_resumed,
+    train_batches,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,25 +29,9 @@ def _batches(n: int) -> list[list]:
 
 
 def test_resume_is_bit_identical_to_never_stopping(model_dir, tmp_path):
-    batches = _batches(4)
-    straight = Trainer(model_dir, CFG, batch_prompts=2)
-    train_batches(straight, batches)
-
-    first = Trainer(model_dir, CFG, batch_prompts=2, state_dir=tmp_path / "state")
-    train_batches(first, batches[:2])
-    first.save_state()
-    del first
-    resumed = Trainer.resume(tmp_path / "state", CFG, batch_prompts=2)
-    assert resumed.step_count == 2
-    train_batches(resumed, batches[2:])
+    straight, resumed, _ = straight_and_resumed(model_dir, CFG, tmp_path / "state", _batches(4))
     assert resumed.step_count == 4
-    for name, p in straight.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[name], p), name
-    # The optimizer moments too, not just the weights.
-    s_opt, r_opt = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
-    for idx in s_opt:
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(s_opt[idx][key], r_opt[idx][key])
+    assert_same_weights_and_moments(straight, resumed)  # the optimizer moments too, not just the weights
 
 
 def test_stream_mode_resume_replays_groups_already_back_propagated(model_dir, tmp_path):

@@ -42,6 +42,33 @@ def train_batches(trainer: Trainer, batches: list[list[Group]]) -> list[dict]:
     return out
 
 
+def straight_and_resumed(model_dir, cfg: TrainerConfig, state_dir, batches: list[list[Group]], *,
+                         saved_after: int = 2):
+    """One trainer through every batch; another through the first `saved_after`, saved to `state_dir`; a third
+    resumed from that snapshot through the rest. Returns (straight, resumed, the snapshot's directory)."""
+    straight = Trainer(model_dir, cfg, batch_prompts=2)
+    train_batches(straight, batches)
+    first = Trainer(model_dir, cfg, batch_prompts=2, state_dir=state_dir)
+    train_batches(first, batches[:saved_after])
+    snap = first.save_state()
+    del first
+    resumed = Trainer.resume(state_dir, cfg, batch_prompts=2)
+    assert resumed.step_count == saved_after
+    train_batches(resumed, batches[saved_after:])
+    return straight, resumed, snap
+
+
+def assert_same_weights_and_moments(straight: Trainer, resumed: Trainer) -> None:
+    """Bit-identical weights and optimizer moments (the same parameters indexed)."""
+    for name, p in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], p), name
+    s_opt, r_opt = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert set(s_opt) == set(r_opt)
+    for idx in s_opt:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s_opt[idx][key], r_opt[idx][key])
+
+
 def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
