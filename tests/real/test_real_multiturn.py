@@ -15,7 +15,13 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]  # minutes on a quiet 
 
 # No warm start: an instruct model's reply that stops and is not a bare number gets "a number from 1 to 8,
 # please." from the environment, so episodes have several turns anyway. 24 tokens a turn, up to 3 turns.
-SETTINGS = ("task.name=guess-number", "task.kwargs={ max_value = 8, max_turns = 3 }")
+# A second turn needs a first reply that stopped within 24 tokens: 5 of 24 episodes in one run, none among
+# the first two steps' in one CI run, so the run may go on (up to 6 steps) until one is stored.
+SETTINGS = ("task.name=guess-number", "task.kwargs={ max_value = 8, max_turns = 3 }", "run.max_steps=6")
+
+
+def stored_episodes(coord) -> list:
+    return [(g, r) for g in coord.ledger.groups(list(range(1, 1000))) for r in g.rollouts]
 
 
 def rendered_turn_prompts(tok, task, problem, prompt_ids, first, rest) -> list[tuple[str, str]]:
@@ -40,7 +46,8 @@ async def test_guess_number_on_the_real_model_with_its_chat_template(tmp_path, r
     tok = real_tokenizer
     async with running_coordinator(tmp_path, *real_run_settings(real_model_dir, *SETTINGS)) as (coord, url):
         worker = start_worker(tmp_path, "a", coord, url, "worker.dtype=bfloat16")
-        await wait_for(lambda: coord.published_step >= 2, 780, "2 training steps", coord)
+        await wait_for(lambda: coord.published_step >= 2 and any(r.turns for _, r in stored_episodes(coord)), 780,
+                       "2 training steps and an episode with a second turn", coord)
         await wait_for(lambda: coord.status()["verification"]["groups_by_verdict"].get("verified", 0) > 0, 60,
                        "a verified submission", coord)
         await stop_workers(worker)
@@ -49,7 +56,7 @@ async def test_guess_number_on_the_real_model_with_its_chat_template(tmp_path, r
         assert node.stats.accepted > 0 and node.stats.rejected == 0
         check_real_groups(coord, tok)
         task, seed = coord.task, coord.cfg.run.seed
-        episodes = [(g, r) for g in coord.ledger.groups(list(range(1, 1000))) for r in g.rollouts]
+        episodes = stored_episodes(coord)
         multi = [(g, r) for g, r in episodes if r.turns]
         assert multi, "no episode had a second turn"
         for g, r in episodes:
