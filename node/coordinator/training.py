@@ -368,7 +368,7 @@ class TrainingLoop:
         if n > 0:
             trainer.save_state()
         state = trainer.weights_for_broadcast()
-        pub = self.publisher.publish(n, state)
+        pub = self.publisher.publish(n, state, adapter=trainer.adapter_for_broadcast())
         metrics = {**metrics, "publish_seconds": time.monotonic() - t0, "encoding": pub.encoding,
                    "compressed_bytes": pub.compressed_bytes}
         if n > 0:
@@ -376,7 +376,7 @@ class TrainingLoop:
         self.ledger.publish_step(StepRow(n, now_ms(), pub.manifest_hash, pub.encoding, pub.base_step,
                                            pub.compressed_bytes, _jsonable(metrics)),
                                    [g.group_id for g in fed], dropped)
-        self.policies.put(n, state)
+        self.policies.put(n, state if pub.weights is None else pub.weights)  # an adapter step: base + adapter
         self.published_step = n
         self.last_metrics = metrics
         removed = self.publisher.prune(n)

@@ -6,20 +6,22 @@ the gradient clipping of node/trainer/runner.py see only them. The model becomes
 attribute lookups (config, get_decoder, get_output_embeddings) and forward reach the wrapped transformers
 model, so the forward paths (node/trainer/forward.py) and the evaluator take it unchanged.
 
-Two views of the wrapped model under the base model's own parameter names (no `base_layer`, no `lora_`):
-`base_state_dict` (the frozen base: what a trainer snapshot's model/ holds) and `merged_state_dict`
-(W + alpha / rank * B @ A for every target: what is published to workers, so the checkpoint format,
-verification and deltas are those of full fine-tuning). Neither mutates the training model: peft's own
-merge would write into the base weights, which the next step's forward must still see unmerged.
+Three views of the wrapped model under the base model's own names (no `base_layer`, no `.default`):
+`base_state_dict` (the frozen base: what a trainer snapshot's model/ holds), `plain_adapter` (lora_A / lora_B
+per adapted layer: what a `lora-adapter` checkpoint carries, node/coordinator/publisher.py) and
+`merged_state_dict` (W + alpha / rank * B @ A for every target, by the protocol's `merge_lora`: the policy the
+trainer stands for; step 0 is published as these merged weights, full). None mutates the training model:
+peft's own merge would write into the base weights, which the next step's forward must still see unmerged.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from node.trainer.config import LoraConfig
+from protocol.checkpoint.adapter import A_SUFFIX, B_SUFFIX, merge_lora
 from node.trainer.state import TrainerStateError
 
 ADAPTER = "default"  # peft's adapter name; a trainer holds one adapter
@@ -58,21 +60,53 @@ def base_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return {_plain_name(k): v for k, v in _base(model).state_dict().items() if _LORA_PART not in k}
 
 
-@torch.no_grad()
-def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The base model's names and shapes, every target's weight replaced by W + alpha / rank * B @ A (a new
-    tensor; the model is not touched), every other entry the model's own tensor."""
+def lora_scale(model: Any) -> tuple[int, int]:
+    """(rank, alpha) of the model's adapter, as peft holds them (what a published adapter signs)."""
+    config = model.peft_config[ADAPTER]
+    return int(config.r), int(config.lora_alpha)
+
+
+def plain_adapter(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter under the base model's module names, as a `lora-adapter` checkpoint carries it
+    (protocol/checkpoint/adapter.py): `M.lora_A` (rank x in) and `M.lora_B` (out x rank) for every adapted
+    linear layer M. The model's own tensors (not copies)."""
     from peft.tuners.lora import Linear, LoraLayer
 
-    out = base_state_dict(model)
+    out: dict[str, torch.Tensor] = {}
     for name, module in _base(model).named_modules():
         if isinstance(module, LoraLayer) and not isinstance(module, Linear):  # would be published unmerged
             raise TypeError(f"{name}: LoRA on a {type(module).__name__} is not merged for publication")
         if isinstance(module, Linear) and ADAPTER in module.lora_A:
-            key = f"{name}.weight"
-            base = out[key]
-            out[key] = base + module.get_delta_weight(ADAPTER).to(base.dtype)
+            if getattr(module, "fan_in_fan_out", False) or module.use_dora.get(ADAPTER, False):
+                raise TypeError(f"{name}: a fan_in_fan_out or DoRA layer is not W + alpha / rank * B @ A")
+            a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)  # nn.Linear weights (torch types them loosely)
+            out[f"{name}{A_SUFFIX}"], out[f"{name}{B_SUFFIX}"] = a, b
     return out
+
+
+@torch.no_grad()
+def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The base model's names and shapes, every target's weight replaced by W + alpha / rank * B @ A (a new
+    tensor; the model is not touched), every other entry the model's own tensor. Computed by the protocol's
+    merge (protocol/checkpoint/adapter.py, `merge_lora`), the one a worker applies to a published adapter."""
+    rank, alpha = lora_scale(model)
+    return merge_lora(base_state_dict(model), plain_adapter(model), rank=rank, alpha=alpha)
+
+
+class BroadcastAdapter(NamedTuple):
+    """The adapter to publish: `plain_adapter`'s tensors (copies, contiguous on CPU, in the broadcast dtype) with
+    peft's rank and alpha (node/coordinator/publisher.py packs them as a `lora-adapter` checkpoint)."""
+    tensors: dict[str, torch.Tensor]
+    rank: int
+    alpha: int
+
+
+def adapter_for_broadcast(model: Any, dtype: torch.dtype) -> BroadcastAdapter:
+    rank, alpha = lora_scale(model)
+    tensors = {n: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+               for n, t in plain_adapter(model).items()}
+    return BroadcastAdapter(tensors, rank, alpha)
 
 
 def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:

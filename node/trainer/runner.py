@@ -163,6 +163,12 @@ class ModelRunner(ABC):
         """A plain (unsharded) model with the current weights, to evaluate."""
         return self.model
 
+    def adapter_for_broadcast(self) -> lora.BroadcastAdapter | None:
+        """With trainer.lora, the adapter alone in cfg.broadcast_dtype (published as a `lora-adapter` checkpoint,
+        node/coordinator/publisher.py); None without it, or where a runner does not give it (an FSDPRunner's
+        LoRA steps are published as full merged weights)."""
+        return None
+
     @abstractmethod
     def snapshot_meta(self) -> dict[str, Any]:
         """trainer.json's first entries for a snapshot of this runner ("format" first)."""
@@ -225,6 +231,11 @@ class LocalRunner(ModelRunner):
 
     def new_optimizer(self, lr: float) -> torch.optim.Optimizer:
         return new_adamw(self.model, lr, self.cfg)
+
+    def adapter_for_broadcast(self) -> lora.BroadcastAdapter | None:
+        if not self.cfg.lora.enabled:
+            return None
+        return lora.adapter_for_broadcast(self.model, getattr(torch, self.cfg.broadcast_dtype))
 
     def weights_for_broadcast(self) -> dict[str, torch.Tensor]:
         dtype = getattr(torch, self.cfg.broadcast_dtype)

@@ -163,6 +163,10 @@ class Trainer:
         save_pretrained), every tensor its own storage (safetensors refuses shared memory)."""
         return self.runner.weights_for_broadcast()
 
+    def adapter_for_broadcast(self):
+        """With trainer.lora, the adapter to publish alone (node/trainer/lora.py BroadcastAdapter), else None."""
+        return self.runner.adapter_for_broadcast()
+
     def full_model(self) -> torch.nn.Module:
         """A plain (unsharded) model holding the current weights, for evaluation: the model itself on a
         LocalRunner, rank 0's gathered copy on an FSDPRunner (node/coordinator/evaluation.py)."""

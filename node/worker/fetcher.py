@@ -1,6 +1,6 @@
 """The worker's fetch loop (a relay runs the same one): learn the newest step, download its shards in
 parallel from every source, verify each against the signed manifest, rebuild the payload (applying
-xor-deltas to the base it holds), keep the last k + 1 versions, and hand new weights on.
+xor-deltas to the base it holds, merging a LoRA adapter into the full step it pins), keep the last k + 1 versions, and hand new weights on.
 
 Three parts, each with one job: `TrustedManifests` decides which manifests to believe (no IO),
 `ShardPlanner` / `SourceBook` decide which shard to fetch next and from where (no IO), and `Fetcher`
@@ -24,8 +24,8 @@ from node.checkpoint_dir import CheckpointDir
 from node.worker.planner import MissingBase, Pick, ShardPlanner, SourceBook, SourceScore, Wait, steps_to_fetch
 from node.worker.sources import BadAnswer, ShardDeferred, ShardSource, SourceError
 from node.worker.trusted import TrustedManifests
-from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, reconstruct_payload,
-                                 verify_shard)
+from protocol.checkpoint import (CheckpointError, DirShardReader, Manifest, check_parent, merge_adapter_payload,
+                                 reconstruct_payload, verify_shard)
 from protocol.messages import CheckpointList
 
 log = logging.getLogger("prime_node.fetcher")
@@ -198,7 +198,9 @@ class Fetcher:
         kept: set[int] = set(in_use)
         for s in recent:
             kept.update(self.store.chain_to_full(s, complete))
-        self.store.prune(kept, keep_payloads=set(recent) | in_use)
+        # a LoRA adapter's base (the full step 0) stays whole, payload too: the next adapter merges into it
+        bases = {m.base_step for s in recent if (m := self.store.manifest(s)) is not None and m.is_adapter}
+        self.store.prune(kept, keep_payloads=set(recent) | in_use | {b for b in bases if b is not None})
 
     async def _manifests(self, steps: list[int], early: tuple[ShardSource, int, bytes] | None = None
                          ) -> dict[int, Manifest]:
@@ -333,9 +335,25 @@ class Fetcher:
                 raise FetchError(f"step {step} is a delta against step {m.base_step}, which is not held")
         partial = self.store.partial_dir(step)
         tmp = partial / "payload.tmp"
-        await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), tmp, base_payload=base)
+        if m.is_adapter:  # the adapter rebuilt alone, then merged into its pinned base: the weights an engine loads
+            base_manifest, base = self._adapter_base(m)
+            adapter = partial / "adapter.tmp"
+            await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), adapter)
+            await asyncio.to_thread(merge_adapter_payload, m, adapter, base_manifest, base, tmp)
+            adapter.unlink(missing_ok=True)
+        else:
+            await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), tmp, base_payload=base)
         self.store.commit(step, m, tmp)
         log.info("holding step %d (%s, %d shards, %.2f MB)", step, m.encoding, m.num_shards, m.compressed_size / 1e6)
+
+    def _adapter_base(self, m: Manifest) -> tuple[Manifest, Path]:
+        """The held full step a LoRA adapter applies to: its manifest (checked against the pinned hash by
+        merge_adapter_payload) and its payload."""
+        assert m.base_step is not None  # the manifest requires it of an adapter
+        base_manifest, base = self.store.manifest(m.base_step), self.store.payload_path(m.base_step)
+        if base_manifest is None or not base.is_file():
+            raise FetchError(f"step {m.step} is a LoRA adapter on step {m.base_step}, which is not held")
+        return base_manifest, base
 
     def _holders(self, step: int, index: int, manifest_hash: str) -> int:
         return sum(s.holders(step, index, manifest_hash) for s in self.sources if not self.score(s).banned)

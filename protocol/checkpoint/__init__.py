@@ -3,8 +3,9 @@
 A checkpoint is `CKPT/manifest.json` + `CKPT/shards/NNNNN.zst`. The raw payload is a deterministic
 safetensors file of the full model state; it is cut into `shard_size` pieces, each compressed as one zstd
 frame. Encodings: "full" (the pieces themselves), "xor-delta" (each piece XORed bytewise with the base step's
-payload) and "sparse-delta" (each piece as a block listing the words changed since the base step;
-sparse.py). The manifest
+payload), "sparse-delta" (each piece as a block listing the words changed since the base step;
+sparse.py) and "lora-adapter" (the payload is a LoRA adapter; the weights are a full base step's merged with it,
+adapter.py). The manifest
 lists every shard's raw size, compressed size and compressed sha256, the payload's sha256, and is signed
 (Ed25519 over the canonical JSON of every other field).
 
@@ -27,10 +28,11 @@ Servers map a URL's `{index}` with `parse_shard_index` and read files with `DirS
 escapes, no symlinks). Every refusal is a `CheckpointError` whose `.code` is a short machine reason and
 whose message names the shard or field. torch is imported only by the tensor-facing functions.
 """
+from .adapter import adapter_pairs, check_adapter_base, merge_adapter_payload, merge_lora, write_state
 from .codec import compress_shard, compress_shard_to, decompress_shard, verify_shard, xor_into
 from .errors import CheckpointError
-from .manifest import (DEFAULT_SHARD_SIZE, DELTA_ENCODINGS, ENCODINGS, FORMAT, MAX_MANIFEST_BYTES, Manifest,
-                       ShardEntry, check_forward, check_parent, manifest_hash, sign_manifest, verify_manifest,
+from .manifest import (ADAPTER_ENCODING, DEFAULT_SHARD_SIZE, DELTA_ENCODINGS, ENCODINGS, FORMAT, MAX_MANIFEST_BYTES, Manifest,
+                       LoraSpec, ShardEntry, check_forward, check_parent, manifest_hash, sign_manifest, verify_manifest,
                        verify_signature)
 from .pack import check_delta_compatible, pack_checkpoint
 from .payload import (PayloadLayout, layout_from_files, layout_from_state, load_payload, open_layout,
@@ -42,7 +44,8 @@ from .shard_files import (MANIFEST_NAME, SHARDS_DIR, DirShardReader, load_manife
 from .sparse import apply_block, encode_block
 
 __all__ = [
-    "manifest_hash",
+    "manifest_hash", "ADAPTER_ENCODING", "LoraSpec", "adapter_pairs", "check_adapter_base", "merge_adapter_payload",
+    "merge_lora", "write_state",
     "BasePayload", "CheckpointError", "DEFAULT_SHARD_SIZE", "DELTA_ENCODINGS", "DirShardReader", "ENCODINGS",
     "FORMAT", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "Manifest", "PAYLOAD_FILE_NAME", "PayloadLayout",
     "SHARDS_DIR", "ShardDecoder", "ShardEntry", "apply_block", "check_delta_compatible", "check_forward",

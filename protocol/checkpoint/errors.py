@@ -13,7 +13,8 @@ class CheckpointError(PrimeNodeError):
     shard_hash, decompress_bomb, decompress_error, missing_shard, extra_shard, bad_shard_name,
     payload_hash, base_mismatch, delta_layout, bad_payload, out_exists, step_mismatch (URL vs manifest),
     io_error, unknown_encoding (an encoding this version does not know), bad_delta (a sparse-delta block
-    that does not fit its shard).
+    that does not fit its shard), bad_adapter (a lora-adapter payload whose tensors do not make a LoRA of its
+    base: names, shapes, rank).
     `shard` is the shard index the failure is about, or None.
     """
 

@@ -30,8 +30,13 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # ~150 bytes per shard entry * MAX_SHARDS
 MIN_PAYLOAD_SIZE = 8  # a safetensors file starts with an 8-byte header length
 
 # Encodings a reader of this version knows (docs/PROTOCOL.md). A delta needs the base step's raw payload.
-ENCODINGS = ("full", "xor-delta", "sparse-delta")
+ENCODINGS = ("full", "xor-delta", "sparse-delta", "lora-adapter")
 DELTA_ENCODINGS = ("xor-delta", "sparse-delta")
+# A LoRA adapter (protocol/checkpoint/adapter.py): its payload is the adapter tensors alone, a plain safetensors
+# file like a full one's; the weights are the base step's full payload merged with it (`lora` says how).
+ADAPTER_ENCODING = "lora-adapter"
+MAX_LORA_RANK = 2048  # trainer.lora.rank <= 1024; a published adapter may stack two of them (publisher.py)
+MAX_LORA_ALPHA = 1 << 20
 # A sparse-delta shard decompresses to one block: a 16-byte header, then at most the raw range's length
 # (the dense fallback is header + XOR of the range). protocol/checkpoint/sparse.py holds the format.
 SPARSE_BLOCK_HEADER = 16
@@ -61,6 +66,16 @@ class Compression(_Strict):
     level: int = Field(ge=-131072, le=22)
 
 
+class LoraSpec(_Strict):
+    """What merging a `lora-adapter` payload into its base needs, signed (docs/PROTOCOL.md, "LoRA adapter"):
+    `base` is the manifest hash of the full checkpoint of `base_step`; every weight named by an adapter pair
+    becomes W + (alpha / rank) * B @ A."""
+
+    base: str = Field(pattern=_HEX64)
+    rank: int = Field(ge=1, le=MAX_LORA_RANK)
+    alpha: int = Field(ge=1, le=MAX_LORA_ALPHA)
+
+
 def manifest_hash(doc: dict[str, Any]) -> str:
     """sha256 hex of a manifest document's canonical JSON without its `signature` (the manifest's
     `parent`, docs/PROTOCOL.md, "Manifest"; what peers name a step by). Defined once: `Manifest.canonical_hash`
@@ -75,8 +90,11 @@ class Manifest(_Strict):
     run_id: str = Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")
     step: int = Field(ge=0, le=2 ** 53)
     parent: Optional[str] = Field(pattern=_HEX64)
-    encoding: Literal["full", "xor-delta", "sparse-delta"]
+    encoding: Literal["full", "xor-delta", "sparse-delta", "lora-adapter"]
     base_step: Optional[int] = Field(ge=0, le=2 ** 53)
+    # Only in a `lora-adapter` manifest; absent (not null) in every other, so their documents, hashes and
+    # signatures are those of a reader that never heard of it (`to_dict` leaves it out).
+    lora: Optional[LoraSpec] = None
     dtype: str = Field(pattern=r"^[a-z0-9_]{1,32}$")
     compression: Compression
     shard_size: int = Field(ge=MIN_SHARD_SIZE, le=MAX_SHARD_SIZE)
@@ -92,7 +110,9 @@ class Manifest(_Strict):
         # Each message names the field, so a refused manifest says exactly what is wrong with it.
         if self.encoding == "full" and self.base_step is not None:
             raise ValueError("base_step must be null for encoding 'full'")
-        if self.encoding in DELTA_ENCODINGS:
+        if (self.encoding == ADAPTER_ENCODING) != (self.lora is not None):
+            raise ValueError("lora is required for encoding 'lora-adapter' and allowed for no other")
+        if self.encoding in DELTA_ENCODINGS or self.encoding == ADAPTER_ENCODING:
             if self.base_step is None:
                 raise ValueError(f"base_step is required for encoding '{self.encoding}'")
             if self.base_step >= self.step:
@@ -148,7 +168,10 @@ class Manifest(_Strict):
         return cls.from_dict(doc)
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        doc = self.model_dump(mode="json")
+        if doc["lora"] is None:
+            del doc["lora"]
+        return doc
 
     def to_json_bytes(self) -> bytes:
         return canonical_json(self.to_dict())
@@ -170,6 +193,12 @@ class Manifest(_Strict):
         """True when reconstructing this step needs the raw payload of `base_step`."""
         return self.encoding in DELTA_ENCODINGS
 
+    @property
+    def is_adapter(self) -> bool:
+        """True for a LoRA adapter: its payload rebuilds alone, the weights need the full payload of
+        `base_step` (protocol/checkpoint/adapter.py)."""
+        return self.encoding == ADAPTER_ENCODING
+
     def shard_offset(self, index: int) -> int:
         return index * self.shard_size
 
@@ -178,7 +207,7 @@ class Manifest(_Strict):
         return min(self.shard_size, self.total_size - index * self.shard_size)
 
     def describe(self) -> str:
-        base = f", base step {self.base_step}" if self.is_delta else ""
+        base = f", base step {self.base_step}" if self.is_delta or self.is_adapter else ""
         return (f"step {self.step} of run {self.run_id} ({self.encoding}{base}, {self.dtype}, "
                 f"{self.num_shards} shards, {self.total_size / 1e6:.1f} MB raw, "
                 f"{self.compressed_size / 1e6:.1f} MB compressed)")

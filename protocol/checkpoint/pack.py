@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..identity import Identity
 from .codec import compress_shard_to, xor_into
 from .errors import CheckpointError
-from .manifest import (DEFAULT_SHARD_SIZE, DELTA_ENCODINGS, ENCODINGS, FORMAT, MAX_SHARD_SIZE, MAX_SHARDS,
-                       MIN_SHARD_SIZE, Manifest, sign_manifest)
+from .manifest import (ADAPTER_ENCODING, DEFAULT_SHARD_SIZE, DELTA_ENCODINGS, ENCODINGS, FORMAT, MAX_SHARD_SIZE,
+                       MAX_SHARDS, MIN_SHARD_SIZE, Manifest, sign_manifest)
 from .parallel import BufferPool, ordered_map
 from .payload import PayloadLayout, open_layout
 from .reconstruct import BasePayload, open_base
@@ -61,7 +61,8 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike[str], *, identity: I
                     parent: Manifest | None = None, base_payload: Any = None, base_step: int | None = None,
                     shard_size: int = DEFAULT_SHARD_SIZE, level: int = 1, threads: int = 2,
                     progress: bool = False, payload_out: str | os.PathLike[str] | None = None,
-                    created_at: int | None = None, encoding: str | None = None) -> Manifest:
+                    created_at: int | None = None, encoding: str | None = None,
+                    lora: dict[str, Any] | None = None) -> Manifest:
     """Pack `source` (state dict, .safetensors file or HF model dir) as a signed checkpoint in `out_dir`.
 
     `parent`: the previous published manifest (its hash goes into `parent`; it must be an earlier step of
@@ -69,7 +70,9 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike[str], *, identity: I
     is what a delta encoding is taken against. `encoding`: "full", "xor-delta" or "sparse-delta";
     None means "xor-delta" when a base is given, else "full". A layout mismatch with the base raises
     CheckpointError("delta_layout") so the caller can fall back to full. `payload_out`: also write this
-    step's raw payload there (the next base).
+    step's raw payload there (the next base). `encoding="lora-adapter"`: `source` is the adapter tensors
+    (protocol/checkpoint/adapter.py's names), `base_step` the full step it applies to and `lora` the signed
+    {base: that step's manifest hash, rank, alpha}; the payload is packed like a full one's.
     """
     if encoding is None:
         encoding = "xor-delta" if base_payload is not None else "full"
@@ -78,6 +81,11 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike[str], *, identity: I
     if (encoding in DELTA_ENCODINGS) != (base_payload is not None):
         raise CheckpointError("base_mismatch", f"encoding {encoding!r} " + (
             "needs base_payload (the base step's raw payload)" if base_payload is None else "takes no base payload"))
+    if (encoding == ADAPTER_ENCODING) != (lora is not None):
+        raise CheckpointError("base_mismatch", f"encoding {encoding!r} " + (
+            "needs lora (the base's manifest hash, rank and alpha)" if lora is None else "takes no lora"))
+    if encoding == ADAPTER_ENCODING and (base_step is None or not (0 <= base_step < step)):
+        raise CheckpointError("base_mismatch", "a lora-adapter needs base_step, an earlier (full) step")
     out_dir = Path(out_dir)
     if not (MIN_SHARD_SIZE <= shard_size <= MAX_SHARD_SIZE):
         raise CheckpointError("bad_payload", f"shard size must be within {MIN_SHARD_SIZE}..{MAX_SHARD_SIZE}")
@@ -158,7 +166,8 @@ def pack_checkpoint(source: Any, out_dir: str | os.PathLike[str], *, identity: I
             "format": FORMAT, "run_id": run_id, "step": step,
             "parent": parent.canonical_hash() if parent is not None else None,
             "encoding": encoding,
-            "base_step": base_step if base is not None else None,
+            "base_step": base_step if base is not None or encoding == ADAPTER_ENCODING else None,
+            **({"lora": lora} if lora is not None else {}),
             "dtype": layout.dtype, "compression": {"codec": "zstd", "level": level},
             "shard_size": shard_size, "total_size": total, "sha256": payload_hash.hexdigest(),
             "shards": entries, **({"created_at": created_at} if created_at is not None else {}),

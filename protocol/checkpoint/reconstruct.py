@@ -469,7 +469,7 @@ def resolve_base(base: Any, trusted_keys: set[str] | None, workdir: str | os.Pat
     if (path / MANIFEST_NAME).is_file():
         manifest = load_manifest(path)
         verify_manifest(manifest, trusted_keys)
-        if manifest.is_delta:
+        if manifest.is_delta or manifest.is_adapter:
             raise CheckpointError("base_mismatch", f"base checkpoint {path} is itself a {manifest.encoding}; give "
                                                    f"its unpacked {PAYLOAD_FILE_NAME} or a full checkpoint instead")
         problems = scan_shard_dir(path, manifest)

@@ -368,7 +368,7 @@ def test_unknown_encoding_is_refused_with_a_clear_error(sparse_world):
     with pytest.raises(CheckpointError) as e:
         Manifest.from_json_bytes(raw)
     assert e.value.code == "unknown_encoding"
-    assert "'xor-planes' is not an encoding this reader knows (full, xor-delta, sparse-delta)" in str(e.value)
+    assert "'xor-planes' is not an encoding this reader knows (full, xor-delta, sparse-delta, lora-adapter)" in str(e.value)
     err = _refused(sparse_world, "unknown_encoding", "'xor-planes'")
     assert err.code == "unknown_encoding"
     out = subprocess.run([sys.executable, "-m", "node.cli", "verify", "checkpoint", str(sparse_world["dir"]),
