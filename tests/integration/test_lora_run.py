@@ -1,11 +1,17 @@
-"""trainer.lora in a real run (issue #29, trainer side): a real coordinator and a real in-process worker on
-127.0.0.1 with `trainer.lora.rank=8`. The warm start, the RL steps and the evaluation run on the LoRA model; the
-worker generates with the published (merged) weights and every rollout is replayed against them and accepted;
-the trainer's base weights stay those of the model it started from."""
+"""trainer.lora in a real run (issue #29): a real coordinator and a real in-process worker on 127.0.0.1 with
+`trainer.lora.rank=8`. The warm start, the RL steps and the evaluation run on the LoRA model; step 0 is published
+full and every later step as a signed `lora-adapter` checkpoint (docs/PROTOCOL.md, "LoRA adapter"); the worker
+merges each into the step 0 it holds, generates with the merged weights, and every rollout is replayed against the
+coordinator's merge of the same two payloads and accepted; the trainer's base weights stay those of the model it
+started from. The bytes per step are printed beside what full and xor-delta checkpoints of the same weights cost."""
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 import torch
+
+from protocol.checkpoint import pack_checkpoint
 
 from tests.integration.coordinator_harness import running_coordinator
 from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
@@ -32,6 +38,31 @@ async def test_a_lora_run_trains_publishes_and_verifies(tmp_path):
         assert [e["step"] for e in status.get("eval_curve", [])][:3] == [0, 1, 2], status.get("eval_curve")
         assert coord.ledger.steps()[0].metrics["warm_start_steps"] == 2
 
+        # step 0 full, every later step an adapter pinned to it; the worker rebuilt the very bytes the coordinator
+        # replays against (one merge function, the same two payloads)
+        rows = coord.ledger.steps()
+        assert [r.encoding for r in rows[:3]] == ["full", "lora-adapter", "lora-adapter"], [r.encoding for r in rows]
+        held, cstore = worker[0].fetcher.store, coord.checkpoints
+        step0 = cstore.manifest(0)
+        for r in rows[1:3]:
+            m = held.manifest(r.step)
+            assert m.encoding == "lora-adapter" and m.base_step == 0 and m.lora.base == step0.canonical_hash()
+            assert m.lora.rank in (8, 16)  # 16: the warm start's step-0 adapter stacked in (publisher.py)
+            assert _sha(held.payload_path(r.step)) == _sha(cstore.payload_path(r.step))
+        assert 0 in held.held_steps()  # the base stays held for the next adapter
+        # what the same run would publish without adapters: full, and xor-delta against the previous step
+        for r in rows[1:3]:
+            full = pack_checkpoint(cstore.payload_path(r.step), tmp_path / f"full-{r.step}", identity=coord.identity,
+                                   step=r.step, run_id="x", shard_size=cstore.manifest(0).shard_size)
+            xor = pack_checkpoint(cstore.payload_path(r.step), tmp_path / f"xor-{r.step}", identity=coord.identity,
+                                  step=r.step, run_id="x", base_payload=cstore.payload_path(r.step - 1),
+                                  base_step=r.step - 1, shard_size=cstore.manifest(0).shard_size)
+            print(f"step {r.step}: lora-adapter {r.compressed_bytes} B, xor-delta {xor.compressed_size} B, "
+                  f"full {full.compressed_size} B ({full.compressed_size / r.compressed_bytes:.0f}x the adapter)")
+            # the harness's model is tiny and mostly embedding, which a LoRA on the attention leaves unchanged, so an
+            # xor-delta of it is small too; on SmolLM2-135M see docs/BENCHMARKS.md
+            assert r.compressed_bytes < xor.compressed_size < full.compressed_size
+
         model = coord.training.trainer.model
         adapters = lora.adapter_state_dict(model)
         assert adapters and all(p.shape[0] == 8 for n, p in adapters.items() if ".lora_A." in n)
@@ -40,3 +71,7 @@ async def test_a_lora_run_trains_publishes_and_verifies(tmp_path):
         assert base.keys() == start.keys()
         for name, w in start.items():
             assert torch.equal(base[name], w), name
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
