@@ -8,7 +8,7 @@ gives, at every completion position, the logits and the final hidden states. Fro
   termination  "stop" only when the completion ends with its first EOS and EOS was really the
                sampler's choice there; "length" only when len == max_tokens and no EOS inside
   commitment   TOPLOC comparison of the committed top-k hidden values (verify.commitment)
-  logprobs     submitted vs recomputed: mean and max absolute deviation
+  logprobs     submitted vs recomputed: max absolute deviation, and the mean over all tokens but the worst
   sampling     replaying the seeded Gumbel-max sampler picks the submitted tokens, up to numerical
                near-ties (the chosen token's perturbed score within `sample_margin` of the best)
 
@@ -126,12 +126,20 @@ class Thresholds:
     T): numerical noise lives in the logits, and dividing by a small T would magnify it.
     """
 
-    logprob_mean: float = 0.1  # mean |submitted - recomputed| x T over the completion
+    # mean |submitted - recomputed| x T over the completion's tokens except its worst one (which `logprob_max`
+    # bounds). One honest bf16 token may deviate up to ~0.4 (a rare, unlikely token: its logit and the
+    # normaliser round apart), and in a short completion that one token alone used to carry the mean over its
+    # limit: an honest vLLM-on-CPU bf16 node was banned so (docs/BENCHMARKS.md, "On the real model";
+    # bench/verify_vllm_bf16.py: with every token counted, the worst 8-token prefix reached 0.98 of the limit).
+    # The mean is there to catch a lie spread over many tokens, which leaving one out does not hide.
+    logprob_mean: float = 0.1
     logprob_max: float = 0.6  # worst single token, x T
-    # The mean limit holds for completions of at least this many tokens; a shorter one gets it multiplied by
+    # The mean limit holds for means over at least this many tokens; fewer get it multiplied by
     # sqrt(mean_tokens / n): a mean of 2 tokens is nearly one token's noise. Seen on the GPU lane: a 2-token
     # SmolLM2 answer generated in CUDA bf16 had mean deviation 0.10001 (max 0.116) under the fp32 replay.
     mean_tokens: int = 8
+    # False: the mean counts every token (the rule before bench/verify_vllm_bf16.py; kept to compare).
+    mean_excludes_worst: bool = True
     sample_margin: float = 0.6  # perturbed-score gap x T tolerated as a numerical near-tie
     # probability mass by which top-p membership may be uncertain: bf16 generation verified in fp32 was
     # seen 0.0206 outside the fp32 nucleus (tests/integration/test_verify_matrix.py, a 2-head Qwen2)
@@ -143,7 +151,20 @@ class Thresholds:
     # models with hidden size < 512) gets them multiplied by sqrt(TOPK / k): fewer points, noisier stats.
 
     def logprob_mean_limit(self, n: int) -> float:
+        """The limit of a mean over n tokens."""
         return self.logprob_mean * math.sqrt(max(1.0, self.mean_tokens / max(n, 1)))
+
+    def logprob_verdict(self, dev: torch.Tensor) -> tuple[float, float, bool]:
+        """Per-token deviations (x T) -> (the mean the rule checks, the max, whether either is over its limit).
+
+        A 1-token completion has no mean beside its worst token: the max limit alone applies to it."""
+        n, worst = dev.numel(), float(dev.max())
+        if self.mean_excludes_worst:
+            k = n - 1
+            mean = (float(dev.sum()) - worst) / k if k else 0.0
+        else:
+            k, mean = n, float(dev.mean())
+        return mean, worst, worst > self.logprob_max or (k > 0 and mean > self.logprob_mean_limit(k))
 
     def commitment_ratio(self, chunks: Sequence[ChunkScore]) -> tuple[float, ChunkScore]:
         """Worst (statistic / its limit) over chunks (> 1 fails), and the chunk it came from."""
@@ -334,10 +355,11 @@ class RolloutVerifier:
         margins = margins * scale
         # Distance from the submitted logprob to the interval the nucleus uncertainty allows.
         dev = (torch.clamp(lp_lo - submitted, min=0) + torch.clamp(submitted - lp_hi, min=0)) * scale
+        lp_mean, lp_max, lp_bad = th.logprob_verdict(dev)
         com_ratio, com = th.commitment_ratio(score_commitment(parse_commitment(r.commitment), hidden[:n]))
         bad_pick = (margins > th.sample_margin) | (outside > th.nucleus_slack)
         scores = {
-            "logprob_mean": float(dev.mean()), "logprob_max": float(dev.max()),
+            "logprob_mean": lp_mean, "logprob_max": lp_max,
             "sample_margin_max": float(margins.max()), "sample_bad_positions": int(bad_pick.sum()),
             # tokens that were not the replayed sampler's first choice by more than noise, yet passed
             "near_tie_positions": int(((margins > NEAR_TIE_MARGIN) & ~bad_pick).sum()),
@@ -346,7 +368,7 @@ class RolloutVerifier:
         }
         if com_ratio > 1.0:
             return Verdict(False, "commitment", "activation commitment does not match the recomputed states", scores)
-        if scores["logprob_mean"] > th.logprob_mean_limit(n) or scores["logprob_max"] > th.logprob_max:
+        if lp_bad:
             return Verdict(False, "logprobs", "submitted logprobs differ from the recomputed ones", scores)
         if bool(bad_pick[:-1].any()):
             return Verdict(False, "sampling", f"the seeded sampler would not pick token "
