@@ -94,7 +94,8 @@ DEFAULT_LORA_TARGETS: tuple[LoraTarget, ...] = ("q_proj", "k_proj", "v_proj", "o
 class LoraConfig(_Strict):
     """LoRA adapters on the named projections of a Llama/Qwen2-shaped model (node/trainer/lora.py, peft); the
     base weights are frozen and only the adapters train. rank 0 (the default) = off: full fine-tuning.
-    The published checkpoints stay full merged weights (W + alpha / rank * B @ A) for now."""
+    Step 0 is published as full merged weights (W + alpha / rank * B @ A), later steps as the adapter alone
+    (node/coordinator/publisher.py; docs/PROTOCOL.md, "lora-adapter")."""
 
     rank: int = Field(0, ge=0, le=1024)
     # The adapter's update is scaled by alpha / rank: with a fixed alpha a higher rank does not need another lr.

@@ -199,7 +199,8 @@ class LocalRunner(ModelRunner):
     """The model in this process, on one device. Snapshots: safetensors only (node/trainer/state.py's layout).
 
     With trainer.lora the model is wrapped with peft's LoRA (node/trainer/lora.py: base frozen, only the
-    adapters train); what is published is still the full merged model under the base names, and a snapshot's
+    adapters train); `weights_for_broadcast` is the full merged model under the base names (published at step 0,
+    replayed by verification), `adapter_for_broadcast` the adapter alone (published at every later step), a snapshot's
     model/ holds the frozen base (the model a resume builds from) with the adapter in lora.safetensors."""
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0, device: str = "cpu",

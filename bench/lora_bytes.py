@@ -1,0 +1,103 @@
+"""Bytes per step of a LoRA run's checkpoints (issue #29), side by side in one run: the signed `lora-adapter`
+checkpoint the publisher sends (node/coordinator/publisher.py), an xor-delta of that adapter against the previous
+step's adapter (would deltas between adapters pay?), and what full fine-tuning's formats would send for the same
+merged weights: full and xor-delta against the previous step.
+
+A real Trainer with trainer.lora on the real SmolLM2-135M-Instruct (node/real_model.py; `--tiny` for the test
+model), a few RL steps on synthetic groups, broadcast in bf16, zstd level 3 (the coordinator's default shards).
+Heavy (minutes of CPU): run under the shared lock, `flock /tmp/heavy.lock nice .venv/bin/python bench/lora_bytes.py`.
+Writes bench/results/lora_bytes.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warm", type=int, default=1, help="SFT-like steps before step 0 (a warm-started adapter)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny test model instead of SmolLM2-135M")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_bytes.json"))
+    args = ap.parse_args()
+
+    from node.checkpoint_dir import CheckpointDir
+    from node.coordinator.publisher import Publisher
+    from node.trainer import Trainer
+    from node.trainer.config import TrainerConfig
+    from node.trainer.model import build_tiny_model_dir
+    from protocol.checkpoint import DirShardReader, pack_checkpoint, reconstruct_payload
+    from protocol.identity import Identity
+    from tests.unit.test_trainer_step import make_groups, train_batches
+
+    work = Path(tempfile.mkdtemp(prefix="lora-bytes-"))
+    if args.tiny:
+        model, name = build_tiny_model_dir(work / "tiny", hidden_size=32, layers=2, heads=4, seed=11), "tiny"
+    else:
+        from node.real_model import model_dir
+
+        model, name = model_dir(download=False), "SmolLM2-135M-Instruct"
+    cfg = TrainerConfig(lr=1e-3, broadcast_dtype="bfloat16", lora=dict(rank=args.rank, alpha=args.alpha))
+    trainer = Trainer(model, cfg, batch_prompts=4)
+    if args.warm:
+        train_batches(trainer, [make_groups(4, seed=900 + i) for i in range(args.warm)])
+    key, shard = Identity.generate(), 32 << 20
+    store = CheckpointDir(work / "coord")
+    pub = Publisher(store, key, "bench", async_level=args.steps + 1, shard_size=shard, level=3, full_every=10 ** 6)
+    rows = []
+    for step in range(args.steps + 1):
+        if step:
+            train_batches(trainer, [make_groups(4, seed=100 + step)])
+        t0 = time.perf_counter()
+        p = pub.publish(step, trainer.weights_for_broadcast(), adapter=trainer.adapter_for_broadcast())
+        seconds = time.perf_counter() - t0
+        row = {"step": step, "encoding": p.encoding, "published_bytes": p.compressed_bytes,
+               "publish_seconds": round(seconds, 2)}
+        if step:
+            m = store.manifest(step)
+            assert m is not None and m.lora is not None  # published just now, as an adapter
+            row["adapter_rank"] = m.lora.rank
+            adapter = work / f"adapter-{step}.safetensors"
+
+            reconstruct_payload(m, DirShardReader(store.step_dir(step), m), adapter)
+            prev_adapter = work / f"adapter-{step - 1}.safetensors"
+            if prev_adapter.is_file():  # deltas between adapters: same layout, xor against the previous one
+                x = pack_checkpoint(adapter, work / f"ax-{step}", identity=key, step=step, run_id="x",
+                                    base_payload=prev_adapter, base_step=step - 1, shard_size=shard, level=3)
+                row["adapter_xor_delta_bytes"] = x.compressed_size
+            full = pack_checkpoint(store.payload_path(step), work / f"full-{step}", identity=key, step=step,
+                                   run_id="x", shard_size=shard, level=3)
+            xor = pack_checkpoint(store.payload_path(step), work / f"xor-{step}", identity=key, step=step, run_id="x",
+                                  base_payload=store.payload_path(step - 1), base_step=step - 1, shard_size=shard,
+                                  level=3)
+            row.update(full_bytes=full.compressed_size, xor_delta_bytes=xor.compressed_size,
+                       full_over_adapter=round(full.compressed_size / p.compressed_bytes, 1),
+                       xor_over_adapter=round(xor.compressed_size / p.compressed_bytes, 1))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    print(f"\n{name}, rank {args.rank}, alpha {args.alpha}, bf16, zstd 3 (warm-started adapter: {bool(args.warm)})")
+    print(f"{'step':>4} {'adapter B':>11} {'rank':>4} {'adapter xor B':>13} {'xor-delta B':>12} {'full B':>12} "
+          f"{'full/adapter':>12} {'xor/adapter':>11}")
+    for r in rows[1:]:
+        print(f"{r['step']:>4} {r['published_bytes']:>11,} {r['adapter_rank']:>4} "
+              f"{r.get('adapter_xor_delta_bytes', 0):>13,} {r['xor_delta_bytes']:>12,} {r['full_bytes']:>12,} "
+              f"{r['full_over_adapter']:>12} {r['xor_over_adapter']:>11}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"model": name, "rank": args.rank, "alpha": args.alpha,
+                                          "warm": args.warm, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
