@@ -143,6 +143,23 @@ def test_the_base_an_adapter_needs_is_pinned_and_kept(model_dir, key, tmp_path):
     assert e.value.code == "base_mismatch" and not (tmp_path / "never").exists()
 
 
+def test_a_restarted_publisher_goes_on_publishing_adapters(model_dir, key, tmp_path):
+    """A coordinator restart: a new Publisher on the same store finds the base, its payload and its adapter on disk,
+    and the next step is an adapter again, merged as the worker merges it."""
+    root = tmp_path / "coord"
+    t, _, published, own = _run(model_dir, root, key, dtype="bfloat16", warm=True, steps=1)
+    train_batches(t, [make_groups(2, seed=999)])
+    again = _publisher(root, key).publish(2, t.weights_for_broadcast(), adapter=t.adapter_for_broadcast())
+    assert again.encoding == "lora-adapter" and again.base_step == 0
+    merged = _worker_rebuild(root, 2, key, tmp_path)
+    assert all(torch.equal(merged[n], w) for n, w in again.weights.items())
+    # without the base's adapter (a store from before adapters were published) the step goes out full
+    CheckpointDir(root).payload_dir.joinpath("0.adapter.safetensors").unlink()
+    train_batches(t, [make_groups(2, seed=1000)])
+    assert _publisher(root, key).publish(3, t.weights_for_broadcast(), adapter=t.adapter_for_broadcast()).encoding \
+        in ("full", "xor-delta")
+
+
 def _adapter_manifest_fields(key, **lora) -> dict:
     return {"run_id": "run", "step": 1, "parent": None, "encoding": "lora-adapter", "base_step": 0,
             "lora": {"base": "ab" * 32, "rank": 4, "alpha": 8, **lora}, "dtype": "bfloat16",
