@@ -460,6 +460,157 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
             "load_avg_max": max(load, default=None), "rss_mb": rss, "per_step": steps_out, "nodes": per_node}
 
 
+# -- loopback: where a step's seconds go between publication and "held" ----------------------------------
+def run_loopback(root: Path, n: int, steps: int, workdir: Path, *, timeout_s: float = 420.0,
+                 extra: tuple[str, ...] = ()) -> dict:
+    """The real CLI coordinator and `n` real `prime-node join` processes on 127.0.0.1 (the demo's config,
+    p2p on unless `extra` says otherwise, JSON logs), `steps` trainer steps; no lab, no root. Each step's time
+    from its publication (the ledger's published_ms) until each node holds it is cut into phases from the
+    processes' own log lines: announced (the coordinator's gossip reached the node: "step N announced"), sync
+    start (the fetch that brought the step began: "fetched steps A..B in X s" minus X), held (its payload
+    committed: "holding step N"), engine (the engine generates with it: "now generating with step N"; a node
+    that skipped the step to a newer one has none)."""
+    import urllib.request
+
+    common = ["--config", str(root / "configs/local.toml"), "--set=trainer.warm_start_steps=0",
+              "--set=eval.every_steps=0", "--set=server.log_format=json", *extra]
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def spawn(name: str, args: list[str]) -> subprocess.Popen:
+        with open(workdir / f"{name}.log", "w") as f:  # the child keeps its own copy of the descriptor
+            p = subprocess.Popen(cli(root, *args), cwd=root, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+        procs.append((name, p))
+        return p
+
+    ready = workdir / "coordinator.ready"
+    t_start = time.monotonic()
+    try:
+        coord = spawn("coordinator", ["coordinator", *common, f"--set=run.max_steps={steps}",
+                                      f"--set=storage.dir={workdir / 'coord'}", "--set=p2p.listen_host=127.0.0.1",
+                                      "--ready-file", str(ready)])
+        while not ready.is_file():
+            if coord.poll() is not None or time.monotonic() - t_start > 120:
+                raise RuntimeError("the coordinator did not start:\n" + (workdir / "coordinator.log").read_text()[-3000:])
+            time.sleep(0.2)
+        info = json.loads(ready.read_text())
+        url = info["url"]
+        for i in range(n):
+            spawn(f"w{i}", ["join", "--coordinator", url, "--coordinator-key", info["key"], *common,
+                            f"--set=worker.storage_dir={workdir / f'w{i}'}", "--set=worker.heartbeat_seconds=1",
+                            "--set=p2p.listen_host=127.0.0.1"])
+        st: dict = {}
+        while time.monotonic() - t_start < timeout_s:
+            try:
+                st = json.loads(urllib.request.urlopen(url + "/v1/status", timeout=5).read())
+            except OSError:
+                pass
+            if st.get("step", 0) >= steps:
+                break
+            if coord.poll() is not None:
+                raise RuntimeError("the coordinator exited:\n" + (workdir / "coordinator.log").read_text()[-3000:])
+            time.sleep(1)
+        wall = time.monotonic() - t_start
+        time.sleep(4)  # the last step reaches the nodes
+        rss = {name: _pid_rss_mb(p.pid) for name, p in procs}
+    finally:
+        for _, p in reversed(procs):  # only the processes started here, by pid
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    published = {r["step"]: (r["published_ms"] / 1e3, r["encoding"], r["compressed_bytes"])
+                 for r in st.get("step_log", []) if r["step"] >= 1}
+    phases: dict[str, list[float]] = {k: [] for k in PHASES}
+    per_step = []
+    for s_, (pub, enc, size) in sorted(published.items()):
+        held_all = []
+        for i in range(n):
+            ev = _node_events(workdir / f"w{i}.log")
+            held = ev["held"].get(s_)
+            held_all.append(held)
+            if held is None or enc == "full":
+                continue
+            start = next((t0 for t0, a, b in ev["syncs"] if a <= s_ <= b), None)
+            ann = ev["announced"].get(s_)
+            row = {"announced": ann - pub if ann is not None else None,
+                   "sync_start": start - pub if start is not None else None,
+                   "fetch": held - start if start is not None else None,
+                   "held": held - pub,
+                   "engine": ev["engine"][s_] - held if s_ in ev["engine"] else None}
+            for k, v in row.items():
+                if v is not None:
+                    phases[k].append(v)
+        got = [h for h in held_all if h is not None]
+        per_step.append({"step": s_, "encoding": enc, "bytes": size,
+                         "t_all_s": _r(max(got) - pub) if len(got) == n else None,
+                         "t_median_s": _r(statistics.median(got) - pub) if got else None,
+                         "nodes_missing": n - len(got)})
+    summary = {k: {"median": _r(statistics.median(v)) if v else None, "p90": _r(_pct(v, 0.9)), "n": len(v)}
+               for k, v in phases.items()}
+    pushed = sum(1 for i in range(n) for _ in _node_events(workdir / f"w{i}.log")["announced"])
+    t_all = [x["t_all_s"] for x in per_step if x["t_all_s"] is not None and x["encoding"] != "full"]
+    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1),
+            "phases_s": summary, "announcements_seen": pushed,
+            "delta_t_all_s": {"median": _r(statistics.median(t_all)) if t_all else None, "p90": _r(_pct(t_all, 0.9))},
+            "rss_mb": rss, "per_step": per_step}
+
+
+PHASES = ("announced", "sync_start", "fetch", "held", "engine")
+
+
+def _pct(xs: list[float], q: float):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _node_events(log_path: Path) -> dict:
+    """A worker's JSON log lines as times: announced/held/engine by step, and each sync as (start, first, last)."""
+    ev: dict = {"announced": {}, "held": {}, "engine": {}, "syncs": []}
+    for line in log_path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        msg, ts = rec.get("msg", ""), rec.get("ts", 0.0)
+        if m := re.match(r"step (\d+) announced", msg):
+            ev["announced"].setdefault(int(m.group(1)), ts)
+        elif m := re.match(r"holding step (\d+)", msg):
+            ev["held"].setdefault(int(m.group(1)), ts)
+        elif m := re.match(r"now generating with step (\d+)", msg):
+            ev["engine"].setdefault(int(m.group(1)), ts)
+        elif m := re.match(r"fetched steps (\d+)(?:\.\.(\d+))? in ([\d.]+) s", msg):
+            a = int(m.group(1))
+            ev["syncs"].append((ts - float(m.group(3)), a, int(m.group(2) or a)))
+    return ev
+
+
+def _pid_rss_mb(pid: int) -> float | None:
+    try:
+        m = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None
+    return round(int(m.group(1)) / 1024) if m else None
+
+
+def print_loopback(rows: list[dict]) -> None:
+    print(f"{'N':>3} {'label':12} " + " ".join(f"{k + ' med/p90':>20}" for k in PHASES) + f" {'t_all med':>9}")
+    for r in rows:
+        cells = " ".join(f"{_f(r['phases_s'][k]['median']):>9}/{_f(r['phases_s'][k]['p90']):<10}" for k in PHASES)
+        print(f"{r['n']:>3} {r.get('label', ''):12} {cells} {_f(r['delta_t_all_s']['median']):>9}")
+
+
 def _rss_mb(lab) -> dict:
     """Resident memory of the run's processes (MB): the coordinator and the sum over the workers."""
     out = {"coordinator": 0.0, "workers": 0.0}
@@ -501,9 +652,27 @@ def main() -> None:
     ap.add_argument("--key", default=None, help="the key of wan.json to write (default: no_p2p or p2p)")
     ap.add_argument("--scale", default=None, help="N values (e.g. 6,12,24): time until every node holds a step")
     ap.add_argument("--origin-mbit", type=float, default=20.0, help="--scale: the origin's upload cap, Mbit/s")
+    ap.add_argument("--loopback", default=None,
+                    help="N values (e.g. 1,6): no lab, no root; where a step's time goes from publication to held")
+    ap.add_argument("--set", action="append", default=[], dest="sets",
+                    help="--loopback: a config override for the coordinator and every node (e.g. p2p.http=true)")
     args = ap.parse_args()
     if args.cmd == "sniff":
         sniff(args.iface, args.peer, args.out)
+        return
+    if args.loopback:
+        extra = (*(("--set=p2p.enabled=false",) if args.no_p2p else ()), *(f"--set={x}" for x in args.sets))
+        rows = []
+        for n in args.loopback.split(","):
+            r = run_loopback(REPO, int(n), args.steps, args.workdir / f"loop{n}", extra=extra)
+            r["label"] = args.key or "loopback"
+            rows.append(r)
+        print_loopback(rows)
+        res = REPO / "bench" / "results" / "wan_loopback.json"
+        old = json.loads(res.read_text()) if res.is_file() else {}
+        old[args.key or "loopback"] = {"steps": args.steps, "rows": rows}
+        res.write_text(json.dumps(old, indent=1) + "\n")
+        print(f"wrote {res.relative_to(REPO)}")
         return
     sys.path.insert(0, str(REPO))
     from tests.wan.lab import unavailable

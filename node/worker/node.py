@@ -89,6 +89,7 @@ class WorkerNode:
         self._loading_step: int | None = None  # the step whose payload the engine is reading (the fetcher keeps it)
         self._ask_ahead = True  # ask for the next assignment while generating (_work_loop)
         self._probes: deque[dict] = deque(maxlen=PROBES_KEPT)
+        self._announced = -1  # newest step the coordinator's gossip announced to us
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -210,6 +211,10 @@ class WorkerNode:
     def _on_announcement(self, event) -> None:
         """Announcements wake the fetcher."""
         if event.announcement.kind == "manifest":  # a new step: fetch now, not at the next poll
+            step = event.announcement.step
+            if step > self._announced:  # once per step (bench/wan.py --loopback times it from this line)
+                self._announced = step
+                log.info("step %d announced", step)
             self.fetcher.wake.set()
         else:  # a peer holds new shards: wake download slots waiting for one
             self.fetcher.announce_change()
