@@ -232,6 +232,14 @@ def attack_scores(model, items: list[VerifyItem]) -> list[dict]:
     return out
 
 
+def untied(model) -> dict:
+    """The state dict without the output layer tied to the embedding (safetensors refuses shared tensors)."""
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
 def run_attacks(backend, model, tok, eos) -> dict:
     """The forgeries of tests/integration/test_verify_matrix.py on vLLM bf16 rollouts of the real model."""
     from tests.integration.test_verify_matrix import (
@@ -270,9 +278,9 @@ def run_attacks(backend, model, tok, eos) -> dict:
                                          for p, s, r in zip(ps, seeds, greedy)]
     for lr in (3e-3, 1e-3):
         step = training_step(model, lr=lr, vocab=model.config.vocab_size)
-        backend.load_state_dict(step.state_dict(), backend.policy_step + 1)
+        backend.load_state_dict(untied(step), backend.policy_step + 1)
         forged[f"other step (lr {lr:g})"] = gen(ps, seeds)
-    backend.load_state_dict(model.state_dict(), backend.policy_step + 1)
+    backend.load_state_dict(untied(model), backend.policy_step + 1)
     result = {}
     print("\nattacks on vLLM bf16 rollouts (weakest forged rollout: its strongest check / limit; > 1 = caught)")
     for name, res in forged.items():
