@@ -449,7 +449,10 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
         if xs:
             by_kind[k] = {"nodes": len(xs), "served_bytes": sum(xs), "served_per_node": int(sum(xs) / len(xs))}
     bsrc = st.get("checkpoint_bytes_by_source") or {}
-    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1),
+    # phases (bench/wan.py --loopback's) when the run's logs are JSON lines (--set server.log_format=json); the
+    # namespaces share the host's clock
+    phases = step_phases(st, [logs[nd.name] for nd in nodes])[0] if "server.log_format=json" in " ".join(extra) else None
+    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1), "phases_s": phases,
             "origin_mbit": origin_mbit, "bytes_by_source": bsrc, "origin_bytes": st.get("bytes_served"),
             "served_by_kind": by_kind, "natted_served_bytes": by_kind.get("home", {}).get("served_bytes", 0),
             "full": {"t_all_s": med("full", "t_all_s"), "lower_bound_s": med("full", "lower_bound_s"),
@@ -526,14 +529,26 @@ def run_loopback(root: Path, n: int, steps: int, workdir: Path, *, timeout_s: fl
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    logs = [(workdir / f"w{i}.log").read_text(errors="replace") for i in range(n)]
+    summary, per_step, pushed, t_all = step_phases(st, logs)
+    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1),
+            "phases_s": summary, "announcements_seen": pushed,
+            "delta_t_all_s": {"median": _r(statistics.median(t_all)) if t_all else None, "p90": _r(_pct(t_all, 0.9))},
+            "rss_mb": rss, "per_step": per_step}
+
+
+def step_phases(st: dict, logs: list[str]) -> tuple[dict, list, int, list]:
+    """From the coordinator's status (its step_log) and each worker's JSON log: the phases of every delta step
+    on every node (median, p90), each step's time to all nodes and to the median node, the announcements seen."""
+    n = len(logs)
+    events = [_node_events(text) for text in logs]
     published = {r["step"]: (r["published_ms"] / 1e3, r["encoding"], r["compressed_bytes"])
                  for r in st.get("step_log", []) if r["step"] >= 1}
     phases: dict[str, list[float]] = {k: [] for k in PHASES}
     per_step = []
     for s_, (pub, enc, size) in sorted(published.items()):
         held_all = []
-        for i in range(n):
-            ev = _node_events(workdir / f"w{i}.log")
+        for ev in events:
             held = ev["held"].get(s_)
             held_all.append(held)
             if held is None or enc == "full":
@@ -555,12 +570,9 @@ def run_loopback(root: Path, n: int, steps: int, workdir: Path, *, timeout_s: fl
                          "nodes_missing": n - len(got)})
     summary = {k: {"median": _r(statistics.median(v)) if v else None, "p90": _r(_pct(v, 0.9)), "n": len(v)}
                for k, v in phases.items()}
-    pushed = sum(1 for i in range(n) for _ in _node_events(workdir / f"w{i}.log")["announced"])
+    pushed = sum(len(ev["announced"]) for ev in events)
     t_all = [x["t_all_s"] for x in per_step if x["t_all_s"] is not None and x["encoding"] != "full"]
-    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1),
-            "phases_s": summary, "announcements_seen": pushed,
-            "delta_t_all_s": {"median": _r(statistics.median(t_all)) if t_all else None, "p90": _r(_pct(t_all, 0.9))},
-            "rss_mb": rss, "per_step": per_step}
+    return summary, per_step, pushed, t_all
 
 
 PHASES = ("announced", "sync_start", "fetch", "held", "engine")
@@ -573,10 +585,10 @@ def _pct(xs: list[float], q: float):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _node_events(log_path: Path) -> dict:
+def _node_events(log_text: str) -> dict:
     """A worker's JSON log lines as times: announced/held/engine by step, and each sync as (start, first, last)."""
     ev: dict = {"announced": {}, "held": {}, "engine": {}, "syncs": []}
-    for line in log_path.read_text(errors="replace").splitlines():
+    for line in log_text.splitlines():
         if not line.startswith("{"):
             continue
         try:
@@ -655,7 +667,7 @@ def main() -> None:
     ap.add_argument("--loopback", default=None,
                     help="N values (e.g. 1,6): no lab, no root; where a step's time goes from publication to held")
     ap.add_argument("--set", action="append", default=[], dest="sets",
-                    help="--loopback: a config override for the coordinator and every node (e.g. p2p.http=true)")
+                    help="--loopback, --scale: a config override for the coordinator and every node (e.g. p2p.http=true)")
     args = ap.parse_args()
     if args.cmd == "sniff":
         sniff(args.iface, args.peer, args.out)
@@ -680,7 +692,7 @@ def main() -> None:
     if why := unavailable():
         sys.exit(f"bench/wan.py: {why}")
     res = REPO / "bench" / "results" / "wan.json"
-    extra = ("--set=p2p.enabled=false",) if args.no_p2p else ()
+    extra = (*(("--set=p2p.enabled=false",) if args.no_p2p else ()), *(f"--set={x}" for x in args.sets))
     if args.scale:
         rows = [run_swarm(REPO, int(n), args.steps, args.workdir / f"n{n}", origin_mbit=args.origin_mbit, extra=extra)
                 for n in args.scale.split(",")]
