@@ -402,6 +402,8 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
         st = lab_status(lab, dc, url) or st
         rss = _rss_mb(lab)
         logs = {nd.name: lab.log(f"worker-{nd.name}") for nd in nodes}
+        for name, text in logs.items():  # kept beside the run (the lab's own log folder goes with it)
+            (workdir / f"{name}.log").write_text(text)
         lab.check_delay_lines()
         stop.set()
         th.join(5)
