@@ -2,7 +2,7 @@
 
 Step 0 and every `full_every` steps are `full`; the rest are xor-delta against the previous step.
 With trainer.lora (a `BroadcastAdapter` given), every step after 0 is a `lora-adapter` checkpoint instead: the
-adapter alone, its base the full step 0 pinned by its manifest hash (docs/PROTOCOL.md, "LoRA adapter"); the
+adapter alone, its base the full step 0 pinned by its manifest hash (docs/PROTOCOL.md, "lora-adapter"); the
 weights verification replays are the base merged with it by the protocol's `merge_lora`, the bytes every
 worker rebuilds, also kept as the step's payload file.
 Pruning keeps the last k + 1 steps plus the delta chain back to the newest full checkpoint at or

@@ -88,6 +88,10 @@ class Fetcher:
         """Fetch loop: poll for new steps until `stop` is set; errors are logged and retried."""
         backoff = Backoff(1.0, 30.0)
         while not stop.is_set():
+            # Cleared before the sync, not after: an announcement that arrives while a sync is under way (after
+            # its listing) must start another sync at once, not wait for the next poll (at N = 6 on loopback
+            # half the syncs waited the full 1 s; docs/BENCHMARKS.md, "Where a delta's seconds go").
+            self.wake.clear()
             try:
                 await self.sync_once()
                 backoff.reset()
@@ -96,7 +100,6 @@ class Fetcher:
                 log.warning("fetch failed (%s); retrying in %.1f s", e, delay)
                 await sleep_or_stop(stop, delay)
                 continue
-            self.wake.clear()
             await wait_any(stop, self.wake, timeout=poll_seconds)
 
     async def listing(self) -> tuple[ShardSource, CheckpointList]:

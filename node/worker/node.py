@@ -43,7 +43,6 @@ ALLOWED_MODEL_FILES = {"tokenizer.json", "tokenizer_config.json", "special_token
 
 
 PROBE_SEED, PROBE_PROMPT_TOKENS, PROBE_MAX_TOKENS, PROBES_KEPT = 0x5EED, 8, 16, 64
-REWAKES_PER_STEP, REWAKE_CHECK_S = 3, 0.05  # _rewake_loop
 
 
 class KeyPinError(PrimeNodeError):
@@ -91,9 +90,6 @@ class WorkerNode:
         self._ask_ahead = True  # ask for the next assignment while generating (_work_loop)
         self._probes: deque[dict] = deque(maxlen=PROBES_KEPT)
         self._announced = -1  # newest step the coordinator's gossip announced to us
-        self._newest_held = -1  # newest step the fetcher committed
-        self._news = asyncio.Event()  # an announced step is not held yet (_rewake_loop)
-        self._rewakes = 0
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -189,7 +185,6 @@ class WorkerNode:
                     tg.create_task(self._work_loop(), name="work")
                     if self.p2p is not None and self.announcer is not None:  # both or neither
                         tg.create_task(self.announcer.run(self.stop_event), name="announce")
-                        tg.create_task(self._rewake_loop(), name="rewake")
                     if self.status_line:
                         tg.create_task(self._status_loop(), name="status")
             except ExceptionGroup as eg:  # a node that cannot go on says why in one line (cli.main)
@@ -219,28 +214,10 @@ class WorkerNode:
             step = event.announcement.step
             if step > self._announced:  # once per step (bench/wan.py --loopback times it from this line)
                 self._announced = step
-                self._rewakes = REWAKES_PER_STEP
-                self._news.set()
                 log.info("step %d announced", step)
             self.fetcher.wake.set()
         else:  # a peer holds new shards: wake download slots waiting for one
             self.fetcher.announce_change()
-
-    async def _rewake_loop(self) -> None:
-        """The fetcher clears its wake-up after each sync (Fetcher.run), so an announcement that arrives while a
-        sync is under way, after that sync's listing, was lost: the step waited for the next 1 s poll. On loopback
-        at N = 6 (libp2p data plane) a delta's fetch began 1.6 s after its publication (median) though its
-        announcement arrived after 0.08 s (docs/BENCHMARKS.md, "Where a delta's seconds go"). While an announced
-        step is not held, this wakes the fetcher again whenever it has gone back to waiting: at most
-        REWAKES_PER_STEP times per announced step (a listing that does not show it yet costs one request each)."""
-        while not self.stop_event.is_set():
-            await wait_any(self._news, self.stop_event, timeout=5.0)
-            self._news.clear()
-            while self._rewakes > 0 and self._announced > self._newest_held and not self.stop_event.is_set():
-                if not self.fetcher.wake.is_set():  # cleared: the sync that missed it is over
-                    self._rewakes -= 1
-                    self.fetcher.wake.set()
-                await sleep_or_stop(self.stop_event, REWAKE_CHECK_S)
 
     def _reachability(self, reach: M.Reachability | None) -> None:
         """What the join's dial-back found decides what we announce (P2PNode.apply_reachability)."""
@@ -279,7 +256,6 @@ class WorkerNode:
         return spec
 
     def _on_new_step(self, step: int, payload: Path) -> None:
-        self._newest_held = max(self._newest_held, step)
         self._pending_step = (step, payload)
         self.new_weights.set()
 

@@ -1,4 +1,4 @@
-"""LoRA adapter checkpoints (encoding "lora-adapter", docs/PROTOCOL.md, "LoRA adapter"): the merge, defined once.
+"""LoRA adapter checkpoints (encoding "lora-adapter", docs/PROTOCOL.md, "lora-adapter"): the merge, defined once.
 
 An adapter checkpoint's payload is an ordinary safetensors file (sharded, zstd-compressed, sha256'd and signed
 like any other) holding, for each adapted linear layer `M` of the base model, `M.lora_A` (rank x in) and

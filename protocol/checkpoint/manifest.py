@@ -67,7 +67,7 @@ class Compression(_Strict):
 
 
 class LoraSpec(_Strict):
-    """What merging a `lora-adapter` payload into its base needs, signed (docs/PROTOCOL.md, "LoRA adapter"):
+    """What merging a `lora-adapter` payload into its base needs, signed (docs/PROTOCOL.md, "lora-adapter"):
     `base` is the manifest hash of the full checkpoint of `base_step`; every weight named by an adapter pair
     becomes W + (alpha / rank) * B @ A."""
 

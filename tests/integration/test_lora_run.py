@@ -1,6 +1,6 @@
 """trainer.lora in a real run (issue #29): a real coordinator and a real in-process worker on 127.0.0.1 with
 `trainer.lora.rank=8`. The warm start, the RL steps and the evaluation run on the LoRA model; step 0 is published
-full and every later step as a signed `lora-adapter` checkpoint (docs/PROTOCOL.md, "LoRA adapter"); the worker
+full and every later step as a signed `lora-adapter` checkpoint (docs/PROTOCOL.md, "lora-adapter"); the worker
 merges each into the step 0 it holds, generates with the merged weights, and every rollout is replayed against the
 coordinator's merge of the same two payloads and accepted; the trainer's base weights stay those of the model it
 started from. The bytes per step are printed beside what full and xor-delta checkpoints of the same weights cost."""

@@ -1,5 +1,5 @@
-"""LoRA adapter checkpoints (encoding "lora-adapter", protocol/checkpoint/adapter.py; docs/PROTOCOL.md, "LoRA
-adapter"): a real trainer with peft publishes through the real Publisher (signed with Ed25519, zstd shards); a
+"""LoRA adapter checkpoints (encoding "lora-adapter", protocol/checkpoint/adapter.py; docs/PROTOCOL.md,
+"lora-adapter"): a real trainer with peft publishes through the real Publisher (signed with Ed25519, zstd shards); a
 worker's path (verify, rebuild the adapter payload, merge into the pinned base) gives the weights verification
 replays, bit for bit, and the trainer's own merged model within the broadcast dtype's rounding; hostile adapters,
 bases and manifests are refused with a clear CheckpointError; a reader without the encoding refuses it in one line."""
