@@ -19,6 +19,7 @@ fp32) pass; see docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -31,6 +32,8 @@ from .sampler import check_sampling, check_seed, replay_scores, turn_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+log = logging.getLogger("prime_node.verify")
 
 REASONS = ("shape", "termination", "commitment", "logprobs", "sampling")
 # A token whose replay margin (logit units) is above this, yet within `sample_margin`, was not the seeded
@@ -397,6 +400,9 @@ def judge(model: PreTrainedModel, items: Sequence[VerifyItem]) -> list[Judgement
         # One token off the sampler's choice, with the commitment and logprobs right, can be numerical
         # (bf16 generation near a nucleus boundary, bench/near_ties.py); anything more is a forgery.
         outlier = v.reason in ("sampling", "termination") and v.scores.get("sample_bad_positions") == 1
+        if not v.ok:  # which statistic and by how much: what an operator (or a failed CI run) needs to calibrate
+            log.info("rollout failed verify_%s: %s %s", v.reason, v.detail,
+                     {k: round(x, 4) for k, x in v.scores.items()})
         out.append(Judgement(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
                              int(v.scores.get("near_tie_positions", 0)), outlier))
     return out
