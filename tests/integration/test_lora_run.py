@@ -28,7 +28,10 @@ async def test_a_lora_run_trains_publishes_and_verifies(tmp_path):
                                    "eval.prompts=4", "verification.fraction=1.0") as (coord, url):
         worker = start_worker(tmp_path, "w", coord, url)
         try:
-            await wait_for(lambda: coord.published_step >= 2, 180, "2 training steps", coord)
+            # the worker must hold step 2 too (checked below), not only the coordinator have published it: stopping
+            # it on the publication alone failed 1 run in 7 here (the worker's manifest of step 2 was None)
+            await wait_for(lambda: coord.published_step >= 2 and worker[0].fetcher.store.manifest(2) is not None,
+                           180, "2 training steps, the second held by the worker", coord)
         finally:
             await stop_workers(worker)
         status = coord.status()
