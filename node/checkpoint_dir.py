@@ -90,6 +90,12 @@ class CheckpointDir:
             m = self.manifest(m.base_step)
         return chain
 
+    def adapter_bases(self, steps) -> set[int]:
+        """The full steps whose payloads the LoRA adapters among `steps` merge into: a pruner keeps those payloads
+        beside the steps' own (the publisher's and the fetcher's prune)."""
+        return {m.base_step for s in steps
+                if (m := self.manifest(s)) is not None and m.is_adapter and m.base_step is not None}
+
     # -- writing -----------------------------------------------------------------------------------
     def begin(self, step: int, manifest: Manifest) -> Path:
         """A partial directory for downloading `step`, holding its manifest (kept across restarts)."""

@@ -141,5 +141,4 @@ class Publisher:
         keep = set(window)
         for s in window:
             keep.update(self.store.chain_to_full(s, set(steps)))
-        bases = {m.base_step for s in window if (m := self.store.manifest(s)) is not None and m.is_adapter}
-        return self.store.prune(keep, keep_payloads=window | {b for b in bases if b is not None})
+        return self.store.prune(keep, keep_payloads=window | self.store.adapter_bases(window))

@@ -202,8 +202,7 @@ class Fetcher:
         for s in recent:
             kept.update(self.store.chain_to_full(s, complete))
         # a LoRA adapter's base (the full step 0) stays whole, payload too: the next adapter merges into it
-        bases = {m.base_step for s in recent if (m := self.store.manifest(s)) is not None and m.is_adapter}
-        self.store.prune(kept, keep_payloads=set(recent) | in_use | {b for b in bases if b is not None})
+        self.store.prune(kept, keep_payloads=set(recent) | in_use | self.store.adapter_bases(recent))
 
     async def _manifests(self, steps: list[int], early: tuple[ShardSource, int, bytes] | None = None
                          ) -> dict[int, Manifest]:
