@@ -1,6 +1,8 @@
 """Worker section of the config tree (owned by node/worker). Only pydantic here: imported at start-up."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -17,6 +19,9 @@ class VllmSettings(BaseModel):
     max_model_len: int | None = Field(None, ge=16)  # unset: the model's own limit
     enforce_eager: bool | None = None  # unset: eager on the CPU (starts faster), CUDA graphs on GPUs
     max_num_seqs: int = Field(256, ge=1, le=4096)  # sequences decoded together
+    # The largest LoRA rank the engine serves with worker.lora_serving = "adapter" (vLLM preallocates its adapter
+    # buffers for it; one of the ranks vLLM accepts). A run's adapter of a higher rank is refused in one line.
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 64
 
 
 class WorkerConfig(BaseModel):
@@ -29,3 +34,8 @@ class WorkerConfig(BaseModel):
     heartbeat_seconds: float = Field(5.0, gt=0)
     join_token: str | None = Field(None, max_length=2048)  # for runs with admission.mode = "token"
     vllm: VllmSettings = Field(default_factory=VllmSettings)
+    # How a LoRA run's adapter steps (docs/PROTOCOL.md, "lora-adapter") reach the engine. "merged": the fetcher's
+    # merged weights are loaded like any full checkpoint (a full weight reload per step). "adapter": the engine keeps
+    # the pinned base and applies each step's verified adapter unmerged (vLLM's own LoRA support; a forward hook in the
+    # transformers backend): a swap of megabytes, at some cost per generated token (docs/BENCHMARKS.md, "LoRA swap").
+    lora_serving: Literal["merged", "adapter"] = "merged"

@@ -21,7 +21,7 @@ from node.aio import client_session, sleep_or_stop, wait_any
 from node.backoff import Backoff
 from node.checkpoint_dir import CheckpointDir
 from node.config import Config
-from node.worker.backends import GenRequest, InferenceBackend, start_backend
+from node.worker.backends import GenRequest, InferenceBackend, LoraAdapter, start_backend
 from node.worker.episodes import Episode, EpisodePlayer
 from node.worker.client import CoordinatorClient, CoordinatorError, Unreachable
 from node.worker.fetcher import Fetcher
@@ -34,6 +34,7 @@ from protocol.signing import sign_request
 
 if TYPE_CHECKING:
     from node.p2p import P2PNode
+    from protocol.checkpoint import Manifest
     from node.p2p.shard_store import CheckpointShards
 
 log = logging.getLogger("prime_node.worker")
@@ -276,22 +277,46 @@ class WorkerNode:
         if pending is None or pending[0] <= self.policy_step:
             return
         step, payload = pending
-        w = self.cfg.worker
+        manifest = self.fetcher.store.manifest(step)
         t0 = time.monotonic()
         self._loading_step = step
         try:
-            if self.backend is None:  # the engine starts on the first verified checkpoint
-                self.state = "starting"
-                log.info("starting the %s engine on step %d", w.backend, step)
-                self.backend = await asyncio.to_thread(
-                    start_backend, w.backend, self.model_dir, payload, step, dtype=w.dtype, device=w.device,
-                    vllm=w.vllm.model_dump(exclude_none=True))
+            if manifest is not None and manifest.is_adapter and self.cfg.worker.lora_serving == "adapter":
+                await self._load_adapter(manifest)
             else:
-                await asyncio.to_thread(self.backend.load_payload, payload, step)
+                await self._load_weights(payload, step, manifest.canonical_hash()
+                                         if manifest is not None and manifest.encoding == "full" else None)
         finally:
             self._loading_step = None
         await self._probe(step)
         log.info("now generating with step %d (swap took %.2f s)", step, time.monotonic() - t0)
+
+    async def _load_weights(self, payload: Path, step: int, base: str | None) -> None:
+        """A payload's full weights into the engine (started on them if it is not yet); `base`: the manifest hash of a
+        full checkpoint, which adapters may then apply to."""
+        w = self.cfg.worker
+        if self.backend is None:  # the engine starts on the first verified checkpoint
+            self.state = "starting"
+            log.info("starting the %s engine on step %d", w.backend, step)
+            self.backend = await asyncio.to_thread(
+                start_backend, w.backend, self.model_dir, payload, step, dtype=w.dtype, device=w.device,
+                vllm=w.vllm.model_dump(exclude_none=True), base=base, lora_serving=w.lora_serving)
+        else:
+            await asyncio.to_thread(self.backend.load_payload, payload, step, base=base)
+
+    async def _load_adapter(self, manifest: Manifest) -> None:
+        """worker.lora_serving = "adapter": the engine keeps the pinned base (loaded first if it holds other weights)
+        and generates with this step's adapter unmerged, rebuilt from the step's verified shards."""
+        store, step = self.fetcher.store, manifest.step
+        assert manifest.base_step is not None  # the manifest requires it of an adapter
+        base = store.manifest(manifest.base_step)
+        if base is None or not store.payload_path(manifest.base_step).is_file():  # the fetcher merged into it: held
+            raise WeightSwapError(f"step {step} is a LoRA adapter on step {manifest.base_step}, which is not held")
+        if self.backend is None or self.backend.base != base.canonical_hash():
+            await self._load_weights(store.payload_path(manifest.base_step), manifest.base_step, base.canonical_hash())
+        assert self.backend is not None  # started just above
+        adapter = await asyncio.to_thread(LoraAdapter.from_store, store, step)
+        await asyncio.to_thread(self.backend.load_adapter, adapter, step)
 
     async def _probe(self, step: int) -> None:
         """Generate a fixed probe after every swap. Its logprobs must move when the weights did (a swap

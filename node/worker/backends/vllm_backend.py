@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,12 +43,14 @@ from verify.commitment import make_commitment
 from verify.rollouts import resolve_device
 from verify.sampler import check_sampling, check_seed, sample_step
 
+from .adapter import LoraAdapter
 from .base import BackendError, GenRequest, GenResult, check_generate_args
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 from vllm import LLM, SamplingParams  # noqa: E402  (an extra; this module is imported lazily)
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality  # noqa: E402
 
 log = logging.getLogger("prime_node.vllm")
@@ -162,6 +166,15 @@ class WorkerExtension:
         from vllm.model_executor.layers.logits_processor import LogitsProcessor as VllmLogitsModule
 
         modules = [m for m in self.model_runner.get_model().modules() if isinstance(m, VllmLogitsModule)]
+        try:  # with LoRA on, vLLM wraps the module and runs the base class's forward on the wrapper, never the
+            # wrapped module's own: the hook goes on the wrapper (same arguments: lm_head, hidden_states, ...)
+            from vllm.lora.layers import LogitsProcessorWithLoRA
+        except ImportError:
+            LogitsProcessorWithLoRA = None
+        if LogitsProcessorWithLoRA is not None:
+            wrappers = [m for m in self.model_runner.get_model().modules() if isinstance(m, LogitsProcessorWithLoRA)]
+            if wrappers:
+                modules = wrappers
         if len(modules) != 1:
             raise RuntimeError(f"expected one LogitsProcessor module in the model, found {len(modules)}")
         modules[0].register_forward_pre_hook(RECORDER.capture)
@@ -190,7 +203,7 @@ class VLLMBackend:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str = "auto",
                  gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, enable_lora: bool = False, max_lora_rank: int = 64) -> None:
         from vllm.platforms import current_platform
 
         self.device = resolve_device(device)
@@ -202,8 +215,13 @@ class VLLMBackend:
         on_cpu = self.device.type == "cpu"
         if kv_cache_gib is None and on_cpu:
             kv_cache_gib = 1.0
+        # LoRA (worker.lora_serving = "adapter"): one adapter generates at a time (max_loras = 1: the worker's
+        # policy step), and the engine's CPU-side cache holds the current one and the one replacing it; older ones are
+        # removed explicitly (load_adapter), so the engine's memory does not grow with the run.
+        lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=2) if enable_lora else {}
         with MODEL_LOADS:  # vLLM's loader sets the default dtype too: one load at a time (node/model_loading.py)
-            self.llm = LLM(
+            self.llm = LLM(**lora,
+
                 model=str(model_dir), dtype=dtype, seed=0, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 gpu_memory_utilization=gpu_memory_utilization or 0.85,
                 kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
@@ -216,13 +234,52 @@ class VLLMBackend:
         self.llm.collective_rpc("prime_node_install_hook")
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.policy_step = -1
+        self.enable_lora, self.max_lora_rank = enable_lora, max_lora_rank
+        self.base: str | None = None  # manifest hash of the full checkpoint loaded, which adapters may apply to
+        self._lora: LoRARequest | None = None  # the adapter every request generates with (None: the plain weights)
+        self._lora_dir = tempfile.TemporaryDirectory(prefix="prime-node-lora-")  # peft directories vLLM reads
 
-    def load_payload(self, payload: str | Path, step: int) -> None:
+    def load_payload(self, payload: str | Path, step: int, *, base: str | None = None) -> None:
+        """`base`: the manifest hash when the payload is a full checkpoint that adapters may pin (None: merged)."""
         self.llm.collective_rpc("prime_node_reload", args=(str(payload),))
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self._drop_adapters(keep=None)  # adapters belong to the old base
+        self.base = base
         self.policy_step = step
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+    def load_adapter(self, adapter: LoraAdapter, step: int) -> None:
+        """Generate with `adapter` on the loaded base from now on, through vLLM's own LoRA support: the adapter is
+        written as a peft directory, added under a new id (the step's: a new adapter per step, no engine restart),
+        and the previous one removed. Refused (CheckpointError "base_mismatch") unless the engine's base is the
+        checkpoint the adapter pins; a rank above max_lora_rank is a setting, said in one line (BackendError)."""
+        if not self.enable_lora:
+            raise BackendError("this vLLM engine was started without LoRA (worker.lora_serving = \"merged\")")
+        adapter.check_base(self.base)
+        if adapter.rank > self.max_lora_rank:
+            raise BackendError(f"step {step}'s adapter has rank {adapter.rank}, above worker.vllm.max_lora_rank = "
+                               f"{self.max_lora_rank}")
+        lora_id = step + 1  # > 0, and never reused within a run: the engine caches adapters by id
+        path = adapter.write_peft_dir(Path(self._lora_dir.name) / f"step-{step}")
+        request = LoRARequest(lora_name=f"step-{step}", lora_int_id=lora_id, lora_path=str(path))
+        if not self.llm.llm_engine.add_lora(request):
+            raise BackendError(f"vLLM did not take the adapter of step {step}")
+        self._drop_adapters(keep=lora_id)
+        self._lora = request
+        self.policy_step = step
+
+    def _drop_adapters(self, keep: int | None) -> None:
+        """Remove every adapter but `keep` from the engine, and their peft directories."""
+        if not self.enable_lora:
+            return
+        for lora_id in set(self.llm.llm_engine.list_loras()) - {keep}:
+            self.llm.llm_engine.remove_lora(lora_id)
+        for path in Path(self._lora_dir.name).iterdir():
+            if keep is None or path.name != f"step-{keep - 1}":
+                shutil.rmtree(path, ignore_errors=True)
+        if keep is None:
+            self._lora = None
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], step: int, *, base: str | None = None) -> None:
         """For callers that hold tensors rather than a payload file (tests): written out, then loaded."""
         import tempfile
 
@@ -231,7 +288,7 @@ class VLLMBackend:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "state.safetensors"
             save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-            self.load_payload(path, step)
+            self.load_payload(path, step, base=base)
 
     def generate(self, requests: list[GenRequest], *, temperature: float, top_p: float, max_tokens: int,
                  eos_token_id: int) -> list[GenResult]:
@@ -246,7 +303,7 @@ class VLLMBackend:
                                                  ARG_TOP_P: top_p})
                       for k, r in zip(keys, requests)]
             outputs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], params,
-                                        use_tqdm=False)
+                                        use_tqdm=False, lora_request=self._lora)
             return [self._result(list(out.outputs[0].token_ids), RECORDER.requests[k], eos_token_id)
                     for out, k in zip(outputs, keys)]
         finally:
