@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from node.p2p.config import P2PConfig
 from node.trainer.config import TrainerConfig
@@ -57,6 +57,11 @@ class ServerConfig(_Section):
     # On stop, how long to wait for the training thread to finish the step in progress before the trainer's
     # other ranks (trainer.ranks > 1) are killed; a step cut short is redone after a restart.
     stop_timeout_s: float = Field(5.0, gt=0, le=3600)
+    # Training, evaluation, publishing and the coordinator's own replays run in a child process, the engine
+    # (node/coordinator/engine.py, docs/ARCHITECTURE.md "Processes"): the process that serves HTTP never
+    # imports torch, so a training step never holds the GIL that requests wait on. false: one process.
+    # Not with a verifier pool yet (verification.verifier_keys): its jobs are built from torch-side code.
+    engine_process: bool = False
 
 
 class StorageConfig(_Section):
@@ -203,6 +208,13 @@ class Config(_Section):
     p2p: P2PConfig = Field(default_factory=P2PConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)
+
+    @model_validator(mode="after")
+    def _engine_without_pool(self) -> "Config":
+        if self.server.engine_process and self.verification.verifier_keys:
+            raise ValueError("server.engine_process = true does not work with a verifier pool "
+                             "(verification.verifier_keys) yet")
+        return self
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

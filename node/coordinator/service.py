@@ -5,6 +5,10 @@ Threads: the asyncio loop (HTTP, scheduler, intake), one training thread (Traini
 verification thread. The scheduler is touched only on the loop; the training thread reaches it
 through `loop.call_soon_threadsafe`. Every background task and the training thread are owned by one
 Supervisor (node/coordinator/supervisor.py): the first to die marks the coordinator failed.
+
+With `server.engine_process = true` the training thread and the replays run in a child process instead
+(node/coordinator/engine.py; this one talks to it through engine_client.EngineProcess, whose channel
+reader is one more critical task), and this process never imports torch.
 """
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ from node.coordinator.intake import Intake
 from node.coordinator.ledger import Ledger, NodeStanding, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.node_bytes import NodeBytes
-from node.coordinator.publisher import Publisher
 from node.coordinator.records import AssignmentRow, Liveness, NodeState
 from node.coordinator.reachability import DialBack
 from node.coordinator.refusals import Refused
@@ -32,8 +35,7 @@ from node.coordinator.scheduler import Scheduler, StaleNode, assignment_id, min_
 from node.coordinator.seeding import SuperSeeder
 from node.coordinator.status import ONLINE_MS, build_status
 from node.coordinator.supervisor import Failure, Supervisor
-from node.coordinator.training import TrainingLoop
-from node.coordinator.verification import PolicyStore, VerdictQueue
+from node.coordinator.verification import VerdictQueue
 from node.coordinator.verifier_jobs import JobBoard
 from node.envs import encode_prompt
 from node.envs.episode import max_turns_of
@@ -42,6 +44,8 @@ from protocol.admission import AdmissionError, check_join_token, check_pow
 from protocol.identity import Identity
 
 if TYPE_CHECKING:
+    from node.coordinator.engine_client import EngineProcess
+    from node.coordinator.training import TrainingLoop
     from node.p2p import P2PNode
 
 log = logging.getLogger("prime_node.coordinator")
@@ -71,10 +75,6 @@ class Coordinator:
         self.metrics = CoordinatorMetrics()
         self.metrics.watch_nodes(lambda: self.ledger.node_summary(now_ms() - ONLINE_MS, self.published_step)["by_state"])
         self.checkpoints = CheckpointDir(self.root)
-        self.publisher = Publisher(self.checkpoints, identity, cfg.run.run_id, async_level=self.k,
-                                   shard_size=cfg.distribution.shard_size,
-                                   level=cfg.distribution.compression_level,
-                                   full_every=cfg.distribution.full_every)
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop, once started
         self.bytes_by_source: Counter[str] = Counter()
         # What each node says it fetched, by source: bounded per node and in nodes (node_bytes.py).
@@ -106,11 +106,31 @@ class Coordinator:
             async_level=self.k, batch_prompts=cfg.run.batch_prompts, group_size=cfg.run.group_size,
             prompts_per_assignment=cfg.run.prompts_per_assignment, make_prompt=self._make_prompt,
         )
-        self.policies = PolicyStore(self.model_dir, keep=self.k + 2)
-        self.training = TrainingLoop(cfg=cfg, storage=self.root, ledger=self.ledger, checkpoints=self.checkpoints,
-                                     publisher=self.publisher, policies=self.policies, model=self.model,
-                                     metrics=self.metrics, on_groups_dropped=self._on_loop(self.on_groups_dropped),
-                                     on_step_published=self._on_loop(self.on_step_published))
+        self.engine: EngineProcess | None = None
+        self._local: TrainingLoop | None = None  # the training thread of the one-process layout
+        self.training: TrainingLoop | EngineProcess
+        if cfg.server.engine_process:  # training, publishing and replays in the engine process (engine.py)
+            from node.coordinator.engine_client import EngineProcess
+
+            self.engine = self.training = EngineProcess(
+                cfg=cfg, identity=identity, metrics=self.metrics, on_groups_dropped=self.on_groups_dropped,
+                on_step_published=self.on_step_published,  # called on the loop: no _on_loop
+                on_failed=self.supervisor.fail)
+            self.policies = None
+        else:  # torch comes in here, with the trainer and the policy models
+            from node.coordinator.publisher import Publisher
+            from node.coordinator.training import TrainingLoop
+            from node.coordinator.verification import PolicyStore
+
+            publisher = Publisher(self.checkpoints, identity, cfg.run.run_id, async_level=self.k,
+                                  shard_size=cfg.distribution.shard_size, level=cfg.distribution.compression_level,
+                                  full_every=cfg.distribution.full_every)
+            self.policies = PolicyStore(self.model_dir, keep=self.k + 2)
+            self.training = self._local = TrainingLoop(
+                cfg=cfg, storage=self.root, ledger=self.ledger, checkpoints=self.checkpoints, publisher=publisher,
+                policies=self.policies, model=self.model, metrics=self.metrics,
+                on_groups_dropped=self._on_loop(self.on_groups_dropped),
+                on_step_published=self._on_loop(self.on_step_published))
         v = cfg.verification
         self.verifier_board = JobBoard(v.verifier_keys, v.job_lease_seconds, refusals=v.unavailable_tries,
                                        metrics=self.metrics) \
@@ -118,7 +138,8 @@ class Coordinator:
         self.verdicts = VerdictQueue(cfg=v, sampling=cfg.sampling, ledger=self.ledger,
                                      scheduler=self.scheduler, policies=self.policies, metrics=self.metrics,
                                      eos_token_id=self.eos_token_id, on_decided=self.training.notify_decided,
-                                     board=self.verifier_board)
+                                     board=self.verifier_board,
+                                     remote_judge=self.engine.verify if self.engine is not None else None)
         self.intake = Intake(cfg=cfg, ledger=self.ledger, scheduler=self.scheduler, verdicts=self.verdicts,
                              metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness)
 
@@ -143,9 +164,16 @@ class Coordinator:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.supervisor.bind(self.loop)
-        await asyncio.to_thread(self.training.restore_or_init)
-        self._restore_scheduler()
-        self.training.start(self.supervisor.start_thread)
+        if self.engine is not None:
+            await self.engine.start()  # it restores the run (or publishes θ_0) before it answers
+            self._restore_scheduler()
+            await self.engine.begin()
+            self._spawn(self.engine.serve(), "engine")
+        else:
+            assert self._local is not None  # one of the two layouts
+            await asyncio.to_thread(self._local.restore_or_init)
+            self._restore_scheduler()
+            self._local.start(self.supervisor.start_thread)
         if self.cfg.p2p.enabled:
             await self._start_p2p()
         self._spawn(self._expire_loop(), "expire-assignments")
@@ -162,12 +190,15 @@ class Coordinator:
 
     async def stop(self) -> None:
         await self.supervisor.stop()  # from here on a task or thread ending is expected, not a failure
-        await asyncio.to_thread(self.training.stop, self.cfg.server.stop_timeout_s)
+        if self.engine is not None:
+            await self.engine.stop(self.cfg.server.stop_timeout_s)
+        elif self._local is not None:
+            await asyncio.to_thread(self._local.stop, self.cfg.server.stop_timeout_s)
         self._flush_liveness()
         if self.p2p is not None:
             await self.p2p.stop()
         self.verdicts.close()
-        if self.training.running:  # left behind, stuck: the process exits under it (crash safety redoes its step)
+        if self.engine is None and self.training.running:  # left behind, stuck: the process exits under it (crash safety redoes its step)
             log.warning("the ledger is left open: the training thread may still write to it")
         else:
             self.ledger.close()

@@ -7,7 +7,7 @@ gauges are read by the components' own collectors at a scrape (node/coordinator/
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from node.coordinator.ledger import NodeRow, now_ms
@@ -19,6 +19,25 @@ ONLINE_MS = 30_000
 CURVE_POINTS = 1000  # a long run's reward curve is thinned to this many points (the newest always kept)
 LISTED_NODES = 200  # the node table lists the most recently seen nodes; counts cover all of them
 LISTED_SINCE_MS = 10 * 60_000  # ...that did work, or were seen in the last ten minutes
+
+
+@dataclass(frozen=True)
+class TrainerSnapshot:
+    """The training loop as /v1/status shows it: TrainingLoop.snapshot() in this process, or the engine
+    process's last Snapshot message (node/coordinator/engine_client.py)."""
+
+    busy: bool
+    busy_seconds: float
+    idle_seconds: float
+    error: str | None  # why the training thread died, if it did
+    last_metrics: dict
+    batch_health: dict  # batch_health.BatchHealth.snapshot()
+    eval_curve: list[dict] | None  # None: eval.every_steps = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_seconds + self.idle_seconds
+        return self.idle_seconds / total if total > 0 else 0.0
 
 
 def thin(rows: list, limit: int) -> list:

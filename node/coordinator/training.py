@@ -11,7 +11,6 @@ import shutil
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -26,6 +25,7 @@ from node.coordinator.publisher import Publisher
 from node.coordinator.records import DropReason, GroupRow, StoredRollout
 from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import min_policy_for_batch
+from node.coordinator.status import TrainerSnapshot
 from node.coordinator.verification import PolicyStore
 from node.envs.episode import episode_of, pack
 
@@ -50,24 +50,6 @@ def trainable(r: StoredRollout, policy_step: int) -> Rollout:
     return Rollout(completion_ids=ids, inference_logprobs=logprobs, reward=r.reward, policy_step=policy_step,
                    finish_reason=(rest[-1].model if rest else first).finish_reason, turns=1 + len(rest),
                    loss_mask=mask if rest else None)
-
-
-@dataclass(frozen=True)
-class TrainerSnapshot:
-    """The training loop as /v1/status shows it (node/coordinator/status.py composes it)."""
-
-    busy: bool
-    busy_seconds: float
-    idle_seconds: float
-    error: str | None  # why the training thread died, if it did
-    last_metrics: dict
-    batch_health: dict  # batch_health.BatchHealth.snapshot()
-    eval_curve: list[dict] | None  # None: eval.every_steps = 0
-
-    @property
-    def idle_fraction(self) -> float:
-        total = self.busy_seconds + self.idle_seconds
-        return self.idle_seconds / total if total > 0 else 0.0
 
 
 class TrainingLoop:

@@ -12,7 +12,7 @@ import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from node.config import SamplingConfig, VerificationConfig
 from node.coordinator.ledger import Ledger, NodeRow
@@ -23,10 +23,17 @@ from node.coordinator.verifier_jobs import JobBoard
 from node.trainer.model import load_model
 from protocol import messages as M
 from protocol.checkpoint import load_payload
-from verify.rollouts import Judgement, VerifyItem, judge, turn_items
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from node.coordinator.records import GroupRow
+    from verify.rollouts import Judgement, VerifyItem
+
+Judged = tuple[list[tuple[str, int]], list[Any]]  # (prompt_id, sample_index) and its Judgement, per rollout
+
+# verify.rollouts imports torch: it is imported where a replay is built or run, never at import time, so
+# that the API process of `server.engine_process = true` (node/coordinator/engine.py) never loads torch.
 
 log = logging.getLogger("prime_node.verification")
 
@@ -34,6 +41,8 @@ log = logging.getLogger("prime_node.verification")
 def merge_turns(answers: list[Judgement], owner: list[int], n: int) -> list[Judgement]:
     """Per-turn judgements -> one per rollout: it passes when every turn passes; it is an outlier (one token
     off the sampler's choice, possibly numerical) only when that is its one failure."""
+    from verify.rollouts import Judgement
+
     turns: list[list[Judgement]] = [[] for _ in range(n)]
     for j, i in zip(answers, owner):
         turns[i].append(j)
@@ -43,6 +52,25 @@ def merge_turns(answers: list[Judgement], owner: list[int], n: int) -> list[Judg
         out.append(Judgement(failed[0].reason if failed else None, sum(j.tokens for j in js),
                              sum(j.near_ties for j in js), len(failed) == 1 and failed[0].outlier))
     return out
+
+
+def build_checks(undecided: list[GroupRow], seeds: dict[str, list[int]], s: SamplingConfig, eos_token_id: int,
+                 ) -> tuple[list[tuple[str, int]], list[VerifyItem], list[int]]:
+    """The replay checks of a submission's undecided groups, one per model turn (a single-turn rollout has
+    one): (prompt_id, sample_index) per rollout, the checks, and each check's rollout (its index in the first)."""
+    from verify.rollouts import turn_items
+
+    refs: list[tuple[str, int]] = []
+    checks: list[VerifyItem] = []
+    owner: list[int] = []
+    for g in undecided:
+        for r in g.rollouts:
+            for it in turn_items(g.prompt_ids, r, seeds[g.prompt_id][r.sample_index],
+                                 s.temperature, s.top_p, s.max_tokens, eos_token_id):
+                checks.append(it)
+                owner.append(len(refs))
+            refs.append((g.prompt_id, r.sample_index))
+    return refs, checks, owner
 
 
 class PolicyStore:
@@ -104,8 +132,9 @@ class VerdictQueue:
     POOL_IN_FLIGHT = 256  # submissions awaiting the pool's verdicts at once
 
     def __init__(self, *, cfg: VerificationConfig, sampling: SamplingConfig, ledger: Ledger, scheduler: Scheduler,
-                 policies: PolicyStore, metrics: CoordinatorMetrics, eos_token_id: int,
-                 on_decided: Callable[[], None], board: JobBoard | None = None):
+                 policies: PolicyStore | None, metrics: CoordinatorMetrics, eos_token_id: int,
+                 on_decided: Callable[[], None], board: JobBoard | None = None,
+                 remote_judge: Callable[[str, int], Awaitable[Judged | None]] | None = None):
         self.cfg = cfg
         self.sampling = sampling
         self.ledger = ledger
@@ -115,6 +144,9 @@ class VerdictQueue:
         self.eos_token_id = eos_token_id
         self.on_decided = on_decided  # a verdict may complete a batch: wake the trainer
         self.board = board
+        # server.engine_process: the engine process holds the policies and replays there (node/coordinator/engine.py)
+        self.remote_judge = remote_judge
+        assert (policies is None) != (remote_judge is None), "one holder of the policies: this process or the engine"
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
 
@@ -162,37 +194,20 @@ class VerdictQueue:
         step = undecided[0].policy_step
         if not self.chosen(node):
             ledger.set_verdict(assignment_id, "unchecked")
-        elif self.policies.get(step) is None:  # fell out of the window while queued: not the node's fault
+        elif self.policies is not None and self.policies.get(step) is None:
+            # fell out of the window while queued: not the node's fault (the engine process says so by None, below)
             log.warning("no weights of step %d left to verify %s against; passed over", step, assignment_id)
             ledger.set_verdict(assignment_id, "unchecked")
         else:
-            a = ledger.assignment(assignment_id)
-            assert a is not None  # kept while a group of it waits for its verdict (Ledger.prune)
-            seeds = {p.prompt_id: p.seeds for p in a.prompts}
-            s = self.sampling
-            # one check per model turn (a single-turn rollout has one)
-            refs: list[tuple[str, int]] = []
-            checks: list[VerifyItem] = []
-            owner: list[int] = []
-            for g in undecided:
-                for r in g.rollouts:
-                    for it in turn_items(g.prompt_ids, r, seeds[g.prompt_id][r.sample_index],
-                                         s.temperature, s.top_p, s.max_tokens, self.eos_token_id):
-                        checks.append(it)
-                        owner.append(len(refs))
-                    refs.append((g.prompt_id, r.sample_index))
-            answers = await self._replay(step, checks)
-            if answers is None:  # no pool verifier could get the step: never passed over for it, replayed here
-                log.warning("no pool verifier could get step %d to verify %s; replaying it in-process",
-                            step, assignment_id)
-                answers = await self._replay_here(step, checks)
-            if answers is None:  # the step fell out of the window meanwhile: stale for every batch, never trained
+            judged = await (self.remote_judge(assignment_id, step) if self.remote_judge is not None
+                            else self._judge(assignment_id, step, undecided))
+            if judged is None:  # the step fell out of the window meanwhile: stale for every batch, never trained
                 log.warning("no weights of step %d left to verify %s against; passed over (stale)", step,
                             assignment_id)
                 ledger.set_verdict(assignment_id, "unchecked")
                 self.on_decided()
                 return
-            verdicts = merge_turns(answers, owner, len(refs))
+            refs, verdicts = judged
             fresh = ledger.node(node.node_id)
             assert fresh is not None  # a node that submitted is never forgotten (Ledger.forget_idle_nodes)
             node = fresh
@@ -222,8 +237,28 @@ class VerdictQueue:
             self._check_steering(node.node_id)
         self.on_decided()
 
+    async def _judge(self, assignment_id: str, step: int,
+                     undecided: list[GroupRow]) -> Judged | None:
+        """Every rollout of the submission replayed (by the pool, else here): (prompt_id, sample_index) and
+        its judgement, per rollout; None when no weights of `step` are held any more."""
+        a = self.ledger.assignment(assignment_id)
+        assert a is not None  # kept while a group of it waits for its verdict (Ledger.prune)
+        refs, checks, owner = build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts}, self.sampling,
+                                           self.eos_token_id)
+        answers = await self._replay(step, checks)
+        if answers is None:  # no pool verifier could get the step: never passed over for it, replayed here
+            log.warning("no pool verifier could get step %d to verify %s; replaying it in-process",
+                        step, assignment_id)
+            answers = await self._replay_here(step, checks)
+        if answers is None:
+            return None
+        return refs, merge_turns(answers, owner, len(refs))
+
     async def _replay_here(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
         """Replay in this process's verify thread; None if the step's weights are no longer held."""
+        from verify.rollouts import judge
+
+        assert self.policies is not None  # in-process replays only (remote_judge otherwise)
         model = self.policies.get(step)
         if model is None:
             return None

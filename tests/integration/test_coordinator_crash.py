@@ -1,5 +1,9 @@
 """SIGKILL the coordinator mid-intake and mid-publish; restart it on the same storage: the run resumes
-from the last published step, nothing acknowledged is lost, and nodes carry on without re-joining."""
+from the last published step, nothing acknowledged is lost, and nodes carry on without re-joining.
+
+Both process layouts: one process, and `server.engine_process = true`, where "publish" kills the engine
+process (the API process then fails and exits 1) and "intake" kills the API process (the engine stops when
+its channel closes, before the restarted coordinator starts another)."""
 import asyncio
 import json
 import os
@@ -19,7 +23,32 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 BATCH_PROMPTS = 4
 
 
-def start(tmp, crash_at: str | None):
+ENGINE = "--set=server.engine_process=true"
+
+
+def engine_pids(storage) -> list[int]:
+    """Engine processes of the run in `storage` (their command line names it: node/coordinator/engine.py)."""
+    want = str(storage.resolve()).encode()
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"node.coordinator.engine" in argv and want in argv:
+                pids.append(int(d))
+    return pids
+
+
+def wait_no_engine(storage, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while engine_pids(storage):
+        assert time.monotonic() < deadline, f"the engine of {storage} is still running {seconds} s after its API died"
+        time.sleep(0.1)
+
+
+def start(tmp, crash_at: str | None, *extra: str):
     ready = tmp / "ready.json"
     ready.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PRIME_NODE_CRASH_AT"}
@@ -28,12 +57,14 @@ def start(tmp, crash_at: str | None):
     proc = subprocess.Popen(
         [sys.executable, "-m", "node.cli", "coordinator", "--config", str(REPO / "configs/local.toml"),
          f"--set=storage.dir={tmp / 'coord'}", "--set=verification.fraction=0", f"--set=run.batch_prompts={BATCH_PROMPTS}",
-         "--set=run.group_size=4", "--set=run.prompts_per_assignment=1", "--ready-file", str(ready)],
+         "--set=run.group_size=4", "--set=run.prompts_per_assignment=1", "--ready-file", str(ready), *extra],
         cwd=REPO, env=env, stdout=open(tmp / "coord.log", "a"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     while not ready.exists():
         assert proc.poll() is None, (tmp / "coord.log").read_text()[-3000:]
-        assert time.monotonic() - t0 < 120
+        if time.monotonic() - t0 > 120:
+            proc.kill()  # and its engine, if any, when its channel closes
+            raise AssertionError("not ready in 120 s: " + (tmp / "coord.log").read_text()[-3000:])
         time.sleep(0.1)
     return proc, json.loads(ready.read_text())["url"]
 
@@ -115,24 +146,32 @@ def assert_durable(tmp, acked: list) -> int:
     return newest
 
 
+@pytest.mark.parametrize("layout", ["one-process", "engine-process"])
 @pytest.mark.parametrize("crash_at", ["publish", "intake"])
-async def test_sigkill_and_restart(tmp_path, crash_at):
+async def test_sigkill_and_restart(tmp_path, crash_at, layout):
     rng = random.Random(1)
     acked: list = []
-    proc, url = start(tmp_path, crash_at)
+    extra = [ENGINE] if layout == "engine-process" else []
+    proc, url = start(tmp_path, crash_at, *extra)
     async with aiohttp.ClientSession() as s:
         node = RawNode(url, s)
         st, spec = await node.post("/v1/join", {})
         assert st == 200
         vocab, eos = spec["model_config_json"]["vocab_size"], spec["eos_token_id"]
         await drive(node, lambda: proc.poll() is not None, vocab, eos, rng, acked)
-    assert proc.wait(10) == -signal.SIGKILL
+    if layout == "engine-process" and crash_at == "publish":  # the engine was killed: the API process failed
+        assert proc.wait(30) == 1
+        assert "engine died" in (tmp_path / "coord.log").read_text()
+    else:
+        assert proc.wait(10) == -signal.SIGKILL
+    if layout == "engine-process":
+        wait_no_engine(tmp_path / "coord")
     stored, steps_before = ledger_rows(tmp_path)
     assert set(acked) <= stored  # everything acknowledged was committed first
     if crash_at == "publish":
         assert (tmp_path / "coord" / "checkpoints" / str(steps_before[-1] + 1)).exists()  # half-published step
 
-    proc, url = start(tmp_path, None)
+    proc, url = start(tmp_path, None, *extra)
     try:
         async with aiohttp.ClientSession() as s:
             node.session, node.base = s, url  # same key, no re-join
@@ -150,4 +189,6 @@ async def test_sigkill_and_restart(tmp_path, crash_at):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+    if layout == "engine-process":  # stopped with its API process, not left behind
+        assert not engine_pids(tmp_path / "coord")
     assert assert_durable(tmp_path, acked) >= target
