@@ -15,8 +15,9 @@ peft's own merge would write into the base weights, which the next step's forwar
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -45,6 +46,24 @@ def wrap(model: Any, cfg: LoraConfig) -> Any:
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                              target_modules=list(cfg.target_modules), bias="none")
     return peft.get_peft_model(model, config, adapter_name=ADAPTER)
+
+
+@contextmanager
+def base_trainable(model: Any) -> Iterator[None]:
+    """Within: the base model's parameters train and the adapters are frozen at their init; on exit, as before.
+    The warm start runs in it (Trainer.sft): it builds the base, the model step 0 publishes in full, so the
+    adapters start RL at zero (lora_B = 0) and every later step's adapter is rank r. Trained through the adapters
+    instead, the warm start's adapter would have to be subtracted from every later step's (publisher.py
+    stack_adapters: rank 2r, twice the bytes), and a LoRA on a small base learns much less from it (measured:
+    bench/learning.py --lora-ranks, docs/BENCHMARKS.md "LoRA against full fine-tuning")."""
+    before = [(p, p.requires_grad) for p in model.parameters()]
+    for name, p in model.named_parameters():
+        p.requires_grad_(_LORA_PART not in name)
+    try:
+        yield
+    finally:
+        for p, flag in before:
+            p.requires_grad_(flag)
 
 
 def _base(model: Any) -> torch.nn.Module:

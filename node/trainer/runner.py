@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -163,6 +164,10 @@ class ModelRunner(ABC):
         """A plain (unsharded) model with the current weights, to evaluate."""
         return self.model
 
+    def warm_start_scope(self) -> AbstractContextManager[None]:
+        """What trains during the warm start (Trainer.sft): the model's trainable parameters, unchanged here."""
+        return nullcontext()
+
     def adapter_for_broadcast(self) -> lora.BroadcastAdapter | None:
         """With trainer.lora, the adapter alone in cfg.broadcast_dtype (published as a `lora-adapter` checkpoint,
         node/coordinator/publisher.py); None without it, or where a runner does not give it (an FSDPRunner's
@@ -232,6 +237,10 @@ class LocalRunner(ModelRunner):
 
     def new_optimizer(self, lr: float) -> torch.optim.Optimizer:
         return new_adamw(self.model, lr, self.cfg)
+
+    def warm_start_scope(self) -> AbstractContextManager[None]:
+        # With trainer.lora the warm start trains the base and leaves the adapters at init (lora.base_trainable).
+        return lora.base_trainable(self.model) if self.cfg.lora.enabled else nullcontext()
 
     def adapter_for_broadcast(self) -> lora.BroadcastAdapter | None:
         if not self.cfg.lora.enabled:

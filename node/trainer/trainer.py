@@ -191,13 +191,14 @@ class Trainer:
         """Supervised steps (sft_loss), one per batch of groups, with an AdamW of their own (`lr`, default
         cfg.warm_start_lr) so that the RL optimizer starts clean; `step_count` does not advance. Returns each
         step's per-token NLL. The warm start (node/trainer/warm_start.py) runs it before RL step 1."""
-        optimizer = self.runner.new_optimizer(lr or self.cfg.warm_start_lr)
         losses = []
-        for groups in batches:
-            self._reset_window()
-            self.forward_backward(groups, sft_loss)
-            losses.append(self.tally.loss_sum / max(self.tally.loss_tokens, 1))
-            self._optimizer_step(optimizer)
+        with self.runner.warm_start_scope():  # with trainer.lora: the base trains, the adapters stay at init
+            optimizer = self.runner.new_optimizer(lr or self.cfg.warm_start_lr)
+            for groups in batches:
+                self._reset_window()
+                self.forward_backward(groups, sft_loss)
+                losses.append(self.tally.loss_sum / max(self.tally.loss_tokens, 1))
+                self._optimizer_step(optimizer)
         self._reset_window()
         return losses
 

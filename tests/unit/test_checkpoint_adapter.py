@@ -47,7 +47,8 @@ def _run(model_dir, root, key, *, dtype: str, warm: bool, steps: int = 2):
     own merged weights in the broadcast dtype})."""
     t = Trainer(model_dir, TrainerConfig(lr=1e-2, broadcast_dtype=dtype, lora=dict(rank=RANK, alpha=ALPHA)),
                 batch_prompts=2)
-    if warm:  # what a warm start leaves: an adapter that is not zero at step 0
+    if warm:  # an adapter not zero at step 0: a run warm-started through its adapters by an older version
+        # (the warm start now trains the base, lora.base_trainable); the publisher still stacks such an adapter
         train_batches(t, [make_groups(2, seed=77)])
     pub = _publisher(root, key)
     out, own = {}, {}

@@ -55,18 +55,30 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(model_dir):
         assert after[name].grad is None  # step() zeroes (drops) them
 
 
-def test_sft_warm_start_lowers_the_loss_on_a_fixed_batch(model_dir):
+def test_sft_warm_start_trains_the_base_and_leaves_the_adapters_at_init(model_dir):
+    """The warm start builds the base that step 0 publishes in full (lora.base_trainable): the base trains as in
+    full fine-tuning, the adapters stay at init (lora_B = 0), so RL's adapters are rank r from zero and only they
+    train afterwards. Through the adapters alone it was 4.05 -> 3.60 in these 8 steps (the tied embedding, most of
+    this tiny model's capacity, frozen) against 4.05 -> 1.74 at rank 0."""
     t = Trainer(model_dir, TrainerConfig(lora={**LORA, "target_modules": list(ALL_TARGETS)}), batch_prompts=2)
-    base0 = _clone(lora.base_state_dict(t.model))
+    full = Trainer(model_dir, TrainerConfig(), batch_prompts=2)
+    base0, adapters0 = _clone(lora.base_state_dict(t.model)), _clone(lora.plain_adapter(t.model))
+    trainable0 = {n for n, p in t.model.named_parameters() if p.requires_grad}
     # reference answers (as node/trainer/warm_start.py builds them): one rollout per group, advantage 0
     batch = [Group(g.prompt_id, g.prompt_ids, [Rollout(r.completion_ids, [0.0] * len(r.completion_ids), 1.0)
                                               for r in g.rollouts[:1]], [0.0]) for g in make_groups(2, seed=7)]
-    # Slower than full fine-tuning here (the tied embedding, most of this tiny model's capacity, is frozen):
-    # measured 4.05 -> 3.60 in 8 steps against 4.05 -> 1.74 at rank 0, the same lr.
-    nll = t.sft([batch] * 8, lr=1e-2)
-    assert all(b < a for a, b in zip(nll, nll[1:])) and nll[-1] < 0.93 * nll[0], nll
-    assert all(torch.equal(lora.base_state_dict(t.model)[n], w) for n, w in base0.items())
-    assert t.step_count == 0
+    nll, nll_full = t.sft([batch] * 8, lr=1e-2), full.sft([batch] * 8, lr=1e-2)
+    assert all(b < a for a, b in zip(nll, nll[1:])) and nll[-1] < 0.6 * nll[0], nll
+    assert abs(nll[-1] - nll_full[-1]) < 0.02 * nll_full[-1], (nll, nll_full)  # the same training as rank 0
+    assert not all(torch.equal(lora.base_state_dict(t.model)[n], w) for n, w in base0.items())
+    assert all(torch.equal(lora.plain_adapter(t.model)[n], w) for n, w in adapters0.items())
+    assert not any(w.any() for n, w in lora.plain_adapter(t.model).items() if n.endswith(".lora_B"))
+    # afterwards only the adapters train again, and RL steps move them and not the base
+    assert {n for n, p in t.model.named_parameters() if p.requires_grad} == trainable0
+    base1 = _clone(lora.base_state_dict(t.model))
+    train_batches(t, _batches(1))
+    assert all(torch.equal(lora.base_state_dict(t.model)[n], w) for n, w in base1.items())
+    assert t.step_count == 1
 
 
 def test_broadcast_is_the_base_plus_the_merged_adapter_in_the_base_format(model_dir):
