@@ -59,6 +59,7 @@ class EngineProcess:
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[C.Verdicts]] = {}
         self._stopping = False
+        self._counted: dict[str, int] = {"usable": 0}  # batch health's run totals already added to the counters
         metrics.trainer_busy.set_function(lambda: self._snapshot.busy_seconds)
         metrics.trainer_idle.set_function(lambda: self._snapshot.idle_seconds)
 
@@ -137,6 +138,7 @@ class EngineProcess:
                                              idle_seconds=msg.idle_seconds, error=msg.error or self.error,
                                              last_metrics=dict(msg.last_metrics), batch_health=dict(msg.batch_health),
                                              eval_curve=None if msg.eval_curve is None else list(msg.eval_curve))
+            self._health_metrics(msg.batch_health)
             if msg.eval_curve:
                 self.metrics.eval_reward.set(msg.eval_curve[-1].get("reward", 0.0))
                 self.metrics.eval_step.set(msg.eval_curve[-1].get("step", 0))
@@ -152,6 +154,27 @@ class EngineProcess:
                                              s.batch_health, s.eval_curve)
         else:  # Ready twice
             raise C.ChannelError(f"unexpected {msg.kind!r} message from the engine")
+
+    def _health_metrics(self, h: dict) -> None:
+        """The batch-health series that BatchHealth sets in one process (batch_health.py), from its snapshot:
+        gauges set, counters advanced by what the engine counted since the last snapshot."""
+        def count(x) -> int:
+            return x if isinstance(x, int) and x >= 0 else 0
+        m = self.metrics
+        m.batch_needed.set(count(h.get("needed")))
+        m.batch_usable.set(count(h.get("usable")))
+        m.groups_unusable_in_a_row.set(count(h.get("unusable_in_a_row")))
+        for reason, n in (h.get("unusable") or {}).items():
+            m.batch_unusable.labels(str(reason)[:64]).set(count(n))
+        usable = count(h.get("run_usable"))
+        if usable > self._counted["usable"]:
+            m.groups_usable.inc(usable - self._counted["usable"])
+            self._counted["usable"] = usable
+        for reason, n in (h.get("run_unusable") or {}).items():
+            key, n = f"unusable:{str(reason)[:64]}", count(n)
+            if n > self._counted.get(key, 0):
+                m.groups_unusable.labels(str(reason)[:64]).inc(n - self._counted.get(key, 0))
+                self._counted[key] = n
 
     async def _exit_code(self, wait_s: float = KILL_AFTER_S) -> int | None:
         """The engine's exit code, waiting up to `wait_s` for it (its end of the channel closes as it exits);

@@ -3,7 +3,8 @@
 Everything a node is told ("accepted") is committed here first, so a SIGKILL at any moment loses
 nothing that was acknowledged. The published step is the single source of truth for resuming:
 a step row, the rollouts it consumed and the trainer state it produced are committed together.
-Only the coordinator's event loop thread writes; the training thread goes through the same lock.
+Only the coordinator's event loop thread writes; the training thread goes through the same lock (with
+server.engine_process it is another process, its own Ledger on the same file: SQLite's lock orders them).
 """
 from __future__ import annotations
 
@@ -163,7 +164,10 @@ class Ledger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        # timeout: SQLite's busy wait for the write lock. With server.engine_process the engine process writes
+        # too (published steps, node/coordinator/engine.py): a writer then waits out the other's transaction
+        # (milliseconds) instead of failing after sqlite3's default 5 s under a loaded disk.
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL: in WAL mode a commit survives the process being killed; `durable` transactions (what a
