@@ -20,7 +20,6 @@ are kept) and docs/learning.png for the demo's task, docs/learning-<task>.png fo
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import re
 import sys
@@ -39,6 +38,7 @@ def run_one(cfg, k: int, seed: int, steps: int, eval_every: int, eval_prompts: i
     from node.envs import decode_completion, encode_prompt, load_task
     from node.trainer import Group, Rollout, Trainer, build_tiny_model_dir, load_tokenizer, sft_warm_start
     from node.trainer.local_sampling import sample_group
+    from node.trainer.model import load_model
 
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,14 +57,18 @@ def run_one(cfg, k: int, seed: int, steps: int, eval_every: int, eval_prompts: i
                            seed=warm_start_seed(seed))
         ev.run(trainer.model, 0)
         gen = torch.Generator().manual_seed(seed)
-        sampler = copy.deepcopy(trainer.model)
+        # The sampler is a plain model fed the broadcast weights, as a worker's engine is: with trainer.lora the
+        # trainer's model is peft-wrapped and the broadcast is merged (W + alpha/r * B@A) under the plain names.
+        sampler = load_model(model_dir)
         sampler.eval()
         history = [trainer.weights_for_broadcast()]
         rewards, index = [], 0
         G, T, max_tokens, eos = cfg.run.group_size, cfg.sampling.temperature, cfg.sampling.max_tokens, tok.eos_token_id
         for _ in range(steps):
             policy = max(0, trainer.step_count - k)
-            sampler.load_state_dict(history[policy], strict=False)
+            res = sampler.load_state_dict(history[policy], strict=False)
+            if res.unexpected_keys or set(res.missing_keys) - {"lm_head.weight"}:  # only a tied head may be absent
+                raise RuntimeError(f"broadcast weights do not fit the sampler: {res}")
             offered = []
             while not trainer.batch_complete:
                 problem = task.sample(seed, index)
@@ -88,8 +92,8 @@ def run_one(cfg, k: int, seed: int, steps: int, eval_every: int, eval_prompts: i
             "reward_last5_mean": round(sum(rewards[-5:]) / len(rewards[-5:]), 4)}
 
 
-def summarize(rows: list[dict], k: int) -> dict:
-    mine = [r for r in rows if r["k"] == k]
+def summarize(rows: list[dict], k: int, lora_rank: int = 0) -> dict:
+    mine = [r for r in rows if r["k"] == k and r.get("lora_rank", 0) == lora_rank]
     steps = min(len(r["reward_by_step"]) for r in mine)
     per_step = [[r["reward_by_step"][s] for r in mine] for s in range(steps)]
     evals = {}
@@ -98,7 +102,7 @@ def summarize(rows: list[dict], k: int) -> dict:
             evals.setdefault(e["step"], []).append(e["reward"])
     last5 = [r["reward_last5_mean"] for r in mine]
     final_eval = [r["eval"][-1]["reward"] for r in mine]
-    return {"k": k, "summary": True, "seeds": [r["seed"] for r in mine],
+    return {"k": k, "lora_rank": lora_rank, "summary": True, "seeds": [r["seed"] for r in mine],
             "reward_mean_by_step": [round(sum(v) / len(v), 4) for v in per_step],
             "reward_min_by_step": [min(v) for v in per_step], "reward_max_by_step": [max(v) for v in per_step],
             "eval_mean_by_step": {s: round(sum(v) / len(v), 4) for s, v in sorted(evals.items())},
@@ -124,14 +128,17 @@ def plot(summaries: list[dict], out: Path, temperature: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120, sharey=True)
-    colors = {0: "tab:blue", 2: "tab:red"}
+    colors = {(0, 0): "tab:blue", (2, 0): "tab:red", (0, 1): "tab:cyan", (2, 1): "tab:orange"}
     for s in summaries:
-        c = colors.get(s["k"], None)
+        r = s.get("lora_rank", 0)
+        c = colors.get((s["k"], int(r > 0)), None)
+        label = f"k = {s['k']}" + (f", LoRA r = {r}" if r else (", full" if len(summaries) > 2 else ""))
         xs = list(range(1, len(s["reward_mean_by_step"]) + 1))
-        axes[0].plot(xs, s["reward_mean_by_step"], color=c, label=f"k = {s['k']}")
+        axes[0].plot(xs, s["reward_mean_by_step"], color=c, ls="--" if r else "-", label=label)
         axes[0].fill_between(xs, s["reward_min_by_step"], s["reward_max_by_step"], color=c, alpha=0.15)
         es = [int(x) for x in s["eval_mean_by_step"]]
-        axes[1].plot(es, list(s["eval_mean_by_step"].values()), color=c, marker="s", ms=3, label=f"k = {s['k']}")
+        axes[1].plot(es, list(s["eval_mean_by_step"].values()), color=c, marker="s", ms=3, ls="--" if r else "-",
+                     label=label)
         axes[1].fill_between(es, list(s["eval_min_by_step"].values()), list(s["eval_max_by_step"].values()),
                              color=c, alpha=0.15)
     n = len(summaries[0]["seeds"])
@@ -165,6 +172,9 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of configs/local.toml, e.g. task.name=reasoning-gym:spell_backward")
     p.add_argument("--no-write", action="store_true", help="print the table only (for trying settings)")
+    p.add_argument("--lora-ranks", default="0", help="trainer.lora.rank per variant, side by side in one run "
+                   "(0 = full fine-tuning), e.g. 0,8: LoRA against full, written to bench/results/learning_lora.json and "
+                   "docs/learning-lora.png")
     a = p.parse_args()
     results = REPO / "bench" / "results" / "learning.json"
     if a.plot_only:
@@ -176,34 +186,47 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     if a.quick:
         a.steps, a.seeds = 10, 2
-    cfg = load_config(REPO / "configs" / "local.toml", a.set)
+    ranks = [int(x) for x in a.lora_ranks.split(",")]
+    cfgs = {rank: load_config(REPO / "configs" / "local.toml", [*a.set, f"trainer.lora.rank={rank}"]) for rank in ranks}
+    cfg = cfgs[ranks[0]]
     task = cfg.task.name
     rows = []
     for k in (int(x) for x in a.ks.split(",")):
         for seed in range(a.seeds):
-            r = {"task": task, **run_one(cfg, k, seed, a.steps, a.eval_every, a.eval_prompts)}
-            rows.append(r)
-            print(f"k={k} seed={seed}: reward {r['reward_by_step'][0]:.3f} -> last5 {r['reward_last5_mean']:.3f}, "
-                  f"eval {r['eval'][0]['reward']:.3f} -> {r['eval'][-1]['reward']:.3f}, {r['wall_seconds']:.0f} s",
-                  flush=True)
+            for rank in ranks:
+                r = {"task": task, "lora_rank": rank,
+                     **run_one(cfgs[rank], k, seed, a.steps, a.eval_every, a.eval_prompts)}
+                rows.append(r)
+                print(f"k={k} seed={seed} lora={rank or 'off'}: reward {r['reward_by_step'][0]:.3f} -> last5 "
+                      f"{r['reward_last5_mean']:.3f}, eval {r['eval'][0]['reward']:.3f} -> {r['eval'][-1]['reward']:.3f}, "
+                      f"{r['wall_seconds']:.0f} s", flush=True)
     settings = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(), "lr": cfg.trainer.lr,
                 "warm_start_steps": cfg.trainer.warm_start_steps, "batch_prompts": cfg.run.batch_prompts,
                 "group_size": cfg.run.group_size, "sampling": cfg.sampling.model_dump(), "steps": a.steps,
                 "torch_threads": a.threads}
-    summaries = [{"task": task, "settings": settings, **summarize(rows, k)} for k in sorted({r["k"] for r in rows})]
-    print(f"\n{task}\n{'k':>2} {'reward last 5 (range)':>24} {'final eval (range)':>22} {'wall s/run':>10}")
+    summaries = [{"task": task, "settings": {**settings, "lora": cfgs[rank].trainer.lora.model_dump()},
+                  **summarize(rows, k, rank)}
+                 for k in sorted({r["k"] for r in rows}) for rank in ranks]
+    print(f"\n{task}\n{'k':>2} {'lora':>5} {'reward last 5 (range)':>24} {'final eval (range)':>22}"
+          f" {'eval vs full':>12} {'wall s/run':>10}")
     for s in summaries:
-        print(f"{s['k']:>2} {s['reward_last5_mean']:>8.3f} ({s['reward_last5_range'][0]:.3f}-{s['reward_last5_range'][1]:.3f})"
+        full = next((f for f in summaries if f["k"] == s["k"] and f["lora_rank"] == 0), None)
+        vs = f"{s['final_eval_mean'] / full['final_eval_mean']:.3f}x" if full and full["final_eval_mean"] else "-"
+        print(f"{s['k']:>2} {s['lora_rank'] or 'off':>5} {s['reward_last5_mean']:>8.3f} "
+              f"({s['reward_last5_range'][0]:.3f}-{s['reward_last5_range'][1]:.3f})"
               f"   {s['final_eval_mean']:>8.3f} ({s['final_eval_range'][0]:.3f}-{s['final_eval_range'][1]:.3f})"
-              f" {s['wall_seconds_mean']:>10.1f}")
+              f" {vs:>12} {s['wall_seconds_mean']:>10.1f}")
     if a.quick or a.no_write:
         return 0
-    # Rows of the other tasks stay (one task per run); a row without a task is from before tasks were recorded.
-    kept = [r for r in json.loads(results.read_text())["rows"] if r.get("task") not in (task, None)] \
-        if results.is_file() else []
+    if ranks != [0]:  # a LoRA comparison: its own file, every variant from this one run
+        results, kept = results.with_name("learning_lora.json"), []
+    else:  # rows of the other tasks stay (one task per run); a row without a task is from before tasks were recorded
+        kept = [r for r in json.loads(results.read_text())["rows"] if r.get("task") not in (task, None)] \
+            if results.is_file() else []
     results.write_text(json.dumps({"rows": kept + rows + summaries}, indent=1))
-    plot(summaries, plot_path(task), cfg.sampling.temperature)
-    print(f"wrote {results} and {plot_path(task).relative_to(REPO)}")
+    out = plot_path(task) if ranks == [0] else REPO / "docs" / "learning-lora.png"
+    plot(summaries, out, cfg.sampling.temperature)
+    print(f"wrote {results} and {out.relative_to(REPO)}")
     return 0
 
 
