@@ -210,9 +210,10 @@ class P2PNode:
         """Start the host and dial `bootstrap` (best effort); return the listen multiaddrs (with
         /p2p/<peer id>; empty if outbound-only). A P2PNode is started once: make a new one to restart."""
         from .service import P2PService  # libp2p + trio load here, not at import
-        from .service import patch_libp2p_signed_record_memo
+        from .service import patch_libp2p_signed_record_memo, patch_libp2p_yamux_window_updates
 
-        patch_libp2p_signed_record_memo()  # process-wide, idempotent: the one third-party patch p2p needs
+        patch_libp2p_signed_record_memo()  # process-wide, idempotent: py-libp2p 0.8.1's defects, worked around
+        patch_libp2p_yamux_window_updates()
         self._loop = asyncio.get_running_loop()
         self._service = P2PService(self.identity, self.cfg, run_id=self.run_id, coordinator_key=self.coordinator_key,
                                    listen_addrs=self.listen_multiaddrs, store=self.store, stats=self.stats,

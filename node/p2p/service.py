@@ -20,6 +20,7 @@ pubsub services, then the listeners and connections, in that order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -132,6 +133,43 @@ def patch_libp2p_signed_record_memo() -> bool:
         check = remembering(utils.maybe_consume_signed_record)
         for module in targets:
             setattr(module, "maybe_consume_signed_record", check)
+    return True
+
+
+def patch_libp2p_yamux_window_updates() -> bool:
+    """Batch yamux window updates as go-yamux does, for the whole process. Targets libp2p==0.8.1 (as
+    patch_libp2p_signed_record_memo); called by P2PNode.start, never at import. Idempotent.
+
+    The upstream defect: py-libp2p 0.8.1's `YamuxStream.read` returns credit to the sender after EVERY read
+    ("release on read", on unless PY_YAMUX_RELEASE_ON_READ=0), so a shard read frame by frame sends one
+    WINDOW_UPDATE frame back per DATA frame: a Noise message, a socket write on the reader and a read on the
+    sender, each a trip through yamux and Noise in Python. With it off, the stream keeps go-yamux's hysteresis
+    (an update once half the window has been read; the window still grows to 16 MiB by auto-tuning), so the
+    sender is never starved of credit. Measured with bench/p2p_throughput.py: ~20 % less CPU per shard on both
+    ends (docs/P2P.md, "Shard throughput over libp2p"). The same module read its PY_YAMUX_* settings with
+    os.getenv on every frame (~5 % of a reading client's CPU); they are read once here instead.
+
+    Only the flow-control bookkeeping changes: a peer still cannot send past the window it was given
+    (yamux's own check), and every limit of ours (shard sizes, deadlines, per-peer streams) is untouched.
+    Returns whether the patch is in place; when upstream no longer has these names, nothing is replaced and
+    this logs a warning and returns False (tests/unit/test_p2p_throughput.py fails on it)."""
+    import libp2p.stream_muxer.yamux.yamux as yamux
+
+    if not all(callable(getattr(yamux, name, None)) for name in ("_yamux_release_on_read", "_py_yamux_env")):
+        log.warning("py-libp2p's yamux has no _yamux_release_on_read/_py_yamux_env where libp2p==%s had them: "
+                    "a window update is sent per read (node/p2p/service.py)", LIBP2P_PATCHED_VERSION)
+        return False
+    if getattr(yamux._yamux_release_on_read, "batched", False):
+        return True
+    read_once = functools.lru_cache(maxsize=64)(yamux._py_yamux_env)
+
+    def release_on_read() -> bool:
+        return False
+
+    release_on_read.batched = True  # type: ignore[attr-defined]
+    release_on_read.replaced = yamux._yamux_release_on_read  # type: ignore[attr-defined]  # (for the tests)
+    yamux._py_yamux_env = read_once
+    yamux._yamux_release_on_read = release_on_read
     return True
 
 

@@ -33,6 +33,7 @@ from node.rate_limit import DEFAULT_MIN_SEND_RATE, DEFAULT_SEND_GRACE_S, MinSend
 from .shard_store import ShardStore
 from .shard_wire import (
     BadRequest,
+    FRAME_PAYLOAD_BYTES,
     MAX_REQUEST_BYTES,
     REQUEST_PREFIX,
     Status,
@@ -46,7 +47,7 @@ from .stream_io import StreamClosedEarly, read_exactly, stream_peer
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 * 1024  # one yamux frame
+CHUNK_BYTES = FRAME_PAYLOAD_BYTES  # one yamux frame in one Noise message (shard_wire.py)
 
 
 class NoRequest(Exception):

@@ -26,6 +26,15 @@ MAX_REQUEST_BYTES = 1024
 MAX_REASON_BYTES = 1024
 REQUEST_PREFIX = struct.Struct(">I")
 RESPONSE_HEADER = struct.Struct(">BQ")
+# What one write of shard bytes should carry so that it crosses as ONE yamux DATA frame in ONE Noise transport
+# message: Noise carries at most 65535 - 16 (the Poly1305 tag) = 65519 plaintext bytes per message, and yamux puts a
+# 12-byte header in front of each frame (py-libp2p 0.8.1: MAX_PLAINTEXT_LENGTH in libp2p/security/noise/io.py,
+# HEADER_SIZE in libp2p/stream_muxer/yamux/yamux.py). A 64 KiB write crossed as 2 frames (65524 + 12 bytes) and
+# 3 Noise messages, each with its own Python trip through yamux, Noise, msgio and the socket on both ends
+# (docs/P2P.md, "Shard throughput over libp2p"). tests/unit/test_p2p_throughput.py checks these against libp2p's.
+NOISE_MAX_PLAINTEXT = 65535 - 16
+YAMUX_HEADER_BYTES = 12
+FRAME_PAYLOAD_BYTES = NOISE_MAX_PLAINTEXT - YAMUX_HEADER_BYTES
 
 
 class Status(enum.IntEnum):

@@ -90,6 +90,54 @@ async def test_many_shards_in_parallel_byte_exact_with_manifest_check(tmp_path):
         assert server.stats.snapshot()["requests_refused"] == {"not_found": 3, "too_large": 1}
 
 
+async def test_a_large_shard_crosses_in_full_frames_with_batched_window_updates(monkeypatch):
+    """Each Python trip through yamux and Noise costs CPU on both ends (docs/P2P.md, "Shard throughput over
+    libp2p"): a 4 MiB shard must cross in about one yamux DATA frame per 65507 bytes (each in one Noise message),
+    and the client must return credit once per half window, not after every read. Counted on the client's
+    connection by wrapping py-libp2p's frame reader and window-update sender (the transfer itself is real).
+    Before: 131 frames (64 KiB writes split in two), and an update per read: a median of one frame's worth."""
+    import math
+    import statistics
+
+    from libp2p.stream_muxer.yamux import yamux
+
+    from node.p2p.shard_wire import FRAME_PAYLOAD_BYTES
+
+    data = os.urandom(4 * 1024 * KIB)
+    frames, updates = [], []
+    read_body, send_update = yamux.Yamux._read_data_body, yamux.YamuxStream.send_window_update
+
+    async def counted_body(self, length):
+        frames.append((self.peer_id, length))
+        return await read_body(self, length)
+
+    async def counted_update(self, increment, skip_lock=False):
+        updates.append((self.conn.peer_id, self.stream_id, increment))
+        return await send_update(self, increment, skip_lock)
+
+    async with running(node(shard_source=lambda s, i: data), node(listen=False)) as (server, client):
+        [peer] = await client.connect(server.listen_addrs)
+        monkeypatch.setattr(yamux.Yamux, "_read_data_body", counted_body)
+        monkeypatch.setattr(yamux.YamuxStream, "send_window_update", counted_update)
+        assert await client.fetch_shard(peer, 0, 0, max_bytes=8 << 20) == data
+        monkeypatch.undo()
+    from_server = [n for p, n in frames if p.to_base58() == server.peer_id]
+    by_stream: dict[int, list[int]] = {}
+    for p, stream, n in updates:
+        if p.to_base58() == server.peer_id:
+            by_stream.setdefault(stream, []).append(n)
+    to_server = max(by_stream.values(), key=sum)  # the shard's stream (others: gossip, identify)
+    full = math.ceil(len(data) / FRAME_PAYLOAD_BYTES)
+    # + multistream-select's 2 answers and the response header
+    assert len(from_server) <= full + 3, f"{len(from_server)} DATA frames for {full} frames' worth of shard"
+    assert sum(from_server) >= len(data)
+    # Credit goes back in batches of at least two frames (a few small ones while the window auto-tunes up); before,
+    # one update per read of one frame: a median of one frame's worth.
+    assert statistics.median(to_server) >= 2 * FRAME_PAYLOAD_BYTES, f"window updates of {sorted(to_server)}"
+    assert len(to_server) <= full // 2 + 12, f"{len(to_server)} window updates for a 4 MiB shard"
+    print(f"4 MiB shard: {len(from_server)} DATA frames, {len(to_server)} window updates from the client")
+
+
 async def test_busy_when_over_the_concurrency_limit(tmp_path):
     big = os.urandom(600 * KIB)  # ≥ 0.9 s at the limit below: plenty of time to ask again
     source = {(1, 0): big, (1, 1): b"small"}
