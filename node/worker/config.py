@@ -19,9 +19,10 @@ class VllmSettings(BaseModel):
     max_model_len: int | None = Field(None, ge=16)  # unset: the model's own limit
     enforce_eager: bool | None = None  # unset: eager on the CPU (starts faster), CUDA graphs on GPUs
     max_num_seqs: int = Field(256, ge=1, le=4096)  # sequences decoded together
-    # The largest LoRA rank the engine serves with worker.lora_serving = "adapter" (vLLM preallocates its adapter
-    # buffers for it; one of the ranks vLLM accepts). A run's adapter of a higher rank is refused in one line.
-    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 64
+    # The largest LoRA rank the engine serves with worker.lora_serving = "adapter" (one of the ranks vLLM accepts). vLLM
+    # sizes its adapter buffers for it and its CPU ops pad every token's adapter to it, so it costs speed: 32 covers a
+    # warm-started rank-16 run (sent stacked at rank 32). A run's adapter of a higher rank is refused in one line.
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 32
 
 
 class WorkerConfig(BaseModel):

@@ -116,7 +116,7 @@ async def serve_lora_run(tmp_path, *worker_args: str, wait_s: float = 180):
 
 
 async def test_a_worker_serves_lora_adapters_unmerged_with_no_rejections(tmp_path):
-    status, node, coord = await serve_lora_run(tmp_path)
+    status, node, _ = await serve_lora_run(tmp_path)
     assert status["verification"]["rejected"] == 0 and status["verification"]["accepted"] > 0, status["verification"]
     assert node.stats.accepted > 0 and node.stats.rejected == 0
     store = node.fetcher.store

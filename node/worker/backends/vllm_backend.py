@@ -18,7 +18,10 @@ no second copy of the model exists anywhere.
    new policy is swapped in place through a worker extension reached with `collective_rpc`, which
    streams the payload file into the model's own `reload_weights` (vLLM's layer-wise in-place reload,
    which re-runs the kernel-format processing that a plain `load_weights` would break), then the prefix
-   cache is reset.
+   cache is reset. With worker.lora_serving = "adapter" a LoRA run's adapter steps are not reloaded as
+   merged weights: the engine keeps the pinned base and serves each step's verified adapter through vLLM's
+   own LoRA support (`load_adapter`: a peft directory, a new `LoRARequest` id per step, the previous one
+   removed), and the evidence hook sits on vLLM's LoRA wrapper of the same module.
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that the processor's records are
 plain Python objects here, and on vLLM's V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, whose
@@ -203,7 +206,7 @@ class VLLMBackend:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str = "auto",
                  gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 max_num_seqs: int = 256, enable_lora: bool = False, max_lora_rank: int = 64) -> None:
+                 max_num_seqs: int = 256, enable_lora: bool = False, max_lora_rank: int = 32) -> None:
         from vllm.platforms import current_platform
 
         self.device = resolve_device(device)
