@@ -167,14 +167,19 @@ class ShardServer:
                     await self._refuse(stream, Status.TOO_LARGE, f"shard is {body.size} bytes, limit {limit}")
                     return
                 rate = MinSendRate(self.min_send_rate, self.send_grace_s)
-                await self._write(stream, encode_header(Status.OK, body.size), rate)
+                # The header rides in the first chunk's write, so every chunk leaves room for it: one frame fewer
+                # per shard, and a small shard crosses in one (docs/P2P.md, "Shard throughput over libp2p").
+                header = encode_header(Status.OK, body.size)
                 sent = 0
-                for chunk in body.chunks(self.chunk_bytes):
+                for chunk in body.chunks(self.chunk_bytes - len(header)):
                     if self.limiter is not None:
                         await self.limiter.acquire(len(chunk))  # our own cap: not the client's time
-                    await self._write(stream, chunk, rate)
+                    await self._write(stream, header + chunk if header else chunk, rate)
+                    header = b""
                     sent += len(chunk)
                     self.stats.add_served(peer, len(chunk), shard_done=sent == body.size)
+                if header:  # an empty shard: no chunk carried it
+                    await self._write(stream, header, rate)
             finally:
                 body.close()
         finally:
