@@ -12,11 +12,14 @@ of both processes per fetch (getrusage / /proc, the timed fetches only). A 1 KiB
 latency (what a fetch costs before its bytes). Besides, for libp2p, how many yamux DATA frames and how many
 stream reads a shard took on the client (counted by wrapping py-libp2p's methods in the client process only).
 
+--gil-busy adds a pure-Python busy thread to both processes, as a worker generating while it serves has: every
+wake-up of the trio thread (libp2p) or of the asyncio loop (HTTP) then waits for the GIL.
+
 --baseline REV runs the same cases against the code of REV (a detached git worktree in the temp dir, this venv,
 this bench file) in the same sitting, alternating code by round, and prints the ratios.
 
     .venv/bin/python bench/p2p_throughput.py [--sizes 1,64,256,1024,4096,8192] [--reps 15] [--baseline REV]
-        [--planes libp2p,http] [--key NAME]     # writes bench/results/p2p_throughput.json ({"runs": {key: ...}})
+        [--planes libp2p,http] [--gil-busy] [--key NAME]     # writes bench/results/p2p_throughput.json ({"runs": {key: ...}})
 """
 from __future__ import annotations
 
@@ -163,8 +166,27 @@ async def client(where: dict, http: bool, mhash: str, sizes_kib: list[int], reps
     return out
 
 
+def busy_python_thread() -> None:
+    """A thread that keeps the GIL busy, as a worker's generation thread does (node/worker/node.py runs
+    backend.generate in asyncio.to_thread; a transformers decode loop is Python between torch ops). The libp2p
+    trio thread and the asyncio loop then wait for the GIL at every wake-up (up to sys.getswitchinterval())."""
+    import threading
+
+    def spin() -> None:
+        x = 0
+        while True:
+            for i in range(1000):
+                x += i
+
+    threading.Thread(target=spin, name="busy-generation-stand-in", daemon=True).start()
+
+
 def child(argv: list[str]) -> None:
     role, plane = argv[0], argv[1]
+    if os.environ.get("P2P_BENCH_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["P2P_BENCH_SWITCH_INTERVAL"]))
+    if os.environ.get("P2P_BENCH_GIL_BUSY") == "1":
+        busy_python_thread()
     if role == "server":
         asyncio.run(serve(Path(argv[2]), plane == "http", argv[3], int(argv[4])))
     else:
@@ -238,12 +260,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="each (code, plane) is run this many times, alternating")
     ap.add_argument("--baseline", metavar="REV", help="also measure this commit's code, side by side")
     ap.add_argument("--key", default="latest", help="name of this run in the JSON file")
+    ap.add_argument("--gil-busy", action="store_true",
+                    help="a pure-Python busy thread in both processes (a worker generating while it serves/fetches)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child)
         return
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.gil_busy:
+        os.environ["P2P_BENCH_GIL_BUSY"] = "1"  # the children inherit it
     planes = args.planes.split(",")
     codes: list[tuple[str, Path | None]] = []
     base_tree = None
@@ -323,7 +349,7 @@ def main() -> None:
             print(f"{r['code'][:22]:<22} {r['kib']:5d} KiB: libp2p {r['libp2p_vs_http']:.1f}x HTTP's time")
     runs = json.loads(RESULT.read_text())["runs"] if RESULT.exists() else {}
     runs[args.key] = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                      "load": os.getloadavg(), "reps": args.reps, "rounds": args.rounds,
+                      "load": os.getloadavg(), "reps": args.reps, "rounds": args.rounds, "gil_busy": args.gil_busy,
                       "baseline": args.baseline, "rows": rows}
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps({"benchmark": "p2p_throughput", "runs": runs}, indent=1) + "\n")

@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import re
+import sys
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -47,6 +48,12 @@ log = logging.getLogger(__name__)
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # the announcement schema's RunId
 NAT_INTERVAL_S = 5.0  # a NATed node's keeper (nat.py) checks its connections and reservations this often
+# The longest a thread that wants the GIL waits for a busy one to hand it over (CPython's default: 5 ms). The libp2p
+# host runs on its own trio thread; a shard request wakes it ~10 times per end (frames, window updates, the bridge),
+# and each wake-up waited for the GIL behind a worker's generation thread: a 128 KiB peer shard took 92 ms with a
+# busy Python thread in both processes, 48 ms at 1 ms (HTTP plane: 21 -> 13 ms; bench/p2p_throughput.py --gil-busy,
+# docs/P2P.md, "Shard throughput over libp2p"). Lowered, never raised, when a host starts: process-wide.
+GIL_SWITCH_INTERVAL_S = 0.001
 # Our own announcements per second. Gossipsub drops, without telling anyone, what a peer sends
 # beyond its per-forwarder limit (10/s in stock py-libp2p, which we apply to ourselves as well):
 # pacing here turns a would-be silent loss into a short wait.
@@ -214,6 +221,8 @@ class P2PNode:
 
         patch_libp2p_signed_record_memo()  # process-wide, idempotent: py-libp2p 0.8.1's defects, worked around
         patch_libp2p_yamux_window_updates()
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._loop = asyncio.get_running_loop()
         self._service = P2PService(self.identity, self.cfg, run_id=self.run_id, coordinator_key=self.coordinator_key,
                                    listen_addrs=self.listen_multiaddrs, store=self.store, stats=self.stats,

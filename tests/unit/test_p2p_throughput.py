@@ -82,3 +82,26 @@ async def test_starting_a_host_installs_the_window_update_patch(monkeypatch):
         assert getattr(yamux._yamux_release_on_read, "batched", False)
     finally:
         await node.stop()
+
+
+async def test_starting_a_host_shortens_the_gil_switch_interval_but_never_lengthens_it(monkeypatch):
+    """The trio thread waits for the GIL at every wake-up behind a busy generation thread (node/p2p/host.py,
+    GIL_SWITCH_INTERVAL_S): a host lowers the process's switch interval to 1 ms, and leaves a lower one alone."""
+    import sys
+
+    from node.p2p import host
+    from protocol.identity import Identity
+    from tests.p2p_helpers import p2p_config
+
+    before = sys.getswitchinterval()
+    try:
+        for given, expected in ((0.005, host.GIL_SWITCH_INTERVAL_S), (0.0002, 0.0002)):
+            sys.setswitchinterval(given)
+            node = host.P2PNode(Identity.generate(), p2p_config(listen=False), run_id="run-gil")
+            try:
+                await node.start()
+                assert abs(sys.getswitchinterval() - expected) < 1e-6, (given, sys.getswitchinterval())
+            finally:
+                await node.stop()
+    finally:
+        sys.setswitchinterval(before)
