@@ -127,3 +127,39 @@ async def test_a_worker_serves_lora_adapters_unmerged_with_no_rejections(tmp_pat
     # every step's probe (the fixed prompt after each swap) moved with the adapter
     probes = [p["policy_step"] for p in node._probes]
     assert {1, 2, 3} <= set(probes), probes
+
+
+def test_the_adapter_an_engine_gets_is_the_verified_checkpoint(tmp_path):
+    """LoraAdapter.from_store rebuilds a held adapter step from its shard files against the signed manifest: the
+    pairs, rank, alpha and pinned base are the manifest's; a shard changed on disk after the download is refused."""
+    from node.checkpoint_dir import CheckpointDir
+    from node.coordinator.publisher import Publisher
+    from node.trainer import lora
+    from node.trainer.config import LoraConfig
+    from protocol.identity import Identity
+
+    store = CheckpointDir(tmp_path / "ckpt")
+    pub = Publisher(store, Identity.generate(), "run", async_level=2, shard_size=4096, level=3, full_every=1000)
+    torch.manual_seed(1)
+    model = lora.wrap(tiny_model(0), LoraConfig(rank=RANK, alpha=ALPHA, target_modules=list(TARGETS)))
+    pub.publish(0, lora.base_state_dict(model), adapter=lora.adapter_for_broadcast(model, torch.bfloat16))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.1)
+    pub.publish(1, None, adapter=lora.adapter_for_broadcast(model, torch.bfloat16))
+    m = store.manifest(1)
+    adapter = LoraAdapter.from_store(store, 1)
+    assert (adapter.base, adapter.rank, adapter.alpha) == (m.lora.base, m.lora.rank, m.lora.alpha)
+    assert adapter.base == store.manifest(0).canonical_hash()
+    sent = lora.plain_adapter(model)
+    assert len(adapter.pairs) == len(sent) // 2
+    for module, (a, b) in adapter.pairs.items():
+        assert torch.equal(a, sent[f"{module}.lora_A"].to(torch.bfloat16))
+        assert torch.equal(b, sent[f"{module}.lora_B"].to(torch.bfloat16))
+    shard = store.shard_path(1, 0)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError):
+        LoraAdapter.from_store(store, 1)
