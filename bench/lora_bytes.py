@@ -26,7 +26,8 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warm", type=int, default=1, help="SFT-like steps before step 0 (a warm-started adapter)")
+    ap.add_argument("--warm", type=int, default=1, help="warm-start (Trainer.sft) steps before step 0: they train "
+                    "the base, as a run's warm start does, and leave the adapter at init")
     ap.add_argument("--tiny", action="store_true", help="the tiny test model instead of SmolLM2-135M")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_bytes.json"))
     args = ap.parse_args()
@@ -49,8 +50,12 @@ def main() -> int:
         model, name = model_dir(download=False), "SmolLM2-135M-Instruct"
     cfg = TrainerConfig(lr=1e-3, broadcast_dtype="bfloat16", lora=dict(rank=args.rank, alpha=args.alpha))
     trainer = Trainer(model, cfg, batch_prompts=4)
-    if args.warm:
-        train_batches(trainer, [make_groups(4, seed=900 + i) for i in range(args.warm)])
+    if args.warm:  # supervised on reference answers, as node/trainer/warm_start.py builds them
+        from node.trainer import Group, Rollout
+
+        trainer.sft([[Group(g.prompt_id, g.prompt_ids, [Rollout(r.completion_ids, [0.0] * len(r.completion_ids), 1.0)
+                                                         for r in g.rollouts[:1]], [0.0])
+                      for g in make_groups(4, seed=900 + i)] for i in range(args.warm)])
     key, shard = Identity.generate(), 32 << 20
     store = CheckpointDir(work / "coord")
     pub = Publisher(store, key, "bench", async_level=args.steps + 1, shard_size=shard, level=3, full_every=10 ** 6)
