@@ -34,11 +34,14 @@ Latency is measured by the client (send to full answer read); each client proces
 own event-loop lag, so a client that could not keep up shows up as such.
 
     .venv/bin/python bench/load.py [--nodes 100,1000] [--seconds 60] [--shape gpu-example,local] [--procs 4]
-        [--trainer train,idle] [--baseline GIT_REF] [--py-spy PATH]
+        [--trainer train,idle] [--baseline GIT_REF] [--layout one-process,engine-process] [--py-spy PATH]
 --trainer idle gives the run a batch nobody fills (the training thread only waits: the process's CPU is the
 API's); --baseline runs that commit's coordinator (a git worktree in the temp dir, this venv) before the working
 tree's at every point and prints the ratios; --py-spy profiles each window (where the CPU goes, by category and
 endpoint). Each summary row also has the event loop thread's CPU apart and CPU ms per request.
+--layout runs the working tree's coordinator in one process, with server.engine_process = true (training in
+its own process, node/coordinator/engine.py), or both, one after the other at every point, and prints them
+side by side; the API process's CPU is `coordinator_cpu_*`, the engine's `engine_cpu_s`.
 Writes bench/results/load.json ({"rows": [...]}: one row per (shape, N, endpoint), one summary row per
 (shape, N) with the coordinator's CPU and RSS, and whether the target was met: p99 < 200 ms on every
 endpoint and 0 errors). Expected answers: 2xx (204 included), 429 (counted apart) and 409 stale_policy;
@@ -100,9 +103,11 @@ def batch_prompts(args, n: int) -> int:
 IDLE_BATCH_PROMPTS = 1_000_000
 
 
-def coordinator_overrides(args, storage: Path, n: int, trainer: str = "train") -> list[str]:
+def coordinator_overrides(args, storage: Path, n: int, trainer: str = "train",
+                          layout: str = "one-process") -> list[str]:
     return [
         f"storage.dir={storage}",
+        *(["server.engine_process=true"] if layout == "engine-process" else []),
         "verification.fraction=0",  # the rollouts are not model output
         "admission.pow_bits=0",
         "admission.joins_per_address_per_minute=1000000",  # every simulated node is 127.0.0.1
@@ -526,11 +531,13 @@ def get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_coordinator(args, work: Path, n: int, tree: Path = REPO, trainer: str = "train") -> tuple[subprocess.Popen, str]:
+def start_coordinator(args, work: Path, n: int, tree: Path = REPO, trainer: str = "train",
+                      layout: str = "one-process") -> tuple[subprocess.Popen, str]:
     """`tree`: the source tree whose coordinator runs (a git worktree of --baseline, or this one), with this venv."""
     ready = work / "ready.json"
     cmd = [sys.executable, "-m", "node.cli", "coordinator", "--config", str(tree / "configs/local.toml"),
-           *[f"--set={o}" for o in coordinator_overrides(args, work / "coord", n, trainer)], "--ready-file", str(ready)]
+           *[f"--set={o}" for o in coordinator_overrides(args, work / "coord", n, trainer, layout)],
+           "--ready-file", str(ready)]
     proc = subprocess.Popen(cmd, cwd=tree, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)},
                             stdout=open(work / "coord.log", "w"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
@@ -558,9 +565,31 @@ def expected(endpoint: str, status: int, code: str) -> bool:
     return status == 409 and code == "stale_policy"
 
 
-def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str = "current") -> list[dict]:
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (the engine process of server.engine_process), from /proc."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for p in pids:
+        try:
+            total += proc_cpu_s(p)
+        except OSError:  # ended
+            pass
+    return total
+
+
+def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str = "current",
+            layout: str = "one-process") -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix=f"prime-load-{n}-", dir=args.tmp_root))
-    proc, base = start_coordinator(args, work, n, tree, trainer)
+    proc, base = start_coordinator(args, work, n, tree, trainer, layout)
     model = json.loads((work / "coord" / "model" / "config.json").read_text())
     pid = proc.pid
     try:
@@ -601,7 +630,9 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
               f"measuring {seconds:.0f} s…", flush=True)
         time.sleep(max(0.0, w0 - time.time()))
         spy = start_py_spy(args, pid, w1 - time.time(), work / "profile.txt")
+        engine = child_pids(pid)  # the engine process (and a trainer's other ranks, if any): empty in one process
         cpu_a, loop_a, busy_a, wall_a = proc_cpu_s(pid), proc_cpu_s(pid, pid), machine_busy_s(), time.time()
+        engine_a = tree_cpu_s(engine)
         rss_peak, probe, next_probe = 0, DiskProbe(work / "probe.sqlite"), 0.0
         while time.time() < w1:
             rss_peak = max(rss_peak, proc_mem_kib(pid)["VmRSS"])
@@ -610,6 +641,7 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
                 next_probe = time.time() + 1.0
             time.sleep(0.25)
         cpu_b, loop_b, busy_b, wall_b = proc_cpu_s(pid), proc_cpu_s(pid, pid), machine_busy_s(), time.time()
+        engine_b = tree_cpu_s(engine)
         mem = proc_mem_kib(pid)
         profile = finish_py_spy(spy, work / "profile.txt", args, f"{label}_{trainer}_{args.shape_name}_{n}")
         results = [c.recv() for c in conns]
@@ -629,10 +661,10 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         else:
             shutil.rmtree(work, ignore_errors=True)
     rows = summarise(n, args, results, status, w0, w1, t0, dict(
-        cpu=cpu_b - cpu_a, loop_cpu=loop_b - loop_a, wall=wall_b - wall_a, disk_commit_ms=probe.summary(), machine_busy=busy_b - busy_a, rss_peak_kib=rss_peak,
+        cpu=cpu_b - cpu_a, loop_cpu=loop_b - loop_a, engine_cpu=engine_b - engine_a, wall=wall_b - wall_a, disk_commit_ms=probe.summary(), machine_busy=busy_b - busy_a, rss_peak_kib=rss_peak,
         hwm_kib=mem["VmHWM"], log_errors=[ln for ln in log_tail.splitlines() if " ERROR " in ln][-5:]))
     for r in rows:
-        r["code"], r["trainer"] = label, trainer
+        r["code"], r["trainer"], r["layout"] = label, trainer, layout
     if profile is not None:
         rows[-1]["profile"] = profile
     return rows
@@ -687,6 +719,8 @@ def summarise(n, args, results, status, w0, w1, t0, coord) -> list[dict]:
         "coordinator_cpu_ms_per_request": round(1000 * coord["cpu"] / max(1, len(window_all)), 3), "coordinator_cpu_cores": round(coord["cpu"] / coord["wall"], 3),
         # the event loop's thread alone (HTTP, signatures, validation, the ledger's reads and small writes): with
         # the trainer idle the process's CPU is the API's; training, it also holds the trainer thread's
+        # server.engine_process: the engine's CPU (training, publishing), not in the API process's above
+        "engine_cpu_s": round(coord["engine_cpu"], 2),
         "loop_cpu_s": round(coord["loop_cpu"], 2), "loop_cpu_cores": round(coord["loop_cpu"] / coord["wall"], 3),
         "loop_cpu_ms_per_request": round(1000 * coord["loop_cpu"] / max(1, len(window_all)), 3),
         "requests_per_cpu_s": round(len(window_all) / max(coord["cpu"], 1e-9), 1),
@@ -710,6 +744,7 @@ def summarise(n, args, results, status, w0, w1, t0, coord) -> list[dict]:
     }
     # other jobs on the machine: busy CPU that was neither the coordinator nor (roughly) the clients
     summary["other_cpu_cores_estimate"] = round(max(0.0, summary["machine_cpu_cores_busy"] - summary["coordinator_cpu_cores"]
+                                                    - coord["engine_cpu"] / coord["wall"]
                                                     - summary["client_cpu_cores_whole_run"]), 2)
     out.append(summary)
     return out
@@ -720,7 +755,8 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'shape':<12} {'N':>5} {'endpoint':<16} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7} {'429':>6}")
     for r in rows:
         if r["endpoint"] == "summary":
-            print(f"{'':<19}[{r.get('code', 'current')}, trainer {r.get('trainer', 'train')}] loop thread "
+            print(f"{'':<19}[{r.get('code', 'current')}, {r.get('layout', 'one-process')}, trainer "
+                  f"{r.get('trainer', 'train')}, engine {r.get('engine_cpu_s', 0.0):.1f} CPU s] loop thread "
                   f"{r['loop_cpu_cores']:.2f} cores, {r['loop_cpu_ms_per_request']:.3f} ms/request; process "
                   f"{r['coordinator_cpu_ms_per_request']:.3f} ms/request = {r['requests_per_cpu_s']:.0f} requests per "
                   f"CPU-second; {r['requests_per_node_per_s']:.3f} requests/s per node")
@@ -744,7 +780,7 @@ def print_table(rows: list[dict]) -> None:
 def print_comparison(rows: list[dict]) -> None:
     """Baseline and current side by side per (shape, trainer, N): CPU per request and latency, with ratios."""
     def key(r: dict) -> tuple:
-        return r["shape"], r["trainer"], r["nodes"], r["endpoint"]
+        return r["shape"], r["trainer"], r["nodes"], r["endpoint"], r.get("layout", "one-process")
     base = {key(r): r for r in rows if r.get("code") == "baseline"}
     print(f"\n{'shape':<12} {'trainer':<7} {'N':>5} {'endpoint':<16} {'p50 base/now ms':>17} {'p99 base/now ms':>19} "
           f"{'p99 now/base':>12}")
@@ -767,6 +803,29 @@ def print_comparison(rows: list[dict]) -> None:
             print(f"{r['shape']:<12} {r['trainer']:<7} {r['nodes']:>5} {r['endpoint']:<16} "
                   f"{b['p50_ms']:>8.1f}/{r['p50_ms']:<8.1f} {b['p99_ms']:>9.1f}/{r['p99_ms']:<9.1f} "
                   f"{r['p99_ms'] / max(b['p99_ms'], 1e-9):>12.2f}")
+
+
+def print_layouts(rows: list[dict]) -> None:
+    """The working tree's coordinator in one process and with its engine process, side by side per (shape,
+    trainer, N): latency by endpoint, with the ratio, and the API process's CPU per request."""
+    def key(r: dict) -> tuple:
+        return r["shape"], r["trainer"], r["nodes"], r["endpoint"]
+    one = {key(r): r for r in rows if r.get("code") == "current" and r.get("layout") == "one-process"}
+    print(f"\n{'shape':<12} {'trainer':<7} {'N':>5} {'endpoint':<16} {'p50 one/engine ms':>19} "
+          f"{'p99 one/engine ms':>21} {'p99 engine/one':>14}")
+    for r in rows:
+        b = one.get(key(r))
+        if r.get("code") != "current" or r.get("layout") != "engine-process" or b is None:
+            continue
+        name = "all (window)" if r["endpoint"] == "summary" else r["endpoint"]
+        print(f"{r['shape']:<12} {r['trainer']:<7} {r['nodes']:>5} {name:<16} "
+              f"{b['p50_ms']:>9.1f}/{r['p50_ms']:<9.1f} {b['p99_ms']:>10.1f}/{r['p99_ms']:<10.1f} "
+              f"{r['p99_ms'] / max(b['p99_ms'], 1e-9):>14.2f}")
+        if r["endpoint"] == "summary":
+            print(f"{'':<27}API process CPU ms/request {b['coordinator_cpu_ms_per_request']:.3f} -> "
+                  f"{r['coordinator_cpu_ms_per_request']:.3f}; engine {r['engine_cpu_s']:.1f} CPU s; req/s "
+                  f"{b['requests_per_s']:.1f} -> {r['requests_per_s']:.1f}; steps {b['steps_trained_total']} -> "
+                  f"{r['steps_trained_total']}")
 
 
 def git_state() -> dict:
@@ -818,6 +877,9 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="GIT_REF",
                     help="also run the coordinator of this commit (a git worktree in the temp dir, this venv) before "
                          "the working tree's at every point, and print the ratios")
+    ap.add_argument("--layout", default="one-process",
+                    help="comma-separated: 'one-process' and/or 'engine-process' (server.engine_process = true: "
+                         "training in its own process); each is run at every point, the working tree's only")
     ap.add_argument("--py-spy", metavar="PATH", help="py-spy binary: profile the coordinator during each window "
                                                       "(bench/results/load_profile_*.txt and a summary in the JSON)")
     ap.add_argument("--py-spy-rate", type=int, default=50, help="py-spy samples per second")
@@ -825,6 +887,9 @@ def main() -> None:
     trainers = [x.strip() for x in args.trainer.split(",") if x.strip()]
     if bad := [x for x in trainers if x not in ("train", "idle")]:
         ap.error(f"unknown --trainer {bad}")
+    layouts = [x.strip() for x in args.layout.split(",") if x.strip()]
+    if bad := [x for x in layouts if x not in ("one-process", "engine-process")]:
+        ap.error(f"unknown --layout {bad}")
     shapes = [x.strip() for x in args.shape.split(",") if x.strip()]
     if unknown := [x for x in shapes if x not in SHAPES]:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
@@ -845,13 +910,14 @@ def main() -> None:
                 setattr(args, k, v if given[k] is None else given[k])
             for trainer in trainers:
                 for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
-                    for label, tree in trees:
-                        print(f"--- {label} ({tree}), {shape}, trainer {trainer}", flush=True)
-                        got = run_one(n, args, tree, trainer, label)
+                    for label, tree, layout in [(lb, t, la) for lb, t in trees for la in layouts
+                                                if lb == "current" or la == "one-process"]:
+                        print(f"--- {label} ({tree}), {layout}, {shape}, trainer {trainer}", flush=True)
+                        got = run_one(n, args, tree, trainer, label, layout)
                         for r in got:
                             r["shape"] = shape
                             r["storage"] = args.tmp_root or tempfile.gettempdir()
-                        got[-1]["coordinator_overrides"] = coordinator_overrides(args, Path("TMP"), n, trainer)
+                        got[-1]["coordinator_overrides"] = coordinator_overrides(args, Path("TMP"), n, trainer, layout)
                         rows.extend(got)
                         print_table(got)
     finally:
@@ -860,6 +926,8 @@ def main() -> None:
     print_table(rows)
     if args.baseline:
         print_comparison(rows)
+    if len(layouts) > 1:
+        print_layouts(rows)
     doc = {"benchmark": "load", "rows": rows,
            "config": {"coordinator": "python -m node.cli coordinator --config configs/local.toml --set ... "
                                      "(each summary row lists its overrides)",
