@@ -262,7 +262,7 @@ class VLLMBackend:
             raise BackendError(f"step {step}'s adapter has rank {adapter.rank}, above worker.vllm.max_lora_rank = "
                                f"{self.max_lora_rank}")
         lora_id = step + 1  # > 0, and never reused within a run: the engine caches adapters by id
-        path = adapter.write_peft_dir(Path(self._lora_dir.name) / f"step-{step}")
+        path = adapter.write_peft_dir(Path(self._lora_dir.name) / str(lora_id))
         request = LoRARequest(lora_name=f"step-{step}", lora_int_id=lora_id, lora_path=str(path))
         if not self.llm.llm_engine.add_lora(request):
             raise BackendError(f"vLLM did not take the adapter of step {step}")
@@ -276,8 +276,8 @@ class VLLMBackend:
             return
         for lora_id in set(self.llm.llm_engine.list_loras()) - {keep}:
             self.llm.llm_engine.remove_lora(lora_id)
-        for path in Path(self._lora_dir.name).iterdir():
-            if keep is None or path.name != f"step-{keep - 1}":
+        for path in Path(self._lora_dir.name).iterdir():  # named by lora_int_id (load_adapter)
+            if path.name != str(keep):
                 shutil.rmtree(path, ignore_errors=True)
         if keep is None:
             self._lora = None
