@@ -2,8 +2,8 @@
 `trainer.lora.rank=8`. The warm start, the RL steps and the evaluation run on the LoRA model; step 0 is published
 full and every later step as a signed `lora-adapter` checkpoint (docs/PROTOCOL.md, "lora-adapter"); the worker
 merges each into the step 0 it holds, generates with the merged weights, and every rollout is replayed against the
-coordinator's merge of the same two payloads and accepted; the trainer's base weights stay those of the model it
-started from. The bytes per step are printed beside what full and xor-delta checkpoints of the same weights cost."""
+coordinator's merge of the same two payloads and accepted; the warm start trains the base (step 0's weights) and RL
+only the adapters. The bytes per step are printed beside what full and xor-delta checkpoints of the same weights cost."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +11,7 @@ import hashlib
 import pytest
 import torch
 
-from protocol.checkpoint import pack_checkpoint
+from protocol.checkpoint import load_payload, pack_checkpoint
 
 from tests.integration.coordinator_harness import running_coordinator
 from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
@@ -70,10 +70,14 @@ async def test_a_lora_run_trains_publishes_and_verifies(tmp_path):
         adapters = lora.adapter_state_dict(model)
         assert adapters and all(p.shape[0] == 8 for n, p in adapters.items() if ".lora_A." in n)
         assert any(".lora_B." in n and p.abs().max() > 0 for n, p in adapters.items())  # trained from zero
+        # the warm start trained the base (lora.base_trainable), the model step 0 publishes in full, and RL only the
+        # adapters: the trainer's base is still exactly step 0's published weights, in the broadcast dtype
         base, start = lora.base_state_dict(model), load_model(coord.model_dir, dtype="float32").state_dict()
-        assert base.keys() == start.keys()
-        for name, w in start.items():
-            assert torch.equal(base[name], w), name
+        assert base.keys() == start.keys() and any(not torch.equal(base[n], w) for n, w in start.items())
+        step0_weights = load_payload(cstore.payload_path(0))
+        assert step0_weights and step0_weights.keys() <= base.keys()
+        for name, w in step0_weights.items():
+            assert torch.equal(base[name].to(w.dtype), w), name
 
 
 def _sha(path) -> str:
