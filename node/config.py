@@ -62,6 +62,10 @@ class ServerConfig(_Section):
     # imports torch, so a training step never holds the GIL that requests wait on. false: one process.
     # Not with a verifier pool yet (verification.verifier_keys): its jobs are built from torch-side code.
     engine_process: bool = False
+    # The engine process's niceness (added to this process's): requests are served first and training takes
+    # the CPU they leave. On a box with fewer cores than runnable threads, an engine at the API's priority
+    # made p99 no better than one process (bench/load.py --layout, docs/ARCHITECTURE.md "Processes").
+    engine_nice: int = Field(10, ge=0, le=19)
 
 
 class StorageConfig(_Section):

@@ -23,6 +23,7 @@ import argparse
 import fcntl
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--storage", required=True)
     args = p.parse_args(argv)
+    # Its life is its channel's: a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process
+    # group, and the API process then stops the engine itself (Stop) after its own stop; SIGKILL still ends it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     chan = C.BlockingChannel(socket.socket(fileno=args.fd), C.TO_ENGINE)
     init = chan.recv()
     if not isinstance(init, C.Init):
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = Config.model_validate_json(init.config_json)
     setup_logging(cfg.server.log_format)
+    if cfg.server.engine_nice:  # the API process's requests first (node/config.py, server.engine_nice)
+        os.nice(cfg.server.engine_nice)
     if Path(cfg.storage.dir).resolve() != Path(args.storage).resolve():
         raise SystemExit(f"engine: --storage {args.storage} is not the config's storage.dir {cfg.storage.dir}")
     take_lock(Path(cfg.storage.dir))

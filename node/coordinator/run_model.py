@@ -4,8 +4,11 @@ Loaded once, before anything else of the coordinator is built."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from node.config import Config
 from node.envs import Task, load_task
@@ -29,8 +32,14 @@ def load_run_model(cfg: Config, storage: Path) -> RunModel:
     model_dir = Path(resolve_model_path(cfg.model.path)) if cfg.model.path else storage / "model"
     if not cfg.model.path and not (model_dir / "config.json").is_file():
         m = cfg.model
-        build_tiny_model_dir(model_dir, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
-                             seed=cfg.run.seed)
+        kwargs: dict[str, Any] = dict(hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads, seed=cfg.run.seed)
+        if cfg.server.engine_process:  # building it takes torch, which this (the API) process never imports
+            code = ("import sys, json; from pathlib import Path; from node.trainer.model import build_tiny_model_dir; "
+                    "build_tiny_model_dir(Path(sys.argv[1]), **json.loads(sys.argv[2]))")
+            subprocess.run([sys.executable, "-c", code, str(model_dir), json.dumps(kwargs)], check=True,
+                           stdin=subprocess.DEVNULL)
+        else:
+            build_tiny_model_dir(model_dir, **kwargs)
     tokenizer = load_tokenizer(model_dir)
     model_config = json.loads((model_dir / "config.json").read_text())
     return RunModel(model_dir=model_dir, tokenizer=tokenizer, task=load_task(cfg.task.name, cfg.task.kwargs),
