@@ -58,8 +58,8 @@ class ServerConfig(_Section):
     # other ranks (trainer.ranks > 1) are killed; a step cut short is redone after a restart.
     stop_timeout_s: float = Field(5.0, gt=0, le=3600)
     # Training, evaluation, publishing and the coordinator's own replays run in a child process, the engine
-    # (node/coordinator/engine.py, docs/ARCHITECTURE.md "Processes"): the process that serves HTTP never
-    # imports torch, so a training step never holds the GIL that requests wait on. false: one process.
+    # (node/coordinator/engine.py, docs/ARCHITECTURE.md "Processes"): the process that serves HTTP runs nothing
+    # of torch, so a training step never holds the GIL that requests wait on. false: one process.
     # Not with a verifier pool yet (verification.verifier_keys): its jobs are built from torch-side code.
     engine_process: bool = False
     # The engine process's niceness (added to this process's): requests are served first and training takes

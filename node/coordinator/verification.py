@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 Judged = tuple[list[tuple[str, int]], list[Any]]  # (prompt_id, sample_index) and its Judgement, per rollout
 
 # verify.rollouts imports torch: it is imported where a replay is built or run, never at import time, so
-# that the API process of `server.engine_process = true` (node/coordinator/engine.py) never loads torch.
+# that the API process of `server.engine_process = true` (node/coordinator/engine.py) imports no torch
+# of its own.
 
 log = logging.getLogger("prime_node.verification")
 
