@@ -20,8 +20,9 @@ class VllmSettings(BaseModel):
     enforce_eager: bool | None = None  # unset: eager on the CPU (starts faster), CUDA graphs on GPUs
     max_num_seqs: int = Field(256, ge=1, le=4096)  # sequences decoded together
     # The largest LoRA rank the engine serves with worker.lora_serving = "adapter" (one of the ranks vLLM accepts). vLLM
-    # sizes its adapter buffers for it and its CPU ops pad every token's adapter to it, so it costs speed: 32 covers a
-    # warm-started rank-16 run (sent stacked at rank 32). A run's adapter of a higher rank is refused in one line.
+    # sizes its adapter buffers for it and its CPU ops pad every token's adapter to it, so it costs speed (rank 16: 0.42x
+    # merged's tokens/s on the CPU, 32: 0.33x). 32 covers runs up to trainer.lora.rank 32, and rank-16 runs warm-started
+    # by a version that sent adapters stacked at twice the rank. A run's adapter of a higher rank is refused in one line.
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 32
 
 
