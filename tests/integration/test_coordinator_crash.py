@@ -77,12 +77,16 @@ async def drive(node: RawNode, until, vocab: int, eos: int, rng, acked: list, ma
             async with node.session.get(node.base + "/v1/status") as r:
                 held = (await r.json())["step"]
             st, w = await node.post("/v1/work", {"policy_step": held})
+            if st == 503 and w["error"] == "coordinator_failed":  # its engine was killed: it exits next
+                return "dead"
             if st == 204:
                 await asyncio.sleep(0.05)
                 continue
             assert st == 200, (st, w)
             st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": held,
                                                      "rollouts": fake_rollouts(w, eos, vocab, rng)})
+            if st == 503 and res["error"] == "coordinator_failed":
+                return "dead"
             assert st in (200, 409), (st, res)
             if st == 200:
                 acked.extend((w["assignment_id"], a["prompt_id"], a["sample_index"]) for a in res["accepted"])
