@@ -276,6 +276,8 @@ class VerdictQueue:
                                                                   max_tokens=s.max_tokens))
         if answers is None:
             return None
+        from verify.rollouts import Judgement  # lazily, as every verify.rollouts name here (torch)
+
         return [Judgement(a.reason, a.tokens, a.near_ties, a.outlier) for a in answers]
 
     def _check_steering(self, node_id: str) -> None:
