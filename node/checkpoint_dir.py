@@ -5,6 +5,8 @@ checkpoints uses it: the coordinator's publisher, a worker's fetcher, a relay, a
     ROOT/checkpoints/{step}/shards/NNNNN.zst     (docs/PROTOCOL.md, "Layout")
     ROOT/checkpoints/.partial-{step}/            a download in progress: verified shards + *.part
     ROOT/payloads/{step}.safetensors             the reconstructed weights (the next delta's base)
+    ROOT/payloads/{step}.adapter.safetensors     a LoRA adapter step rebuilt but not merged (a store opened with
+                                                 `unmerged_adapters`: a worker serving adapters unmerged)
 
 A step becomes visible only by an atomic rename (`commit`), so a reader sees a whole checkpoint or
 none. Paths are built here from integers only; nothing a client sends becomes a path.
@@ -28,8 +30,12 @@ def checkpoint_listing(manifests) -> list[dict]:
 
 
 class CheckpointDir:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, unmerged_adapters: bool = False):
         self.root = Path(root)
+        # A worker with `worker.lora_serving = "adapter"` hands an adapter step's own tensors to its engine: the
+        # store then holds that step as the rebuilt adapter (a few MB), never merged into a full model (~1 s and a
+        # full model's disk per step for SmolLM2, docs/BENCHMARKS.md), and counts it as held.
+        self.unmerged_adapters = unmerged_adapters
         self.ckpt_dir = self.root / "checkpoints"
         self.payload_dir = self.root / "payloads"
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -49,6 +55,17 @@ class CheckpointDir:
     def payload_path(self, step: int) -> Path:
         return self.payload_dir / f"{int(step)}.safetensors"
 
+    def adapter_payload_path(self, step: int) -> Path:
+        return self.payload_dir / f"{int(step)}.adapter.safetensors"
+
+    def weights_path(self, step: int) -> Path:
+        """The file a held step's weights are in: its full payload, or (a store with `unmerged_adapters`) the
+        rebuilt adapter of an adapter step that has none."""
+        full = self.payload_path(step)
+        if self.unmerged_adapters and not full.is_file() and self.adapter_payload_path(step).is_file():
+            return self.adapter_payload_path(step)
+        return full
+
     def partial_dir(self, step: int) -> Path:
         return self.ckpt_dir / f"{PARTIAL_PREFIX}{int(step)}"
 
@@ -62,8 +79,10 @@ class CheckpointDir:
                       if p.name.isdigit() and (p / MANIFEST_NAME).is_file())
 
     def held_steps(self) -> list[int]:
-        """Complete steps whose weights were rebuilt too (what a node can generate with or build on)."""
-        return [s for s in self.steps() if self.payload_path(s).is_file()]
+        """Complete steps whose weights were rebuilt too (what a node can generate with or build on). An adapter
+        held unmerged counts only in a store opened with `unmerged_adapters`: a worker restarted in the merged mode
+        fetches such a step again rather than load an adapter as a full model."""
+        return [s for s in self.steps() if self.weights_path(s).is_file()]
 
     def manifest(self, step: int) -> Manifest | None:
         if step not in self._manifests:
@@ -104,12 +123,13 @@ class CheckpointDir:
         (partial / MANIFEST_NAME).write_bytes(manifest.to_json_bytes())
         return partial
 
-    def commit(self, step: int, manifest: Manifest, payload_tmp: Path) -> None:
-        """Make a finished download visible: the payload first, then the checkpoint (atomic renames)."""
+    def commit(self, step: int, manifest: Manifest, payload_tmp: Path, *, unmerged_adapter: bool = False) -> None:
+        """Make a finished download visible: the payload first, then the checkpoint (atomic renames).
+        `unmerged_adapter`: `payload_tmp` is an adapter step's rebuilt adapter, kept as such."""
         final = self.step_dir(step)
         if final.exists():
             shutil.rmtree(final)
-        os.replace(payload_tmp, self.payload_path(step))
+        os.replace(payload_tmp, self.adapter_payload_path(step) if unmerged_adapter else self.payload_path(step))
         os.replace(self.partial_dir(step), final)
         self._manifests[step] = manifest
 
@@ -120,6 +140,7 @@ class CheckpointDir:
     def remove(self, step: int) -> None:
         shutil.rmtree(self.step_dir(step), ignore_errors=True)
         self.payload_path(step).unlink(missing_ok=True)
+        self.adapter_payload_path(step).unlink(missing_ok=True)
         self._manifests.pop(step, None)
 
     def discard_after(self, step: int) -> None:
@@ -140,8 +161,9 @@ class CheckpointDir:
         removed = [s for s in self.steps() if s not in keep]
         for s in removed:
             self.remove(s)
-        for p in self.payload_dir.glob("*.safetensors"):
-            if p.stem.isdigit() and int(p.stem) not in keep_payloads:
+        for p in self.payload_dir.glob("*.safetensors"):  # {step}.safetensors and {step}.adapter.safetensors
+            stem = p.name.split(".")[0]
+            if stem.isdigit() and int(stem) not in keep_payloads:
                 p.unlink(missing_ok=True)
         newest = max(keep, default=-1)
         for p in self.ckpt_dir.glob(f"{PARTIAL_PREFIX}*"):

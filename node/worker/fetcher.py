@@ -1,6 +1,7 @@
 """The worker's fetch loop (a relay runs the same one): learn the newest step, download its shards in
 parallel from every source, verify each against the signed manifest, rebuild the payload (applying
-xor-deltas to the base it holds, merging a LoRA adapter into the full step it pins), keep the last k + 1 versions, and hand new weights on.
+xor-deltas to the base it holds, merging a LoRA adapter into the full step it pins unless the store keeps adapters
+unmerged), keep the last k + 1 versions, and hand new weights on.
 
 Three parts, each with one job: `TrustedManifests` decides which manifests to believe (no IO),
 `ShardPlanner` / `SourceBook` decide which shard to fetch next and from where (no IO), and `Fetcher`
@@ -174,7 +175,7 @@ class Fetcher:
             if i:
                 await done[steps[i - 1]].wait()
             await self._commit(manifests[step])
-            self.on_new_step(step, self.store.payload_path(step))
+            self.on_new_step(step, self.store.weights_path(step))
             done[step].set()
 
         try:
@@ -339,6 +340,12 @@ class Fetcher:
         tmp = partial / "payload.tmp"
         if m.is_adapter:  # the adapter rebuilt alone, then merged into its pinned base: the weights an engine loads
             base_manifest, base = self._adapter_base(m)
+            if self.store.unmerged_adapters:  # an engine serving adapters unmerged takes the adapter itself
+                await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), tmp)
+                self.store.commit(step, m, tmp, unmerged_adapter=True)
+                log.info("holding step %d (LoRA adapter on step %d, unmerged, %.2f MB)", step, m.base_step,
+                         m.compressed_size / 1e6)
+                return
             adapter = partial / "adapter.tmp"
             await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), adapter)
             await asyncio.to_thread(merge_adapter_payload, m, adapter, base_manifest, base, tmp)

@@ -139,7 +139,7 @@ class WorkerNode:
     async def _run(self) -> None:
         async with client_session() as session:
             self.client = CoordinatorClient(self.url, self.identity, session)
-            store = CheckpointDir(self.root)
+            store = CheckpointDir(self.root, unmerged_adapters=self.cfg.worker.lora_serving == "adapter")
             if self.cfg.p2p.enabled:
                 # Listening before the join, so that the join can list our ports and the coordinator dial them
                 # back (docs/P2P.md "Reachability"); the run and its key come from GET /v1/status.
@@ -171,7 +171,7 @@ class WorkerNode:
                                    progress=self.status_line)
             held = store.held_steps()
             if held:
-                self._on_new_step(held[-1], store.payload_path(held[-1]))
+                self._on_new_step(held[-1], store.weights_path(held[-1]))
             if self.p2p is not None:
                 self.p2p.add_listener(self._on_announcement)
                 if spec.p2p_bootstrap:
@@ -306,11 +306,11 @@ class WorkerNode:
 
     async def _load_adapter(self, manifest: Manifest) -> None:
         """worker.lora_serving = "adapter": the engine keeps the pinned base (loaded first if it holds other weights)
-        and generates with this step's adapter unmerged, rebuilt from the step's verified shards."""
+        and generates with this step's adapter unmerged, as the fetcher rebuilt it from the step's verified shards."""
         store, step = self.fetcher.store, manifest.step
         assert manifest.base_step is not None  # the manifest requires it of an adapter
         base = store.manifest(manifest.base_step)
-        if base is None or not store.payload_path(manifest.base_step).is_file():  # the fetcher merged into it: held
+        if base is None or not store.payload_path(manifest.base_step).is_file():  # the fetcher checked it: held
             raise WeightSwapError(f"step {step} is a LoRA adapter on step {manifest.base_step}, which is not held")
         if self.backend is None or self.backend.base != base.canonical_hash():
             await self._load_weights(store.payload_path(manifest.base_step), manifest.base_step, base.canonical_hash())

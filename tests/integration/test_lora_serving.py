@@ -121,6 +121,8 @@ async def test_a_worker_serves_lora_adapters_unmerged_with_no_rejections(tmp_pat
     assert node.stats.accepted > 0 and node.stats.rejected == 0
     store = node.fetcher.store
     assert store.manifest(3).encoding == "lora-adapter"
+    # held as the fetcher rebuilt it, never merged into a full model (which the engine would not use)
+    assert store.weights_path(3) == store.adapter_payload_path(3) and not store.payload_path(3).exists()
     # the engine holds the step 0 base it received and step 3's adapter, never merged weights
     assert node.backend.base == store.manifest(0).canonical_hash() and node.backend.policy_step >= 3
     assert len(node.backend._adapter_hooks) == len(LoraAdapter.from_store(store, node.backend.policy_step).pairs)

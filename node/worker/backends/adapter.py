@@ -1,7 +1,7 @@
 """A LoRA adapter as an engine serves it unmerged (`worker.lora_serving = "adapter"`, docs/OPERATIONS.md).
 
-The only source is the store's verified checkpoint: `from_store` rebuilds the adapter payload from the step's shard
-files against its signed manifest (every shard's hash and the payload's sha256 checked again by
+The only source is the store's verified checkpoint: `from_store` takes the adapter payload the fetcher rebuilt (a
+store with `unmerged_adapters`), or rebuilds it from the step's shard files, against its signed manifest (every shard's hash and the payload's sha256 checked again by
 `reconstruct_payload`), and every pair is checked by the protocol's `adapter_pairs` (protocol/checkpoint/adapter.py).
 Nothing from the network reaches an engine without that check. The math is the protocol's merge
 (`W + alpha / rank * B @ A`, docs/PROTOCOL.md, "lora-adapter") applied on the fly instead of into W.
@@ -47,10 +47,13 @@ class LoraAdapter:
 
     @classmethod
     def from_store(cls, store: "CheckpointDir", step: int) -> "LoraAdapter":
-        """The adapter of held step `step`, rebuilt from its verified shard files (a few MB: in memory)."""
+        """The adapter of held step `step`: the fetcher's rebuilt payload where the store keeps adapters unmerged,
+        else rebuilt here from its verified shard files (a few MB: in memory)."""
         manifest = store.manifest(step)
         if manifest is None:
             raise CheckpointError("missing_manifest", f"step {step} is not held")
+        if store.unmerged_adapters and store.adapter_payload_path(step).is_file():
+            return cls.from_manifest(manifest, load_payload(store.adapter_payload_path(step)))
         with tempfile.TemporaryDirectory(dir=store.root) as tmp:
             out = Path(tmp) / "adapter.safetensors"
             reconstruct_payload(manifest, DirShardReader(store.step_dir(step), manifest), out)
