@@ -13,14 +13,16 @@ from typing import Any
 from node.config import Config
 from node.envs import Task, load_task
 from node.real_model import resolve_model_path
+from node.trainer.light_tokenizer import UnsupportedTokenizer, load_light_tokenizer
 from node.trainer.model import build_tiny_model_dir
+from node.trainer.model_dir import ModelLoadError
 from node.trainer.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
 class RunModel:
     model_dir: Path
-    tokenizer: object  # a transformers tokenizer
+    tokenizer: object  # a transformers tokenizer, or a LightTokenizer with server.engine_process
     task: Task
     model_config: dict  # config.json, sent to nodes in the join response
     vocab_size: int
@@ -40,8 +42,25 @@ def load_run_model(cfg: Config, storage: Path) -> RunModel:
                            stdin=subprocess.DEVNULL)
         else:
             build_tiny_model_dir(model_dir, **kwargs)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = _tokenizer(cfg, model_dir)
     model_config = json.loads((model_dir / "config.json").read_text())
     return RunModel(model_dir=model_dir, tokenizer=tokenizer, task=load_task(cfg.task.name, cfg.task.kwargs),
                     model_config=model_config,
                     vocab_size=int(model_config["vocab_size"]), eos_token_id=int(tokenizer.eos_token_id))
+
+
+def _tokenizer(cfg: Config, model_dir: Path):
+    """transformers' tokenizer, or with server.engine_process one loaded without transformers: transformers 5
+    imports torch to load any tokenizer, and that layout's API process never imports torch. Both of its processes
+    load this same one, so the prompts the API hands out and the engine's evaluation and warm start agree.
+    A directory the light tokenizer cannot load exactly as transformers does is refused rather than loaded
+    through transformers with a warning: the layout's promise (no torch in the API process: its memory, its
+    start-up, nothing of torch's threads beside the requests) would be broken without anyone noticing."""
+    if not cfg.server.engine_process:
+        return load_tokenizer(model_dir)
+    try:
+        return load_light_tokenizer(model_dir)
+    except UnsupportedTokenizer as e:
+        raise ModelLoadError(f"{e}; the API process of server.engine_process = true loads its tokenizer without "
+                             "transformers (docs/ARCHITECTURE.md, \"Processes\"): run this model with "
+                             "server.engine_process = false") from None
