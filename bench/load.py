@@ -36,9 +36,11 @@ own event-loop lag, so a client that could not keep up shows up as such.
     .venv/bin/python bench/load.py [--nodes 100,1000] [--seconds 60] [--shape gpu-example,local] [--procs 4]
         [--trainer train,idle] [--baseline GIT_REF] [--layout one-process,engine-process] [--py-spy PATH]
 --trainer idle gives the run a batch nobody fills (the training thread only waits: the process's CPU is the
-API's); --baseline runs that commit's coordinator (a git worktree in the temp dir, this venv) before the working
-tree's at every point and prints the ratios; --py-spy profiles each window (where the CPU goes, by category and
-endpoint). Each summary row also has the event loop thread's CPU apart and CPU ms per request.
+API's); --baseline runs that commit's coordinator (a git worktree in the temp dir, this venv; in the layouts of
+--baseline-layout, one-process by default) before the working tree's at every point and prints the ratios; --py-spy
+profiles each window (where the CPU goes, by category and endpoint; --py-spy-wall: wall time, idle included);
+--asyncio-debug lists the callbacks that held the coordinator's event loop over 100 ms. Each summary row counts the
+window's answers slower than the target by the second they were asked in (a stall shows as a few busy seconds). Each summary row also has the event loop thread's CPU apart and CPU ms per request.
 --layout runs the working tree's coordinator in one process, with server.engine_process = true (training in
 its own process, node/coordinator/engine.py), or both, one after the other at every point, and prints them
 side by side; the API process's CPU is `coordinator_cpu_*`, the engine's `engine_cpu_s`.
@@ -57,6 +59,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -450,8 +453,11 @@ def start_py_spy(args, pid: int, seconds: float, out: Path) -> subprocess.Popen 
     # --nonblocking: the process is not paused per sample (blocking sampling at 100+ Hz slowed it visibly);
     # --gil: only samples whose thread holds the GIL, i.e. Python at work (a thread in a lock or epoll wait is
     # not CPU); C code that drops the GIL (SQLite's page I/O, hashing of large bodies) is under-counted.
+    # --py-spy-wall: every sample, GIL or not, idle included (--idle): where the loop thread spends its wall time,
+    # e.g. blocked in a SQLite call (a lock, an fsync) rather than waiting in epoll
+    which = ["--idle"] if args.py_spy_wall else ["--gil"]
     return subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))),
-                             "--rate", str(args.py_spy_rate), "--nonblocking", "--gil", "--threads", "--format", "raw",
+                             "--rate", str(args.py_spy_rate), "--nonblocking", *which, "--threads", "--format", "raw",
                              "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -476,6 +482,7 @@ def summarise_profile(collapsed: str) -> dict:
     by_thread: Counter = Counter()
     by_cat: Counter = Counter()
     by_ep: Counter = Counter()
+    by_ep_cat: Counter = Counter()  # endpoint x category, any thread: the per-endpoint breakdown
     total = 0
     handler = re.compile(rf"^(?:build_app\.<locals>\.)?({'|'.join(HANDLERS)}) \(node/coordinator/app\.py")
     for line in collapsed.splitlines():
@@ -494,11 +501,12 @@ def summarise_profile(collapsed: str) -> dict:
         if ep is None and any("checkpoint_routes.py" in f for f in frames):
             ep = "checkpoints"
         by_ep[f"{thread}: {ep or '-'}"] += n
+        by_ep_cat[f"{ep or '-'}: {cat}"] += n
 
     def pct_of(c: Counter) -> dict:
         return {k: round(100 * v / max(1, total), 1) for k, v in c.most_common()}
     return {"samples": total, "by_thread_pct": pct_of(by_thread), "by_category_pct": pct_of(by_cat),
-            "by_endpoint_pct": pct_of(by_ep)}
+            "by_endpoint_pct": pct_of(by_ep), "by_endpoint_category_samples": dict(by_ep_cat.most_common())}
 
 
 def print_profile(p: dict, top: int = 14) -> None:
@@ -538,7 +546,10 @@ def start_coordinator(args, work: Path, n: int, tree: Path = REPO, trainer: str 
     cmd = [sys.executable, "-m", "node.cli", "coordinator", "--config", str(tree / "configs/local.toml"),
            *[f"--set={o}" for o in coordinator_overrides(args, work / "coord", n, trainer, layout)],
            "--ready-file", str(ready)]
-    proc = subprocess.Popen(cmd, cwd=tree, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)},
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)}
+    if args.asyncio_debug:  # asyncio logs each callback that holds the loop over 100 ms (with its source)
+        env["PYTHONASYNCIODEBUG"] = "1"
+    proc = subprocess.Popen(cmd, cwd=tree, env=env,
                             stdout=open(work / "coord.log", "w"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     while not ready.exists():
@@ -655,7 +666,10 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log_tail = (work / "coord.log").read_text()[-4000:]
+        log_text = (work / "coord.log").read_text()
+        log_tail = log_text[-4000:]
+        # asyncio debug: "Executing <Handle ...> took 0.512 seconds" for each callback that blocked the loop
+        stalls = [ln for ln in log_text.splitlines() if re.search(r"Executing .* took [0-9.]+ seconds", ln)]
         if args.keep_work:
             print(f"  kept {work}", flush=True)
         else:
@@ -667,6 +681,10 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         r["code"], r["trainer"], r["layout"] = label, trainer, layout
     if profile is not None:
         rows[-1]["profile"] = profile
+    if args.asyncio_debug:
+        took = sorted((float(re.search(r"took ([0-9.]+) seconds", ln)[1]) for ln in stalls), reverse=True)
+        rows[-1]["loop_stalls_over_100ms"] = {"count_whole_run": len(took), "longest_s": took[:10],
+                                              "examples": [ln[-400:] for ln in stalls[:8]]}
     return rows
 
 
@@ -700,6 +718,10 @@ def summarise(n, args, results, status, w0, w1, t0, coord) -> list[dict]:
             errors_total += errors
             limited_total += limited
         out.append(row)
+    # When the slow answers (> the target) were asked, by second of the window: a few seconds with many of them is
+    # a stall (the loop blocked, the CPU taken), slow answers spread evenly is a queue
+    slow_by_s = Counter(int(wall - w0) for ep, st, code, lat, wall, size in rows_all
+                        if ep not in BEFORE_WINDOW and w0 <= wall < w1 and lat * 1000 > TARGET_P99_MS)
     window_all.sort()
     lags = sorted(lag * 1000 for res in results for (t, lag) in res["lags"] if w0 <= t < w1)
     client_cpu = sum(res["cpu_s"] for res in results)
@@ -741,6 +763,7 @@ def summarise(n, args, results, status, w0, w1, t0, coord) -> list[dict]:
         "target_met": bool(errors_total == 0 and all(v < TARGET_P99_MS for v in p99_by_ep.values())),
         "disk_commit_ms_during_window": coord["disk_commit_ms"],
         "coordinator_log_errors": coord["log_errors"],
+        "slow_requests_by_window_second": dict(sorted(slow_by_s.items())),
     }
     # other jobs on the machine: busy CPU that was neither the coordinator nor (roughly) the clients
     summary["other_cpu_cores_estimate"] = round(max(0.0, summary["machine_cpu_cores_busy"] - summary["coordinator_cpu_cores"]
@@ -880,8 +903,15 @@ def main() -> None:
     ap.add_argument("--layout", default="one-process",
                     help="comma-separated: 'one-process' and/or 'engine-process' (server.engine_process = true: "
                          "training in its own process); each is run at every point, the working tree's only")
+    ap.add_argument("--baseline-layout", default="one-process",
+                    help="comma-separated: the layouts the --baseline commit is run in (each also in --layout)")
     ap.add_argument("--py-spy", metavar="PATH", help="py-spy binary: profile the coordinator during each window "
                                                       "(bench/results/load_profile_*.txt and a summary in the JSON)")
+    ap.add_argument("--asyncio-debug", action="store_true",
+                    help="run the coordinator with PYTHONASYNCIODEBUG=1 and list the callbacks that held its event "
+                         "loop over 100 ms (debug mode costs CPU: not for the CPU figures)")
+    ap.add_argument("--py-spy-wall", action="store_true",
+                    help="with --py-spy: sample wall time (every thread, idle included) instead of GIL-holding CPU")
     ap.add_argument("--py-spy-rate", type=int, default=50, help="py-spy samples per second")
     args = ap.parse_args()
     trainers = [x.strip() for x in args.trainer.split(",") if x.strip()]
@@ -890,6 +920,9 @@ def main() -> None:
     layouts = [x.strip() for x in args.layout.split(",") if x.strip()]
     if bad := [x for x in layouts if x not in ("one-process", "engine-process")]:
         ap.error(f"unknown --layout {bad}")
+    base_layouts = [x.strip() for x in args.baseline_layout.split(",") if x.strip()]
+    if bad := [x for x in base_layouts if x not in layouts]:
+        ap.error(f"--baseline-layout {bad} not in --layout")
     shapes = [x.strip() for x in args.shape.split(",") if x.strip()]
     if unknown := [x for x in shapes if x not in SHAPES]:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
@@ -911,7 +944,7 @@ def main() -> None:
             for trainer in trainers:
                 for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
                     for label, tree, layout in [(lb, t, la) for lb, t in trees for la in layouts
-                                                if lb == "current" or la == "one-process"]:
+                                                if lb == "current" or la in base_layouts]:
                         print(f"--- {label} ({tree}), {layout}, {shape}, trainer {trainer}", flush=True)
                         got = run_one(n, args, tree, trainer, label, layout)
                         for r in got:
