@@ -101,3 +101,32 @@ def test_every_method_that_writes_nodes_tells_the_cache():
             missing.append(fn.name)
     assert len(writers) >= 8, writers  # the scan finds the writers (upsert, liveness, bans, votes, ...)
     assert missing == [], f"these write the nodes table without _standing_changed: {missing}"
+
+
+def test_checkpoints_run_off_the_commit_path(tmp_path):
+    """The writer never checkpoints inside a COMMIT (wal_autocheckpoint off); the ledger's own thread copies the
+    WAL into the database file: a copy of the database file alone, without its WAL, soon holds what was written."""
+    import shutil
+    import sqlite3
+    import time
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    assert ledger._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    keys = [f"{i:064x}" for i in range(300)]
+    for k in keys:
+        ledger.upsert_node(k, 1.0, {"pad": "x" * 2000})  # ~600 KB of WAL
+    deadline = time.monotonic() + 10.0
+    while True:
+        shutil.copy(tmp_path / "ledger.sqlite", tmp_path / "alone.sqlite")  # the main file only, no -wal
+        db = sqlite3.connect(tmp_path / "alone.sqlite")
+        try:
+            have = db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0]
+        except sqlite3.DatabaseError:
+            have = 0  # not even the schema checkpointed yet
+        db.close()
+        if have == len(keys):
+            break
+        assert time.monotonic() < deadline, f"only {have} of {len(keys)} nodes in the database file after 10 s"
+        time.sleep(0.2)
+    ledger.close()
+    assert not ledger._checkpointer.is_alive()
