@@ -118,7 +118,15 @@ def main() -> None:
         serve(args.serve, args.loop_kind)
         return
     load0 = os.getloadavg()
-    rows = [run(k.strip(), args) for k in args.loops.split(",") if k.strip()]
+    loops = [k.strip() for k in args.loops.split(",") if k.strip()]
+    if "uvloop" in loops:
+        sys.path.insert(0, args.uvloop_path) if args.uvloop_path else None
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:  # `make bench` runs this without it: the asyncio row alone
+            print("uvloop is not importable (--uvloop-path DIR): its row is left out")
+            loops.remove("uvloop")
+    rows = [run(k, args) for k in loops]
     print(f"{'loop':<8} {'req/s':>8} {'server CPU ms/request':>22} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['loop']:<8} {r['requests_per_s']:>8.1f} {r['server_cpu_ms_per_request']:>22.3f} "
