@@ -7,8 +7,8 @@ A real Trainer with trainer.lora on the real SmolLM2-135M-Instruct (node/real_mo
 publishes step 0 full and steps 1..S as signed `lora-adapter` checkpoints (node/coordinator/publisher.py), then for
 each backend:
   swap, merged:  merge_adapter_payload (what node/worker/fetcher.py does) + load_payload of the merged payload;
-  swap, adapter: LoraAdapter.from_store (rebuild + verify the adapter from its shards) + load_adapter (the fetcher
-                 still merges each adapter step into a full payload first: `swap_adapter_with_merge_s` counts it);
+  swap, adapter: rebuild + verify the adapter from its shards (what the fetcher of a worker serving adapters
+                 commits, node/checkpoint_dir.py `unmerged_adapters`; it no longer merges them) + load_adapter;
 each swap timed alone, and the 1-token probe generate after it beside it (vLLM activates an adapter at its first use,
 the worker probes after every swap). vLLM at two max_lora_rank values (its CPU ops pad every token's adapter to it).
 Generation:
@@ -137,9 +137,6 @@ def measure(backend_name: str, store, config_dir: Path, work: Path, *, dtype: st
             "swap_adapter_s": round(med(rebuild_s) + med(load_s), 3), "adapter_rebuild_s": round(med(rebuild_s), 3),
             "engine_adapter_load_s": round(med(load_s), 3),
             "swap_speedup": round((med(merge_s) + med(reload_s)) / (med(rebuild_s) + med(load_s)), 1),
-            # the fetcher still merges every adapter step before handing it on (the store's payload is the merged
-            # weights, docs/PROTOCOL.md "lora-adapter"), so adapter serving today costs the merge too
-            "swap_adapter_with_merge_s": round(med(merge_s) + med(rebuild_s) + med(load_s), 3),
             "tokens_per_s_merged": round(med(tps["merged"]), 1), "tokens_per_s_adapter": round(med(tps["adapter"]), 1),
             "adapter_over_merged_speed": round(med(tps["adapter"]) / med(tps["merged"]), 3),
             "token_identical": f"{sum(same)}/{len(same)}", "max_abs_dlogprob_identical": round(gap, 4),
