@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from node.p2p.config import P2PConfig
 from node.trainer.config import TrainerConfig
@@ -60,7 +60,8 @@ class ServerConfig(_Section):
     # Training, evaluation, publishing and the coordinator's own replays run in a child process, the engine
     # (node/coordinator/engine.py, docs/ARCHITECTURE.md "Processes"): the process that serves HTTP runs nothing
     # of torch, so a training step never holds the GIL that requests wait on. false: one process.
-    # Not with a verifier pool yet (verification.verifier_keys): its jobs are built from torch-side code.
+    # With a verifier pool (verification.verifier_keys) the API process hands the pool its jobs, and the engine
+    # replays what no pool verifier could do.
     engine_process: bool = False
     # The engine process's niceness (added to this process's): requests are served first and training takes
     # the CPU they leave. On a box with fewer cores than runnable threads, an engine at the API's priority
@@ -212,13 +213,6 @@ class Config(_Section):
     p2p: P2PConfig = Field(default_factory=P2PConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)
-
-    @model_validator(mode="after")
-    def _engine_without_pool(self) -> "Config":
-        if self.server.engine_process and self.verification.verifier_keys:
-            raise ValueError("server.engine_process = true does not work with a verifier pool "
-                             "(verification.verifier_keys) yet")
-        return self
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from .checks import Judgement, RolloutClaim, VerifyItem, turn_items  # noqa: F401 - re-exported, torch-free
 from .commitment import (TOPK, ChunkScore, CommitmentError, capture_final_hidden, chunk_bounds, parse_commitment,
                          score_commitment)
-from .sampler import check_sampling, check_seed, replay_scores, turn_seed
+from .sampler import check_sampling, check_seed, replay_scores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -181,58 +182,6 @@ class Thresholds:
         return worst, where
 
 
-@dataclass(frozen=True)
-class RolloutClaim:
-    """What a worker submits for one sample (`rollouts[]` of docs/PROTOCOL.md, "Work and submissions",
-    minus the ids)."""
-
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    commitment: str
-
-    @classmethod
-    def of(cls, obj: Any) -> "RolloutClaim":
-        """From a mapping, a pydantic model or any object with these attributes."""
-        return cls(_field(obj, "completion_ids"), _field(obj, "logprobs"), _field(obj, "finish_reason"),
-                   _field(obj, "commitment"))
-
-
-def _field(obj: Any, key: str) -> Any:
-    """obj[key] of a mapping, else obj's attribute `key`; None when it has neither."""
-    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
-
-
-@dataclass(frozen=True)
-class VerifyItem:
-    """One rollout plus the assignment context it must be checked against."""
-
-    prompt_ids: list[int]
-    rollout: RolloutClaim
-    seed: int
-    temperature: float
-    top_p: float
-    max_tokens: int
-    eos_token_id: int
-
-
-def turn_items(prompt_ids: list[int], rollout: Any, seed: int, temperature: float, top_p: float, max_tokens: int,
-               eos_token_id: int) -> list[VerifyItem]:
-    """One item per model turn of a rollout (a mapping or an object; a multi-turn one has `turns`, each with the
-    environment's `env_ids` before the model's turn): turn i is checked like a single-turn rollout whose prompt
-    is everything before it, with seed `turn_seed(seed, i)` (node/envs/episode.py has the episode's rules).
-    A single-turn rollout gives one item, itself."""
-    before = list(prompt_ids)
-    items = []
-    for i, turn in enumerate([rollout, *(_field(rollout, "turns") or [])]):
-        claim = RolloutClaim.of(turn)
-        if i:
-            before = before + list(turn["env_ids"] if isinstance(turn, Mapping) else turn.env_ids)
-        items.append(VerifyItem(before, claim, turn_seed(seed, i), temperature, top_p, max_tokens, eos_token_id))
-        before = before + list(claim.completion_ids)
-    return items
-
-
 @dataclass
 class Verdict:
     ok: bool
@@ -381,16 +330,6 @@ class RolloutVerifier:
             reason = "termination" if r.finish_reason == "stop" else "sampling"
             return Verdict(False, reason, "the seeded sampler would not pick the final token", scores)
         return Verdict(True, None, "", scores)
-
-
-@dataclass(frozen=True)
-class Judgement:
-    """A replay's outcome as the coordinator acts on it (its verifier pool sends the same fields)."""
-
-    reason: str | None  # None = passed; else "verify_<Verdict.reason>"
-    tokens: int
-    near_ties: int
-    outlier: bool = False  # failed by one sampled token only: voided, not proof of forgery
 
 
 def judge(model: PreTrainedModel, items: Sequence[VerifyItem]) -> list[Judgement]:

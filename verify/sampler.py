@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_SEED = 2**63 - 1
+from .checks import MAX_SEED, check_seed, turn_seed  # noqa: F401 - torch-free, re-exported here
+
 BLOCK = 256  # token ids per first-level block (part of the sampling contract: changing it changes samples)
 
 
@@ -113,25 +114,6 @@ def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device
     s = torch.tensor([seed], dtype=torch.int64, device=device)
     p = torch.tensor([position], dtype=torch.int64, device=device)
     return gumbel_noise_batch(s, p, vocab_size)[0]
-
-
-def check_seed(seed: int) -> None:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"sampling seed must be an int in [0, 2**63), got {seed!r}")
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """The seed of model turn `turn` of a multi-turn episode (node/envs/episode.py): turn 0 keeps the
-    coordinator's seed (a single-turn rollout is turn 0), later turns draw theirs from SplitMix64 of
-    (seed, turn), so no two model-token positions of an episode share their random numbers."""
-    check_seed(seed)
-    if turn == 0:
-        return seed
-    mask = (1 << 64) - 1
-    z = (seed + turn * 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) & MAX_SEED
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

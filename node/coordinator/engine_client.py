@@ -39,7 +39,7 @@ class EngineDied(RuntimeError):
 
 class EngineProcess:
     """What Coordinator needs of its trainer, served by the engine process: `published_step`, `snapshot()`,
-    `notify_decided()`, `verify()` (the VerdictQueue's replays), start and stop."""
+    `notify_decided()`, `verify()` and `holds()` (the VerdictQueue's replays), start and stop."""
 
     def __init__(self, *, cfg: Config, identity: Identity, metrics: CoordinatorMetrics,
                  on_groups_dropped: Callable[[dict[int, int], float], None],
@@ -208,6 +208,11 @@ class EngineProcess:
         """A verdict was recorded (on the loop): the trainer may have its batch now."""
         if self._chan is not None and self.running:
             self._chan.writer.write(C.frame(C.Decided()))  # a few bytes: no drain needed
+
+    def holds(self, step: int) -> bool:
+        """Whether the engine holds `step`'s weights (as of its last Ready/Published): VerdictQueue passes a
+        submission over whose step it no longer holds, before a replay by the pool or by the engine."""
+        return step in self.held
 
     async def verify(self, assignment_id: str, step: int) -> Judged | None:
         """VerdictQueue's replay of a submission, done by the engine (which holds the policies); None when

@@ -140,7 +140,8 @@ class Coordinator:
                                      scheduler=self.scheduler, policies=self.policies, metrics=self.metrics,
                                      eos_token_id=self.eos_token_id, on_decided=self.training.notify_decided,
                                      board=self.verifier_board,
-                                     remote_judge=self.engine.verify if self.engine is not None else None)
+                                     remote_judge=self.engine.verify if self.engine is not None else None,
+                                     holds=self.engine.holds if self.engine is not None else None)
         self.intake = Intake(cfg=cfg, ledger=self.ledger, scheduler=self.scheduler, verdicts=self.verdicts,
                              metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness)
 

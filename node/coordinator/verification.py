@@ -23,18 +23,18 @@ from node.coordinator.verifier_jobs import JobBoard
 from node.trainer.model import load_model
 from protocol import messages as M
 from protocol.checkpoint import load_payload
+from verify.checks import Judgement, VerifyItem, turn_items
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from node.coordinator.records import GroupRow
-    from verify.rollouts import Judgement, VerifyItem
 
 Judged = tuple[list[tuple[str, int]], list[Any]]  # (prompt_id, sample_index) and its Judgement, per rollout
 
-# verify.rollouts imports torch: it is imported where a replay is built or run, never at import time, so
-# that the API process of `server.engine_process = true` (node/coordinator/engine.py) imports no torch
-# of its own.
+# verify.rollouts imports torch: it is imported where a replay is run in this process, never at import time,
+# so that the API process of `server.engine_process = true` (node/coordinator/engine.py) imports no torch of
+# its own. What the pool path builds and reads (checks, judgements) is verify.checks, torch-free.
 
 log = logging.getLogger("prime_node.verification")
 
@@ -42,8 +42,6 @@ log = logging.getLogger("prime_node.verification")
 def merge_turns(answers: list[Judgement], owner: list[int], n: int) -> list[Judgement]:
     """Per-turn judgements -> one per rollout: it passes when every turn passes; it is an outlier (one token
     off the sampler's choice, possibly numerical) only when that is its one failure."""
-    from verify.rollouts import Judgement
-
     turns: list[list[Judgement]] = [[] for _ in range(n)]
     for j, i in zip(answers, owner):
         turns[i].append(j)
@@ -59,8 +57,6 @@ def build_checks(undecided: list[GroupRow], seeds: dict[str, list[int]], s: Samp
                  ) -> tuple[list[tuple[str, int]], list[VerifyItem], list[int]]:
     """The replay checks of a submission's undecided groups, one per model turn (a single-turn rollout has
     one): (prompt_id, sample_index) per rollout, the checks, and each check's rollout (its index in the first)."""
-    from verify.rollouts import turn_items
-
     refs: list[tuple[str, int]] = []
     checks: list[VerifyItem] = []
     owner: list[int] = []
@@ -121,11 +117,14 @@ class VerdictQueue:
 
     A node's first `new_node_submissions` are replayed at `new_node_fraction` (default: all of them),
     unless `fraction` is 0 (replays off).
-    Replays run one at a time in their own thread, or, with a verifier pool (`board`), as jobs for the pool's
-    processes, many at once; undecided submissions survive a restart (the ledger has them) and are decided again.
+    Replays run one at a time in their own thread (or in the engine process's, `remote_judge`, with
+    `server.engine_process = true`), or, with a verifier pool (`board`), as jobs for the pool's processes, many
+    at once; undecided submissions survive a restart (the ledger has them) and are decided again. The pool path
+    runs in either layout: it builds the checks and reads the verdicts with verify.checks alone (no torch).
 
     Whether a submission is replayed depends on the draw alone, never on the step, size or timing its node
-    chose: a job no pool verifier can do (each answered `unavailable`) is replayed here, in-process. The one
+    chose: a job no pool verifier can do (each answered `unavailable`) is replayed by the coordinator itself,
+    in-process or in its engine process. The one
     submission passed over without a draw is one whose step's weights this coordinator no longer holds; it
     holds the k + 2 newest steps and every open batch takes steps >= published - k only, so such a
     submission is stale for every batch and is dropped, never trained.
@@ -135,7 +134,8 @@ class VerdictQueue:
     def __init__(self, *, cfg: VerificationConfig, sampling: SamplingConfig, ledger: Ledger, scheduler: Scheduler,
                  policies: PolicyStore | None, metrics: CoordinatorMetrics, eos_token_id: int,
                  on_decided: Callable[[], None], board: JobBoard | None = None,
-                 remote_judge: Callable[[str, int], Awaitable[Judged | None]] | None = None):
+                 remote_judge: Callable[[str, int], Awaitable[Judged | None]] | None = None,
+                 holds: Callable[[int], bool] | None = None):
         self.cfg = cfg
         self.sampling = sampling
         self.ledger = ledger
@@ -145,9 +145,12 @@ class VerdictQueue:
         self.eos_token_id = eos_token_id
         self.on_decided = on_decided  # a verdict may complete a batch: wake the trainer
         self.board = board
-        # server.engine_process: the engine process holds the policies and replays there (node/coordinator/engine.py)
+        # server.engine_process: the engine process holds the policies and replays there (node/coordinator/engine.py);
+        # `holds` says whether it still holds a step's weights (EngineProcess.holds)
         self.remote_judge = remote_judge
+        self.holds = holds
         assert (policies is None) != (remote_judge is None), "one holder of the policies: this process or the engine"
+        assert (remote_judge is None) == (holds is None), "the engine's replays come with the steps it holds"
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
 
@@ -195,13 +198,12 @@ class VerdictQueue:
         step = undecided[0].policy_step
         if not self.chosen(node):
             ledger.set_verdict(assignment_id, "unchecked")
-        elif self.policies is not None and self.policies.get(step) is None:
-            # fell out of the window while queued: not the node's fault (the engine process says so by None, below)
+        elif not self._held(step):
+            # fell out of the window while queued: not the node's fault
             log.warning("no weights of step %d left to verify %s against; passed over", step, assignment_id)
             ledger.set_verdict(assignment_id, "unchecked")
         else:
-            judged = await (self.remote_judge(assignment_id, step) if self.remote_judge is not None
-                            else self._judge(assignment_id, step, undecided))
+            judged = await self._judge(assignment_id, step, undecided)
             if judged is None:  # the step fell out of the window meanwhile: stale for every batch, never trained
                 log.warning("no weights of step %d left to verify %s against; passed over (stale)", step,
                             assignment_id)
@@ -238,19 +240,36 @@ class VerdictQueue:
             self._check_steering(node.node_id)
         self.on_decided()
 
-    async def _judge(self, assignment_id: str, step: int,
-                     undecided: list[GroupRow]) -> Judged | None:
-        """Every rollout of the submission replayed (by the pool, else here): (prompt_id, sample_index) and
-        its judgement, per rollout; None when no weights of `step` are held any more."""
+    def _held(self, step: int) -> bool:
+        """Whether this coordinator still holds `step`'s weights, in this process or in its engine."""
+        if self.policies is not None:
+            return self.policies.get(step) is not None
+        assert self.holds is not None  # the engine's (__init__)
+        return self.holds(step)
+
+    def _checks(self, assignment_id: str, undecided: list[GroupRow]):
         a = self.ledger.assignment(assignment_id)
         assert a is not None  # kept while a group of it waits for its verdict (Ledger.prune)
-        refs, checks, owner = build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts}, self.sampling,
-                                           self.eos_token_id)
-        answers = await self._replay(step, checks)
-        if answers is None:  # no pool verifier could get the step: never passed over for it, replayed here
-            log.warning("no pool verifier could get step %d to verify %s; replaying it in-process",
-                        step, assignment_id)
-            answers = await self._replay_here(step, checks)
+        return build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts}, self.sampling, self.eos_token_id)
+
+    async def _judge(self, assignment_id: str, step: int,
+                     undecided: list[GroupRow]) -> Judged | None:
+        """Every rollout of the submission replayed (by the pool, else by this coordinator: here, or in its
+        engine process): (prompt_id, sample_index) and its judgement, per rollout; None when no weights of
+        `step` are held any more."""
+        built = None
+        if self.board is not None:
+            built = refs, checks, owner = self._checks(assignment_id, undecided)
+            answers = await self._pool_replay(step, checks)
+            if answers is not None:
+                return refs, merge_turns(answers, owner, len(refs))
+            # no pool verifier could get the step: never passed over for it, the coordinator replays it
+            log.warning("no pool verifier could get step %d to verify %s; replaying it %s", step, assignment_id,
+                        "in the engine process" if self.remote_judge is not None else "in-process")
+        if self.remote_judge is not None:  # the engine holds the policies: it builds the checks from the ledger
+            return await self.remote_judge(assignment_id, step)
+        refs, checks, owner = built or self._checks(assignment_id, undecided)
+        answers = await self._replay_here(step, checks)
         if answers is None:
             return None
         return refs, merge_turns(answers, owner, len(refs))
@@ -265,9 +284,9 @@ class VerdictQueue:
             return None
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: judge(model, checks))
 
-    async def _replay(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
-        if self.board is None:
-            return await self._replay_here(step, checks)
+    async def _pool_replay(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
+        """The pool's verdicts on `checks`; None if no pool verifier could get the step (JobBoard.replay)."""
+        assert self.board is not None
         s = self.sampling
         items = [M.ReplayItem(prompt_ids=c.prompt_ids, completion_ids=c.rollout.completion_ids,
                               logprobs=c.rollout.logprobs, finish_reason=c.rollout.finish_reason,
@@ -276,8 +295,6 @@ class VerdictQueue:
                                                                   max_tokens=s.max_tokens))
         if answers is None:
             return None
-        from verify.rollouts import Judgement  # lazily, as every verify.rollouts name here (torch)
-
         return [Judgement(a.reason, a.tokens, a.near_ties, a.outlier) for a in answers]
 
     def _check_steering(self, node_id: str) -> None:

@@ -6,7 +6,8 @@ checkpoint, or one that did not arrive within 30 s) made the coordinator mark th
 and train it, even at `new_node_fraction = 1`. A forger who claims such a step was never checked.
 Now a refused job goes to another verifier, then to the coordinator's own replay; pool verifiers hold
 every step of the window. A real coordinator, real `Verifier`s (the worker's fetcher, transformers,
-verify.rollouts) and raw signed clients as verifiers that refuse, all on 127.0.0.1."""
+verify.rollouts) and raw signed clients as verifiers that refuse, all on 127.0.0.1. Both process layouts: with
+`server.engine_process = true` "in-process" is the engine process (the API process holds no model)."""
 import asyncio
 import random
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from tests.integration.coordinator_harness import RawNode, fake_rollouts, running_coordinator
 from tests.integration.test_intake_attacks import backend_at, honest_rollouts, wait_verdicts
-from tests.integration.test_verifier_pool import pool_keys, verifier_process
+from tests.integration.test_verifier_pool import LAYOUTS, check_layout, layouts, pool_keys, verifier_process
 
 pytestmark = pytest.mark.timeout(300)  # a safety net: every loop below is bounded by work done or a deadline
 
@@ -70,15 +71,17 @@ async def train_to(coord, honest: RawNode, target: int) -> None:
         assert st == 200 and not res["rejected"], res["rejected"]
 
 
-async def test_forger_claiming_a_step_the_verifier_skipped_is_replayed_and_banned(tmp_path):
+@layouts
+async def test_forger_claiming_a_step_the_verifier_skipped_is_replayed_and_banned(tmp_path, layout):
     """Step 0 and 2 are full, step 1 a delta: a verifier that starts at step 2 used to fetch step 2 alone and
     answer `unavailable` for step 1, which is still inside the window. A forger claiming step 1 (and one
     claiming each other step of the window) is now replayed by that verifier and banned."""
     from protocol.identity import Identity
 
     first, late = Identity.generate(), Identity.generate()
-    async with running_coordinator(tmp_path, pool_keys(first.public_hex, late.public_hex),
+    async with running_coordinator(tmp_path, *LAYOUTS[layout], pool_keys(first.public_hex, late.public_hex),
                                    "distribution.full_every=2") as (coord, base):
+        check_layout(coord, layout)
         async with aiohttp.ClientSession() as s:
             honest = RawNode(base, s)
             forgers = {step: RawNode(base, s) for step in (0, 1, 2)}
@@ -105,12 +108,14 @@ async def test_forger_claiming_a_step_the_verifier_skipped_is_replayed_and_banne
             assert "unchecked" not in coord.ledger.verdict_counts()
 
 
-async def test_a_job_refused_as_unavailable_goes_to_another_verifier_then_in_process(tmp_path):
+@layouts
+async def test_a_job_refused_as_unavailable_goes_to_another_verifier_then_in_process(tmp_path, layout):
     """Two listed verifiers each answer `unavailable`: the job is never handed back to one that refused it,
     goes to the other, and then the coordinator replays it itself: the forgery is void, never trained."""
     async with aiohttp.ClientSession() as s:
         r1, r2 = RawNode("", s), RawNode("", s)
-        async with running_coordinator(tmp_path, pool_keys(r1.pub, r2.pub)) as (coord, base):
+        async with running_coordinator(tmp_path, *LAYOUTS[layout], pool_keys(r1.pub, r2.pub)) as (coord, base):
+            check_layout(coord, layout)
             r1.base = r2.base = base
             for r in (r1, r2):  # both ask for work: both are active members of the pool
                 st, _ = await r.post("/v1/verify/jobs", {})
@@ -137,12 +142,14 @@ async def test_a_job_refused_as_unavailable_goes_to_another_verifier_then_in_pro
             assert pool["replayed_in_process"] == 1
 
 
-async def test_a_verifier_unavailable_for_everything_makes_nothing_skip_verification(tmp_path):
+@layouts
+async def test_a_verifier_unavailable_for_everything_makes_nothing_skip_verification(tmp_path, layout):
     """The pool's one verifier answers `unavailable` to every job: every submission, honest or forged, is
     replayed in-process instead; none is passed over, the forger is banned and the verifier is noted."""
     async with aiohttp.ClientSession() as s:
         refuser = RawNode("", s)
-        async with running_coordinator(tmp_path, pool_keys(refuser.pub)) as (coord, base):
+        async with running_coordinator(tmp_path, *LAYOUTS[layout], pool_keys(refuser.pub)) as (coord, base):
+            check_layout(coord, layout)
             refuser.base = base
             stop = asyncio.Event()
 

@@ -1,7 +1,13 @@
 """The verifier pool (#15): trusted `prime-node verifier` processes replay the chosen submissions instead
 of the coordinator. A real coordinator and a real Verifier (the worker's fetcher, the transformers engine,
 verify.rollouts) on 127.0.0.1; honest rollouts come from the real backend. Hostile cases: keys not in
-`verification.verifier_keys`, malformed and mismatched answers, a verifier that leases a job and dies."""
+`verification.verifier_keys`, malformed and mismatched answers, a verifier that leases a job and dies.
+
+Both process layouts (as test_coordinator_crash.py): with `server.engine_process = true` the API process, which
+imports no torch of its own, builds the pool's jobs and acts on its verdicts; the engine process publishes the
+steps the verifiers fetch (served by the API process) and replays what no pool verifier could do
+(test_attack_verifier_dodge.py). The engine runs at nice 0: niced beside the other tests on 2 cores, its
+start-up was starved in CI (test_coordinator_crash.py)."""
 import asyncio
 from contextlib import asynccontextmanager
 
@@ -12,6 +18,14 @@ from tests.integration.coordinator_harness import RawNode, running_coordinator
 from tests.integration.test_intake_attacks import backend_at, honest_rollouts, train_to_step_1, wait_verdicts
 
 pytestmark = pytest.mark.timeout(300)
+
+LAYOUTS = {"one-process": (), "engine-process": ("server.engine_process=true", "server.engine_nice=0")}
+layouts = pytest.mark.parametrize("layout", list(LAYOUTS))
+
+
+def check_layout(coord, layout: str) -> None:
+    """The engine layout holds no policy model in this (the API) process: nothing here can replay."""
+    assert (coord.engine is not None and coord.policies is None) == (layout == "engine-process")
 
 
 @asynccontextmanager
@@ -31,11 +45,13 @@ def pool_keys(*keys: str) -> str:
     return "verification.verifier_keys=[" + ",".join(f'"{k}"' for k in keys) + "]"
 
 
-async def test_the_pool_verifies_honest_work_and_catches_a_forger(tmp_path):
+@layouts
+async def test_the_pool_verifies_honest_work_and_catches_a_forger(tmp_path, layout):
     from protocol.identity import Identity
 
     ident = Identity.generate()
-    async with running_coordinator(tmp_path, pool_keys(ident.public_hex)) as (coord, base):
+    async with running_coordinator(tmp_path, *LAYOUTS[layout], pool_keys(ident.public_hex)) as (coord, base):
+        check_layout(coord, layout)
         async with aiohttp.ClientSession() as s, verifier_process(base, tmp_path, ident) as v:
             honest, cheat = RawNode(base, s), RawNode(base, s)
             await honest.post("/v1/join", {})
@@ -57,16 +73,19 @@ async def test_the_pool_verifies_honest_work_and_catches_a_forger(tmp_path):
             assert v.jobs_done >= 2 and v.rollouts_judged >= coord.cfg.run.batch_prompts * coord.cfg.run.group_size
             pool = coord.status()["verification"]["pool"]
             assert pool["verifiers"] == 1 and pool["active"] == 1
+            assert pool["replayed_in_process"] == 0  # the pool did every replay
 
 
-async def test_strangers_bad_answers_and_a_verifier_that_dies(tmp_path):
+@layouts
+async def test_strangers_bad_answers_and_a_verifier_that_dies(tmp_path, layout):
     from protocol.identity import Identity
 
     async with aiohttp.ClientSession() as s:
         dying = RawNode("", s)  # a listed verifier that leases a job and never answers
         real = Identity.generate()
-        async with running_coordinator(tmp_path, pool_keys(dying.pub, real.public_hex),
+        async with running_coordinator(tmp_path, *LAYOUTS[layout], pool_keys(dying.pub, real.public_hex),
                                        "verification.job_lease_seconds=1") as (coord, base):
+            check_layout(coord, layout)
             dying.base = base
             stranger, node = RawNode(base, s), RawNode(base, s)
             for path, body in (("/v1/verify/jobs", {}), ("/v1/verify/verdicts", {"job_id": "x", "unavailable": True})):

@@ -30,6 +30,15 @@ def test_unknown_key_and_bad_value_are_clear(tmp_path):
         load_config(tmp_path / "missing.toml")
 
 
+def test_engine_process_with_a_verifier_pool_is_a_valid_config():
+    """Refused until the pool's path ran without torch in the API process (tests/integration/test_verifier_pool.py
+    runs both layouts)."""
+    key = "ab" * 32
+    cfg = load_config(REPO / "configs/local.toml", ["server.engine_process=true",
+                                                    f'verification.verifier_keys=["{key}"]'])
+    assert cfg.server.engine_process and cfg.verification.verifier_keys == [key]
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "node.cli", *args], capture_output=True, text=True)
 
