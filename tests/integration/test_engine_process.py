@@ -63,8 +63,9 @@ async def test_api_process_trains_without_torch_and_fails_loudly_when_its_engine
             await poll(usable_counted, 30, "the groups of 2 steps counted in /metrics")
             [engine] = engine_pids(storage)
             assert mapped_libtorch(engine)  # the trainer's torch is in the engine process
-            # The API process maps libtorch too, though nothing of it trains or replays: transformers 5 imports
-            # torch when it loads the run's tokenizer (tests/unit/test_engine_imports.py, the strict xfail).
+            # and none in the API process, after its run was loaded, served and trained: its tokenizer is loaded
+            # without transformers (node/trainer/light_tokenizer.py)
+            assert not mapped_libtorch(proc.pid)
 
             os.kill(engine, signal.SIGKILL)
 
