@@ -29,6 +29,9 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=1, help="warm-start (Trainer.sft) steps before step 0: they train "
                     "the base, as a run's warm start does, and leave the adapter at init")
     ap.add_argument("--tiny", action="store_true", help="the tiny test model instead of SmolLM2-135M")
+    ap.add_argument("--qwen05b", action="store_true", help="a randomly initialised model of Qwen2-0.5B's shape "
+                    "(494M parameters: 24 layers, hidden 896, 14 heads, 2 KV heads, MLP 4,864, vocabulary 151,936, "
+                    "q/k/v biases, tied embeddings) instead of SmolLM2-135M")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_bytes.json"))
     args = ap.parse_args()
 
@@ -44,6 +47,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lora-bytes-"))
     if args.tiny:
         model, name = build_tiny_model_dir(work / "tiny", hidden_size=32, layers=2, heads=4, seed=11), "tiny"
+    elif args.qwen05b:  # Llama-architecture, as the tiny model (node/trainer/model.py says why), Qwen2's shape
+        model = build_tiny_model_dir(work / "qwen05b", hidden_size=896, layers=24, heads=14, seed=11,
+                                     intermediate_size=4864, num_key_value_heads=2, vocab_size=151936,
+                                     attention_bias=True)
+        name = "Qwen2-0.5B-shaped (random init)"
     else:
         from node.real_model import model_dir
 

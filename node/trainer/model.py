@@ -64,20 +64,22 @@ def build_tiny_model_dir(out_dir: str | Path, *, hidden_size: int = 64, layers: 
         tokenizer = build_char_tokenizer(alphabet or DEFAULT_ALPHABET)
     elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer needs EOS and pad tokens")
+    # a real model's vocabulary may be larger than its tokenizer's (Qwen2 pads 151,665 tokens to 151,936)
+    vocab_size = max(len(tokenizer), int(config_overrides.pop("vocab_size", 0)))
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 4 * hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=int(config_overrides.pop("num_key_value_heads", heads)),
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         initializer_range=init_std,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        attention_bias=False,
+        attention_bias=bool(config_overrides.pop("attention_bias", False)),
         **config_overrides,
     )
     out = Path(out_dir)
