@@ -146,9 +146,3 @@ class TrainerConfig(_Strict):
     filters: FiltersConfig = Field(default_factory=FiltersConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
-
-    @model_validator(mode="after")
-    def _lora_single_rank(self) -> "TrainerConfig":
-        if self.lora.enabled and self.ranks > 1:  # the FSDPRunner does not wrap its shards with peft yet
-            raise ValueError("trainer.lora with trainer.ranks > 1 is not supported yet")
-        return self

@@ -12,6 +12,8 @@ that touch the model become collective commands that rank 0 broadcasts and every
     NEW_OPTIMIZER  a second AdamW on every rank (the SFT warm start's)  (new_optimizer)
     GATHER  full (unsharded) state dict for the broadcast checkpoint  (weights_for_broadcast),
             or for evaluation on rank 0's unsharded copy of the model  (full_model)
+    GATHER_ADAPTER  the LoRA factors alone, unsharded, for a `lora-adapter` checkpoint  (adapter_for_broadcast)
+    SCOPE   enter / leave the warm start's scope: with trainer.lora the base trains, the adapters wait  (warm_start_scope)
     SAVE / LOAD  sharded model + optimizer with torch.distributed.checkpoint  (write_weights / load_snapshot)
 
 Ranks 1..N-1 are followers (`python -m node.trainer.distributed`, or `serve_follower()` inside a process
@@ -36,6 +38,13 @@ number of ranks), `model/` (config + tokenizer, no weights), rng.safetensors and
 (format distributed_state.FSDP_FORMAT). The LocalRunner keeps its own safetensors format (see the report in
 issue #15): DCP's `.metadata` file is a pickle, which the single-rank format avoids on purpose.
 
+With trainer.lora (node/trainer/lora.py) every rank wraps the model with peft's LoRA before sharding it (the
+same seed: the same adapters' init as one rank), so a decoder layer's shard holds its base weights (frozen) and its
+adapters (trained); the optimizers hold the trainable shards only. What rank 0 publishes and evaluates comes from
+a plain peft model on its CPU loaded with the gathered state (`_host_model`): the merged weights and the adapter
+under the base names by the LocalRunner's own code (runner.broadcast_state, lora.adapter_for_broadcast). The
+snapshot's trainer.json records trainer.lora, and a resume with another one is refused (lora.check_snapshot).
+
 All ranks live on one machine (MASTER_ADDR 127.0.0.1): gloo on CPU, NCCL with one GPU per rank.
 """
 from __future__ import annotations
@@ -48,13 +57,15 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
 
+from node.trainer import lora
 from node.trainer.config import TrainerConfig
 from node.trainer.distributed_state import FSDP_FORMAT, base_model_dir
 from node.trainer.loss import resolve_loss, sft_loss
@@ -65,6 +76,7 @@ from node.trainer.runner import (
     LossTally,
     ModelRunner,
     StepResult,
+    broadcast_state,
     build_model,
     micro_batch_loss,
     new_adamw,
@@ -82,6 +94,7 @@ LOOPBACK = "127.0.0.1"
 DEFAULT_TIMEOUT = timedelta(hours=24)
 
 OP_STOP, OP_FB, OP_APPLY, OP_GATHER, OP_SAVE, OP_NEW_OPTIMIZER, OP_INIT, OP_LOAD = 0, 1, 2, 3, 4, 5, 6, 7
+OP_GATHER_ADAPTER, OP_SCOPE = 8, 9
 _HEADER = 8  # float64: op, n_ints, n_floats, n_bytes, a0..a3
 _LOSSES: dict[int, LossFn] = {1: sft_loss}  # by id on the wire; 0 = the trainer's own loss (the runner's loss_fn)
 
@@ -313,6 +326,7 @@ class FSDPRunner(ModelRunner):
         # rank 0's unsharded copy for evaluation (full_model), made on first use
         self._full_model: torch.nn.Module | None = None
         self._extra_optimizer: torch.optim.Optimizer | None = None
+        self._scope: ExitStack | None = None  # inside the warm start's scope (SCOPE 1): what leaving it undoes
         cuda = device.startswith("cuda")
         if cuda:
             device = f"cuda:{torch.cuda.current_device()}"
@@ -323,6 +337,9 @@ class FSDPRunner(ModelRunner):
                     "attn_implementation": attn_implementation}
             self._send(OP_INIT, text=json.dumps(init))
         self.model = build_model(model_dir, cfg, device=device, attn_implementation=attn_implementation)
+        self._model_config = self.model.config  # the transformers config (rank 0's host copy is built from it)
+        if cfg.lora.enabled:  # before sharding, from the RNG build_model seeded: every rank's adapters = one rank's
+            self.model = lora.wrap(self.model, cfg.lora)
         self.vocab_size = vocab_size_of(self.model)  # before sharding: the embedding's full shape
         _shard(self.model)
         self.optimizer = new_adamw(self.model, cfg.lr, cfg)  # over the sharded parameters
@@ -351,27 +368,49 @@ class FSDPRunner(ModelRunner):
 
     def weights_for_broadcast(self) -> dict[str, torch.Tensor]:
         self._send(OP_GATHER)
+        if self.cfg.lora.enabled:  # merged under the base names: the LocalRunner's code on rank 0's host copy
+            return broadcast_state(self._host_model(self._full_state_dict()), self.cfg)
         return self._gather()
+
+    def adapter_for_broadcast(self) -> lora.BroadcastAdapter | None:
+        """With trainer.lora: the adapter's factors unsharded (GATHER_ADAPTER: a few MB, not the model), as the
+        LocalRunner gives them (lora.adapter_for_broadcast on rank 0's host copy, whose base is not read)."""
+        if not self.cfg.lora.enabled:
+            return None
+        self._send(OP_GATHER_ADAPTER)
+        model = self._host_model(None)
+        lora.load_adapter(model, self._gather_adapter(), self.model_dir)
+        return lora.adapter_for_broadcast(model, getattr(torch, self.cfg.broadcast_dtype))
 
     def full_model(self) -> torch.nn.Module:
         """Rank 0: a plain (unsharded, fp32, CPU) model holding the current weights, for evaluation
-        (node/coordinator/evaluation.py). Every rank takes part in one GATHER; what rank 0 then does with the
-        copy runs no collective, so nothing it does can wait on another rank. The copy is kept (one model of
-        CPU memory) and refreshed at each call."""
-        from transformers import AutoModelForCausalLM
-
+        (node/coordinator/evaluation.py); with trainer.lora the peft model, its adapters applied as on one rank.
+        Every rank takes part in one GATHER; what rank 0 then does with the copy runs no collective, so nothing
+        it does can wait on another rank. The copy is kept (one model of CPU memory) and refreshed at each call
+        (weights_for_broadcast refreshes it too with trainer.lora: the coordinator evaluates and publishes from
+        one thread)."""
         self._send(OP_GATHER)
-        full = self._full_state_dict()
-        if self._full_model is None:
-            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG alone
-                self._full_model = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
-            self._full_model.eval()
-        self._full_model.load_state_dict(full)
-        return self._full_model
+        return self._host_model(self._full_state_dict())
+
+    def warm_start_scope(self) -> AbstractContextManager[None]:
+        # With trainer.lora the warm start trains the base, on every rank (SCOPE), as LocalRunner's does.
+        return self._warm_start_scope() if self.cfg.lora.enabled else super().warm_start_scope()
+
+    @contextmanager
+    def _warm_start_scope(self) -> Iterator[None]:
+        self._send(OP_SCOPE, args=(1,))
+        self._set_scope(True)
+        try:
+            yield
+        finally:
+            self._set_scope(False)  # this rank's flags first: a dead follower must not leave the base trainable
+            self._send(OP_SCOPE, args=(0,))
 
     def snapshot_meta(self) -> dict[str, Any]:
-        return {"format": FSDP_FORMAT, "world_size": self.world_size,
-                "base_model_dir": str(self.model_dir.resolve())}
+        meta = {"format": FSDP_FORMAT, "world_size": self.world_size, "base_model_dir": str(self.model_dir.resolve())}
+        if self.cfg.lora.enabled:  # dcp/ holds the peft model's state (base and adapters) and the adapters' moments
+            meta["lora"] = self.cfg.lora.model_dump()
+        return meta
 
     def write_weights(self, tmp: Path) -> None:
         """Rank 0, collective: every rank writes its shard of model + optimizer under tmp/dcp (DCP); rank 0
@@ -379,11 +418,14 @@ class FSDPRunner(ModelRunner):
         self._send(OP_SAVE, text=str(tmp / "dcp"))
         self._save_sharded(tmp / "dcp")
         (tmp / "model").mkdir()
-        self.model.config.save_pretrained(str(tmp / "model"))
+        self._model_config.save_pretrained(str(tmp / "model"))
 
     def load_snapshot(self, snap: Path) -> None:
         """Rank 0, collective: every rank loads its shard of model + optimizer from snap/dcp (resharded from
-        whatever number of ranks wrote it)."""
+        whatever number of ranks wrote it). A snapshot of another trainer.lora is refused first, on rank 0 alone."""
+        from node.trainer.state import read_json
+
+        lora.check_snapshot(snap, read_json(Path(snap) / "trainer.json").get("lora"), self.cfg.lora)
         self._send(OP_LOAD, text=str(Path(snap).resolve() / "dcp"))
         self._load_sharded(Path(snap).resolve() / "dcp")
 
@@ -504,6 +546,47 @@ class FSDPRunner(ModelRunner):
         # torch types the values as any state (DTensor, list, ...); a full, CPU-offloaded model state is tensors
         return cast(dict[str, torch.Tensor], full) if self.rank == 0 else {}
 
+    def _gather_adapter(self) -> dict[str, torch.Tensor]:
+        """The collective of GATHER_ADAPTER: every adapter parameter unsharded (DTensor.full_tensor, in parameter
+        order: the same on every rank), fp32 on rank 0's CPU under its name in the wrapped model; {} elsewhere."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, p in lora.adapter_parameters(self.model).items():
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                if self.rank == 0:
+                    out[name] = full.detach().to(device="cpu", dtype=torch.float32, copy=True)
+        return out
+
+    def _host_model(self, full: dict[str, torch.Tensor] | None) -> Any:
+        """Rank 0's plain fp32 CPU model (peft-wrapped with trainer.lora), made on first use, loaded with `full`
+        (the wrapped model's full state dict) when given."""
+        from transformers import AutoModelForCausalLM
+
+        if self._full_model is None:
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG alone
+                model = AutoModelForCausalLM.from_config(self._model_config, dtype=torch.float32)
+                if self.cfg.lora.enabled:
+                    model = lora.wrap(model, self.cfg.lora)
+            model.eval()
+            self._full_model = model
+        if full is not None:
+            self._full_model.load_state_dict(full)
+        return self._full_model
+
+    def _set_scope(self, warm_start: bool) -> None:
+        """SCOPE: enter (lora.base_trainable: the base's shards require a gradient, the adapters' do not; FSDP2
+        takes the flags of the sharded parameters at each all-gather) or leave the warm start's scope."""
+        if warm_start:
+            if self._scope is not None:
+                raise TrainerError("SCOPE: already in the warm start's scope")
+            self._scope = ExitStack()
+            self._scope.enter_context(lora.base_trainable(self.model))
+        elif self._scope is not None:
+            self._scope.close()
+            self._scope = None
+
     def _gather(self) -> dict[str, torch.Tensor]:
         full = self._full_state_dict()
         if self.rank != 0:
@@ -569,7 +652,11 @@ class FSDPRunner(ModelRunner):
             elif op == OP_APPLY:
                 self._apply(int(args[0]), float(args[1]), int(args[2]))
             elif op == OP_GATHER:
-                self._gather()
+                self._full_state_dict()
+            elif op == OP_GATHER_ADAPTER:
+                self._gather_adapter()
+            elif op == OP_SCOPE:
+                self._set_scope(bool(args[0]))
             elif op == OP_SAVE:
                 assert text is not None  # rank 0 sends the path with SAVE
                 self._save_sharded(Path(text))

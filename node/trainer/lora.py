@@ -147,3 +147,19 @@ def load_adapter(model: Any, tensors: dict[str, torch.Tensor], where: Path) -> N
             raise TrainerStateError(f"{where}: adapter tensor {n} has shape {tuple(tensors[n].shape)}, "
                                     f"trainer.lora gives {tuple(p.shape)}")
         p.copy_(tensors[n])
+
+
+def adapter_parameters(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's (lora_A, lora_B) parameters by their names in the wrapped model, in parameter order, whatever
+    trains now (adapter_state_dict is what requires a gradient, the base inside base_trainable)."""
+    return {n: p for n, p in model.named_parameters() if _LORA_PART in n}
+
+
+def check_snapshot(snap: Path, saved: dict[str, Any] | None, cfg: LoraConfig) -> None:
+    """A snapshot resumes only with the trainer.lora it was trained with (`saved`: its trainer.json's "lora", None
+    for a full fine-tuning snapshot), else TrainerStateError."""
+    if saved is not None and not cfg.enabled:
+        raise TrainerStateError(f"{snap} was trained with trainer.lora ({saved}); resume it with the same "
+                                f"trainer.lora")
+    if cfg.enabled and saved != cfg.model_dump():
+        raise TrainerStateError(f"{snap}: trainer.lora is {cfg.model_dump()}, the snapshot was trained with {saved}")

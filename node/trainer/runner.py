@@ -123,6 +123,22 @@ def build_model(model_dir: str | Path, cfg: TrainerConfig, *, device: str, attn_
     return model
 
 
+def broadcast_state(model: Any, cfg: TrainerConfig) -> dict[str, torch.Tensor]:
+    """ModelRunner.weights_for_broadcast of a plain (unsharded) model: its state, with trainer.lora the merged one
+    under the base names (lora.merged_state_dict), in cfg.broadcast_dtype, tied duplicates dropped. The
+    LocalRunner's model, or an FSDPRunner's gathered copy on rank 0."""
+    dtype = getattr(torch, cfg.broadcast_dtype)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    state = lora.merged_state_dict(model) if cfg.lora.enabled else model.state_dict()
+    for name, t in state.items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+    return out
+
+
 def vocab_size_of(model: Any) -> int:
     return int(model.get_input_embeddings().weight.shape[0])
 
@@ -170,8 +186,7 @@ class ModelRunner(ABC):
 
     def adapter_for_broadcast(self) -> lora.BroadcastAdapter | None:
         """With trainer.lora, the adapter alone in cfg.broadcast_dtype (published as a `lora-adapter` checkpoint,
-        node/coordinator/publisher.py); None without it, or where a runner does not give it (an FSDPRunner's
-        LoRA steps are published as full merged weights)."""
+        node/coordinator/publisher.py); None without it."""
         return None
 
     @abstractmethod
@@ -248,16 +263,7 @@ class LocalRunner(ModelRunner):
         return lora.adapter_for_broadcast(self.model, getattr(torch, self.cfg.broadcast_dtype))
 
     def weights_for_broadcast(self) -> dict[str, torch.Tensor]:
-        dtype = getattr(torch, self.cfg.broadcast_dtype)
-        out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        state = lora.merged_state_dict(self.model) if self.cfg.lora.enabled else self.model.state_dict()
-        for name, t in state.items():
-            if t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
-        return out
+        return broadcast_state(self.model, self.cfg)
 
     def snapshot_meta(self) -> dict[str, Any]:
         if self.cfg.lora.enabled:
@@ -281,14 +287,8 @@ class LocalRunner(ModelRunner):
     def load_snapshot(self, snap: Path) -> None:
         from safetensors.torch import load_file
 
-        saved = read_json(snap / "trainer.json").get("lora")
-        if saved is not None and not self.cfg.lora.enabled:
-            raise TrainerStateError(f"{snap} was trained with trainer.lora ({saved}); resume it with the same "
-                                    f"trainer.lora")
+        lora.check_snapshot(snap, read_json(snap / "trainer.json").get("lora"), self.cfg.lora)
         if self.cfg.lora.enabled:
-            if saved != self.cfg.lora.model_dump():
-                raise TrainerStateError(f"{snap}: trainer.lora is {self.cfg.lora.model_dump()}, the snapshot was "
-                                        f"trained with {saved}")
             if not (snap / lora.ADAPTER_FILE).is_file():
                 raise TrainerStateError(f"{snap / lora.ADAPTER_FILE} is missing")
             lora.load_adapter(self.model, load_file(str(snap / lora.ADAPTER_FILE)), snap)

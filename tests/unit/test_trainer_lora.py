@@ -165,9 +165,9 @@ def test_bad_lora_configs_are_refused(bad, match):
         TrainerConfig(lora=bad)
 
 
-def test_lora_with_fsdp_ranks_is_refused_at_config_time():
-    with pytest.raises(ValidationError, match=r"trainer.lora with trainer.ranks > 1 is not supported yet"):
-        TrainerConfig(lora={"rank": 8}, ranks=2)
+def test_lora_with_fsdp_ranks_is_accepted():
+    """The FSDPRunner wraps its model with peft before sharding it (tests/unit/test_fsdp_lora.py)."""
+    assert TrainerConfig(lora={"rank": 8}, ranks=2).lora.enabled
     assert TrainerConfig(lora={"rank": 0}, ranks=2).ranks == 2  # off: FSDP as before
 
 
