@@ -921,7 +921,7 @@ def main() -> None:
     if bad := [x for x in layouts if x not in ("one-process", "engine-process")]:
         ap.error(f"unknown --layout {bad}")
     base_layouts = [x.strip() for x in args.baseline_layout.split(",") if x.strip()]
-    if bad := [x for x in base_layouts if x not in layouts]:
+    if args.baseline and (bad := [x for x in base_layouts if x not in layouts]):
         ap.error(f"--baseline-layout {bad} not in --layout")
     shapes = [x.strip() for x in args.shape.split(",") if x.strip()]
     if unknown := [x for x in shapes if x not in SHAPES]:
