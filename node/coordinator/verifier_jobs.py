@@ -10,7 +10,7 @@ ledger and is queued again at the next start.
 A verifier that cannot get the step (it answers `unavailable`) never decides anything: the job goes to
 another active verifier that has not refused it, and after `refusals` verifiers refused it (or when no
 other verifier is there to take it within a lease) the board gives it back and the verdict queue
-replays it in-process. Which step a node claims therefore never decides whether it is replayed. Each
+replays it itself (in-process, or in the engine process). Which step a node claims therefore never decides whether it is replayed. Each
 verifier's `unavailable` answers are counted (bounded: one counter per listed key) and logged.
 """
 from __future__ import annotations
@@ -29,16 +29,15 @@ from protocol import messages as M
 
 log = logging.getLogger("prime_node.verifier_jobs")
 
-ACTIVE_MS = 10_000  # a verifier that asked for work this recently can take a job another one refused
-
-
-ACTIVE_MS = 30_000  # a verifier that asked for work this recently counts as active
+# a verifier that asked for work this recently counts as active (and can take a job another one refused)
+ACTIVE_MS = 30_000
 
 
 @dataclass(frozen=True)
 class PoolSnapshot:
     """The verifier pool: listed keys, those that asked for work in the last 30 s, jobs waiting and leased,
-    `unavailable` answers per verifier (key prefix) and jobs none could do (replayed in-process)."""
+    `unavailable` answers per verifier (key prefix) and jobs none could do (replayed by the coordinator itself:
+    in-process, or in its engine process with `server.engine_process`; the field keeps its name)."""
 
     verifiers: int
     active: int
@@ -78,7 +77,7 @@ class JobBoard:
         self.last_seen: dict[str, int] = {}  # verifier key -> when it last asked for work (ms)
         self.unavailable: Counter[str] = Counter()  # verifier key -> `unavailable` answers (keys are listed: bounded)
         self.answered: Counter[str] = Counter()  # verifier key -> answers of any kind
-        self.given_back = 0  # jobs no verifier could do: replayed in-process by the verdict queue
+        self.given_back = 0  # jobs no verifier could do: replayed by the coordinator (in-process or its engine)
 
     def check_verifier(self, key: str) -> None:
         if key not in self.keys:
