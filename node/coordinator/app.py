@@ -7,6 +7,7 @@ import importlib.resources
 import json
 
 from aiohttp import web
+from prometheus_client import Counter
 
 from node.checkpoint_routes import CheckpointRoutes
 from node.coordinator.openapi import build_openapi
@@ -65,7 +66,7 @@ def build_app(coord) -> web.Application:
 
     # prometheus_client's labels() builds and locks per call (~2 % of the loop at 1,000 nodes, bench/load.py
     # --py-spy): the child counter of each (route, status) is kept. Bounded: routes are ours, statuses few.
-    counters: dict[tuple[str, int], object] = {}
+    counters: dict[tuple[str, int], Counter] = {}
 
     @web.middleware
     async def count_requests(request, handler):
