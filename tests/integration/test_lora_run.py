@@ -3,7 +3,9 @@
 full and every later step as a signed `lora-adapter` checkpoint (docs/PROTOCOL.md, "lora-adapter"); the worker
 merges each into the step 0 it holds, generates with the merged weights, and every rollout is replayed against the
 coordinator's merge of the same two payloads and accepted; the warm start trains the base (step 0's weights) and RL
-only the adapters. The bytes per step are printed beside what full and xor-delta checkpoints of the same weights cost."""
+only the adapters. The bytes per step are printed beside what full and xor-delta checkpoints of the same weights cost.
+The same run with `trainer.ranks=2` trains on the FSDP2 runner (node/trainer/distributed.py): two local ranks, the
+adapters sharded with their layers, rank 0 publishing and evaluating from its gathered copy."""
 from __future__ import annotations
 
 import hashlib
@@ -19,11 +21,12 @@ from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
 pytestmark = [pytest.mark.timeout(300)]
 
 
-async def test_a_lora_run_trains_publishes_and_verifies(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])  # 2: 13 s on 2 cores (two local ranks, gloo)
+async def test_a_lora_run_trains_publishes_and_verifies(tmp_path, ranks):
     from node.trainer import lora
     from node.trainer.model import load_model
 
-    async with running_coordinator(tmp_path, "trainer.lora.rank=8", "run.max_steps=2", "run.batch_prompts=4",
+    async with running_coordinator(tmp_path, "trainer.lora.rank=8", f"trainer.ranks={ranks}", "run.max_steps=2", "run.batch_prompts=4",
                                    "run.group_size=4", "trainer.warm_start_steps=2", "eval.every_steps=1",
                                    "eval.prompts=4", "verification.fraction=1.0") as (coord, url):
         worker = start_worker(tmp_path, "w", coord, url)
@@ -66,7 +69,10 @@ async def test_a_lora_run_trains_publishes_and_verifies(tmp_path):
             # xor-delta of it is small too; on SmolLM2-135M see docs/BENCHMARKS.md
             assert r.compressed_bytes < xor.compressed_size < full.compressed_size
 
-        model = coord.training.trainer.model
+        # with 2 ranks rank 0 holds a shard: its gathered copy (a collective; training and evaluation are done, the
+        # eval curve above has step 2, so no other call is in flight)
+        trainer = coord.training.trainer
+        model = trainer.model if ranks == 1 else trainer.full_model()
         adapters = lora.adapter_state_dict(model)
         assert adapters and all(p.shape[0] == 8 for n, p in adapters.items() if ".lora_A." in n)
         assert any(".lora_B." in n and p.abs().max() > 0 for n, p in adapters.items())  # trained from zero
