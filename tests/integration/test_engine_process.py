@@ -125,6 +125,66 @@ async def test_a_forgery_is_replayed_by_the_engine_and_its_node_banned(tmp_path)
     assert not engine_pids(tmp_path / "coord")
 
 
+async def test_a_verifier_pool_works_with_the_engine_and_no_torch_in_the_api_process(tmp_path):
+    """server.engine_process with a verifier pool (refused at config time before): a real CLI coordinator and a
+    raw listed verifier. A forgery the verifier judges bans its node (the API process built the job and acted on
+    the verdicts); a forgery it answers `unavailable` to is replayed by the engine and its node banned too, never
+    trained unreplayed. The API process maps no libtorch after both; the engine does."""
+    from tests.integration.test_attack_verifier_dodge import lease
+    from tests.integration.test_verifier_pool import pool_keys
+
+    verifier = RawNode("", None)
+    proc, url = start(tmp_path, None, ENGINE, "--set=verification.fraction=1", f"--set={pool_keys(verifier.pub)}")
+    try:
+        async with aiohttp.ClientSession() as s:
+            verifier.base, verifier.session = url, s
+            judged, refused = RawNode(url, s), RawNode(url, s)
+            st, spec = await judged.post("/v1/join", {})
+            assert st == 200
+            await refused.post("/v1/join", {})
+            vocab, eos, step = spec["model_config_json"]["vocab_size"], spec["eos_token_id"], spec["current_step"]
+            st, _ = await verifier.post("/v1/verify/jobs", {})
+            assert st == 204  # nothing submitted yet; the verifier is an active member of the pool now
+
+            async def forge(node: RawNode, seed: int) -> int:
+                st, w = await node.post("/v1/work", {"policy_step": step})
+                assert st == 200, (st, w)
+                rollouts = fake_rollouts(w, eos, vocab, random.Random(seed))
+                st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": step,
+                                                         "rollouts": rollouts})
+                assert st == 200 and res["accepted"], (st, res)
+                return len(rollouts)
+
+            async def banned(node: RawNode):
+                st, body = await node.post("/v1/heartbeat", {"policy_step": step})
+                return st == 403 and body["error"] == "banned"
+
+            n = await forge(judged, 3)
+            job = await lease(verifier)
+            assert job["policy_step"] == step and len(job["items"]) == n  # built in the API process
+            st, _ = await verifier.post("/v1/verify/verdicts", {"job_id": job["job_id"], "verdicts": [
+                {"reason": "verify_commitment", "tokens": 8, "near_ties": 0}] * n})
+            assert st == 200
+            await poll(lambda: banned(judged), 30, "the node banned on the pool's verdicts")
+
+            await forge(refused, 4)
+            job = await lease(verifier)
+            st, _ = await verifier.post("/v1/verify/verdicts", {"job_id": job["job_id"], "unavailable": True})
+            assert st == 200  # no other verifier: the engine replays it
+            await poll(lambda: banned(refused), 60, "the node banned after the engine's replay")
+
+            async with s.get(url + "/v1/status") as r:
+                v = (await r.json())["verification"]
+            assert v["pool"]["unavailable"] == {verifier.pub[:16]: 1} and v["pool"]["replayed_in_process"] == 1, v
+            assert "unchecked" not in v["groups_by_verdict"], v
+            [engine] = engine_pids(tmp_path / "coord")
+            assert mapped_libtorch(engine) and not mapped_libtorch(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not engine_pids(tmp_path / "coord")
+
+
 async def test_a_training_thread_dying_in_the_engine_fails_the_coordinator_as_in_one_process(tmp_path):
     """test_supervisor.py's "train-step" fault, raised in the engine's training thread: the API process shows
     the same component and reason, answers 503, and exits 1 when stopped."""
