@@ -174,6 +174,7 @@ class SimNode:
         self.known = 0  # newest step the node has heard of
         self.state = "starting"
         self.tokens = 0
+        self.retry_ms = 0  # the last answer's X-Prime-Retry-After-Ms (POST /v1/work's 204), 0 if none
 
     async def call(self, endpoint: str, payload, *, signed: bool = True, method: str = "POST"):
         import aiohttp
@@ -192,6 +193,8 @@ class SimNode:
                                             headers=headers) as r:
                 raw = await r.read()
                 status = r.status
+                retry = r.headers.get("X-Prime-Retry-After-Ms", "")
+                self.retry_ms = int(retry) if retry.isascii() and retry.isdigit() else 0
             if raw:
                 try:
                     data = json.loads(raw)
@@ -245,14 +248,14 @@ class SimNode:
                   "bytes_by_source": {"coordinator": 1000 * self.held}}
             st, data, _ = await self.call("/v1/heartbeat", hb)
             if st == 200:
-                self.known = max(self.known, int(data["current_step"]))
+                self.known = c.saw_step(self.known, int(data["current_step"]))
             next_at += c.args["heartbeat"]
             await self.sleep(max(0.0, next_at - time.monotonic()))
 
     async def refresh_step(self) -> None:
         st, data, _ = await self.call("/v1/checkpoints", None, signed=False, method="GET")
         if st == 200:
-            self.known = max(self.known, int(data["newest"]))
+            self.known = self.c.saw_step(self.known, int(data["newest"]))
 
     async def work(self) -> None:
         c = self.c
@@ -272,7 +275,10 @@ class SimNode:
                 await self.generate_and_submit(w)
             elif st == 204:
                 backoff = 1.0
-                await self.sleep(self.rng.uniform(*a["idle"]))
+                if a["idle_mode"] == "paced" and self.retry_ms:
+                    await self.idle_paced(self.retry_ms)
+                else:
+                    await self.sleep(self.rng.uniform(*a["idle"]))
             elif st == 409 and code == "stale_policy":
                 self.state = "fetching"
                 await self.refresh_step()
@@ -281,6 +287,18 @@ class SimNode:
             else:  # 429 rate limit (or anything unexpected): back off
                 await self.sleep(backoff * (0.5 + self.rng.random()))
                 backoff = min(backoff * 2, 30)
+
+    async def idle_paced(self, retry_ms: int) -> None:
+        """What node/worker/node.py does after a 204: wait the coordinator's X-Prime-Retry-After-Ms (±25 %), or
+        until a new step is held. A simulated node "holds" a step as soon as any node of its client process has
+        heard of it (a real one fetches it, woken by a peer's announcement or its own poll)."""
+        c = self.c
+        if c.newest <= self.held:
+            try:
+                await asyncio.wait_for(c.new_step.wait(), timeout=retry_ms / 1000 * (0.75 + 0.5 * self.rng.random()))
+            except asyncio.TimeoutError:
+                pass
+        self.known = max(self.known, c.newest)
 
     async def generate_and_submit(self, w: dict) -> None:
         c = self.c
@@ -323,6 +341,16 @@ class Client:
         self.accepted = 0
         self.rejected: Counter = Counter()
         self.lags: list[float] = []
+        self.newest = 0  # the newest step any node of this process has heard of
+        self.new_step = asyncio.Event()  # set (and replaced) when it moves: idle paced nodes wake
+
+    def saw_step(self, known: int, step: int) -> int:
+        """A node heard of `step`: its new `known`; wakes this process's paced idle nodes if it is news."""
+        if step > self.newest:
+            self.newest = step
+            self.new_step.set()
+            self.new_step = asyncio.Event()
+        return max(known, step)
 
     def stopping(self) -> bool:
         return self.stop_event.is_set()
@@ -598,7 +626,7 @@ def tree_cpu_s(pids: list[int]) -> float:
 
 
 def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str = "current",
-            layout: str = "one-process") -> list[dict]:
+            layout: str = "one-process", idle_mode: str = "drawn") -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix=f"prime-load-{n}-", dir=args.tmp_root))
     proc, base = start_coordinator(args, work, n, tree, trainer, layout)
     model = json.loads((work / "coord" / "model" / "config.json").read_text())
@@ -621,6 +649,7 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         for p in range(procs):
             cargs = {"base": base, "run_id": run_id, "seed": 1000 * p + n, "indices": list(range(p, n, procs)),
                      "heartbeat": args.heartbeat, "gen": args.gen, "idle": args.idle, "ramp": ramp,
+                     "idle_mode": idle_mode,
                      "max_tokens": args.max_tokens, "pool": args.pool, "vocab": int(model["vocab_size"]),
                      "eos": int(model["eos_token_id"]), "hidden": int(model["hidden_size"]),
                      "checkpoint_poll": args.checkpoint_poll, "end_at": 0.0}
@@ -678,7 +707,7 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         cpu=cpu_b - cpu_a, loop_cpu=loop_b - loop_a, engine_cpu=engine_b - engine_a, wall=wall_b - wall_a, disk_commit_ms=probe.summary(), machine_busy=busy_b - busy_a, rss_peak_kib=rss_peak,
         hwm_kib=mem["VmHWM"], log_errors=[ln for ln in log_tail.splitlines() if " ERROR " in ln][-5:]))
     for r in rows:
-        r["code"], r["trainer"], r["layout"] = label, trainer, layout
+        r["code"], r["trainer"], r["layout"], r["idle_mode"] = label, trainer, layout, idle_mode
     if profile is not None:
         rows[-1]["profile"] = profile
     if args.asyncio_debug:
@@ -778,7 +807,7 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'shape':<12} {'N':>5} {'endpoint':<16} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7} {'429':>6}")
     for r in rows:
         if r["endpoint"] == "summary":
-            print(f"{'':<19}[{r.get('code', 'current')}, {r.get('layout', 'one-process')}, trainer "
+            print(f"{'':<19}[{r.get('code', 'current')}, {r.get('layout', 'one-process')}, idle {r.get('idle_mode', 'drawn')}, trainer "
                   f"{r.get('trainer', 'train')}, engine {r.get('engine_cpu_s', 0.0):.1f} CPU s] loop thread "
                   f"{r['loop_cpu_cores']:.2f} cores, {r['loop_cpu_ms_per_request']:.3f} ms/request; process "
                   f"{r['coordinator_cpu_ms_per_request']:.3f} ms/request = {r['requests_per_cpu_s']:.0f} requests per "
@@ -876,6 +905,9 @@ def main() -> None:
     ap.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat period per node (s)")
     ap.add_argument("--gen", type=span, default=(5.0, 20.0), help="generation time per assignment, drawn (s)")
     ap.add_argument("--idle", type=span, default=(1.0, 3.0), help="wait after a 204 before asking again, drawn (s)")
+    ap.add_argument("--idle-mode", default="drawn",
+                    help="comma-separated, each run at every point: 'drawn' (wait --idle after a 204) and/or 'paced' "
+                         "(wait the 204's X-Prime-Retry-After-Ms, or until a new step, as node/worker/node.py does)")
     ap.add_argument("--checkpoint-poll", type=float, default=0.0,
                     help="also GET /v1/checkpoints every S seconds per node (0: only after a 409 stale_policy)")
     ap.add_argument("--shape", default="gpu-example,local",
@@ -917,6 +949,9 @@ def main() -> None:
     trainers = [x.strip() for x in args.trainer.split(",") if x.strip()]
     if bad := [x for x in trainers if x not in ("train", "idle")]:
         ap.error(f"unknown --trainer {bad}")
+    idle_modes = [x.strip() for x in args.idle_mode.split(",") if x.strip()]
+    if bad := [x for x in idle_modes if x not in ("drawn", "paced")]:
+        ap.error(f"unknown --idle-mode {bad}")
     layouts = [x.strip() for x in args.layout.split(",") if x.strip()]
     if bad := [x for x in layouts if x not in ("one-process", "engine-process")]:
         ap.error(f"unknown --layout {bad}")
@@ -943,10 +978,10 @@ def main() -> None:
                 setattr(args, k, v if given[k] is None else given[k])
             for trainer in trainers:
                 for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
-                    for label, tree, layout in [(lb, t, la) for lb, t in trees for la in layouts
-                                                if lb == "current" or la in base_layouts]:
-                        print(f"--- {label} ({tree}), {layout}, {shape}, trainer {trainer}", flush=True)
-                        got = run_one(n, args, tree, trainer, label, layout)
+                    for label, tree, layout, idle_mode in [(lb, t, la, im) for lb, t in trees for la in layouts
+                                                           for im in idle_modes if lb == "current" or la in base_layouts]:
+                        print(f"--- {label} ({tree}), {layout}, {shape}, trainer {trainer}, idle {idle_mode}", flush=True)
+                        got = run_one(n, args, tree, trainer, label, layout, idle_mode)
                         for r in got:
                             r["shape"] = shape
                             r["storage"] = args.tmp_root or tempfile.gettempdir()

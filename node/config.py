@@ -67,6 +67,9 @@ class ServerConfig(_Section):
     # the CPU they leave. On a box with fewer cores than runnable threads, an engine at the API's priority
     # made p99 no better than one process (bench/load.py --layout, docs/ARCHITECTURE.md "Processes").
     engine_nice: int = Field(10, ge=0, le=19)
+    # How often all idle nodes together ask for work: a 204 from POST /v1/work tells a node to wait
+    # (idle nodes / this) seconds, 0.25-60 s (node/coordinator/pacing.py); a new step wakes it at once.
+    idle_work_requests_per_s: float = Field(200.0, ge=1.0, le=1_000_000.0)
 
 
 class StorageConfig(_Section):

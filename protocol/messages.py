@@ -231,6 +231,12 @@ class Assignment(Wire):
     prompts: Annotated[list[PromptWork], Field(max_length=MAX_PROMPTS_PER_ASSIGNMENT)]
 
 
+class NoWork(Wire):
+    """POST /v1/work's 204 (no work now), its one field sent as the header `X-Prime-Retry-After-Ms`: ask again after
+    this many ms, or as soon as a new step is held (node/coordinator/pacing.py says how the coordinator picks it)."""
+    retry_after_ms: Annotated[int, Field(ge=100, le=120_000)]
+
+
 # --- submit ----------------------------------------------------------------------------------------
 class ModelTurnWire(Wire):
     """What the model sampled in one turn, with its evidence."""

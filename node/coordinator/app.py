@@ -14,8 +14,8 @@ from node.coordinator.openapi import build_openapi
 from node.coordinator.refusals import Refused
 from node.coordinator.seeding import SeedingGate
 from node.fdlimits import listen_backlog
-from node.http import (BODY_BUDGET, BODY_TIMEOUT, MAX_BODY_BYTES, ApiError, BodyBudget, ConnectionLimits,
-                       HardenedAppRunner, error_middleware, parse_body, read_signed)
+from node.http import (BODY_BUDGET, BODY_TIMEOUT, MAX_BODY_BYTES, RETRY_AFTER_MS_HEADER, ApiError, BodyBudget,
+                       ConnectionLimits, HardenedAppRunner, error_middleware, parse_body, read_signed)
 from node.rate_limit import AsyncRateLimiter, KeyedRateLimit
 from protocol import messages as M
 from protocol.signing import RequestVerifier
@@ -130,7 +130,10 @@ def build_app(coord) -> web.Application:
 
     async def work(request):
         signer, req = await signed(request, M.WorkRequest)
-        return _json_or_204(coord.work(signer, req))
+        answer = coord.work(signer, req)
+        if isinstance(answer, M.NoWork):
+            return web.Response(status=204, headers={RETRY_AFTER_MS_HEADER: str(answer.retry_after_ms)})
+        return _json(answer)
 
     async def submit(request):
         signer, req = await signed(request, M.SubmitRequest)

@@ -27,7 +27,9 @@ from node.coordinator.faults import fault_point
 from node.coordinator.intake import Intake
 from node.coordinator.ledger import Ledger, NodeStanding, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
+from node.coordinator import pacing
 from node.coordinator.node_bytes import NodeBytes
+from node.coordinator.pacing import IdlePacer
 from node.coordinator.records import AssignmentRow, Liveness, NodeState
 from node.coordinator.reachability import DialBack
 from node.coordinator.refusals import Refused
@@ -91,6 +93,7 @@ class Coordinator:
         self._status: tuple[float, dict] | None = None
         self._status_body: tuple[float, bytes] | None = None  # the cached document, serialised (status_json)
         self._liveness: dict[str, Liveness] = {}  # node id -> what it last said, not yet in the ledger
+        self.idle_pacer = IdlePacer(cfg.server.idle_work_requests_per_s)  # when a node told "no work" asks again
         # The join's dial-back (reachability.py): at most one dial per listed port per join the address may make.
         self.dialback = DialBack(timeout_s=cfg.p2p.dialback_timeout_s,
                                  per_minute=2 * cfg.admission.joins_per_address_per_minute,
@@ -451,7 +454,7 @@ class Coordinator:
         self.node_bytes.record(node_id, req.bytes_by_source, now_ms())
         return M.HeartbeatResponse(current_step=self.published_step)
 
-    def work(self, node_id: str, req: M.WorkRequest) -> M.Assignment | None:
+    def work(self, node_id: str, req: M.WorkRequest) -> M.Assignment | M.NoWork:
         node = self._known_node(node_id)
         m = req.policy_step
         if m > self.published_step:
@@ -464,8 +467,8 @@ class Coordinator:
         if self.ledger.open_assignments_of(node_id) >= cap:
             raise Refused("too_many_assignments", f"this node already has {cap} assignments in flight; "
                                                   f"submit one first")
-        if m > self.scheduler.published_step:
-            return None  # published a moment ago; the scheduler hears of it on its next loop turn
+        if m > self.scheduler.published_step:  # published a moment ago; the scheduler hears of it on its next turn
+            return M.NoWork(retry_after_ms=pacing.MIN_MS)
         self._seen(node_id, m)
         aid = assignment_id()
         try:
@@ -475,7 +478,8 @@ class Coordinator:
             raise Refused("stale_policy",
                           f"policy step {m} is too old: fetch step {need} or newer (newest {self.published_step})")
         if picked is None:
-            return None
+            return self.idle_pacer.no_work(node_id, now_ms())
+        self.idle_pacer.got_work(node_id)
         batch, slots = picked
         deadline = now_ms() + int(self.cfg.run.assignment_deadline_seconds * 1000)
         self.ledger.add_assignment(AssignmentRow(

@@ -5,8 +5,10 @@ import json
 from dataclasses import dataclass
 
 import aiohttp
+from pydantic import ValidationError
 
 from node.aio import read_bounded
+from node.http import RETRY_AFTER_MS_HEADER
 from protocol import messages as M
 from protocol.admission import solve_pow
 from protocol.errors import PrimeNodeError
@@ -15,6 +17,7 @@ from protocol.signing import sign_request
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 8 * 1024 * 1024
+DEFAULT_NO_WORK = M.NoWork(retry_after_ms=250)  # a 204 without a valid X-Prime-Retry-After-Ms
 
 
 class CoordinatorError(PrimeNodeError):
@@ -32,6 +35,7 @@ class Unreachable(PrimeNodeError):
 class HttpResult:
     status: int
     body: bytes
+    retry_after_ms: str = ""  # the X-Prime-Retry-After-Ms header, as sent (POST /v1/work's 204)
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -57,7 +61,8 @@ class CoordinatorClient:
                        headers: dict | None = None) -> HttpResult:
         try:
             async with self.session.request(method, self.base + path, data=body, headers=headers) as resp:
-                return HttpResult(resp.status, await read_limited(resp, MAX_RESPONSE_BYTES))
+                return HttpResult(resp.status, await read_limited(resp, MAX_RESPONSE_BYTES),
+                                  resp.headers.get(RETRY_AFTER_MS_HEADER, ""))
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise Unreachable(f"cannot reach {self.base}: {e or type(e).__name__}") from None
 
@@ -106,11 +111,16 @@ class CoordinatorClient:
     async def heartbeat(self, hb: M.HeartbeatRequest) -> M.HeartbeatResponse:
         return self._parse(await self._signed("/v1/heartbeat", hb.model_dump()), M.HeartbeatResponse)
 
-    async def work(self, policy_step: int) -> M.Assignment | None:
-        """An assignment, or None (204: no work right now). 409 raises CoordinatorError(stale_policy)."""
+    async def work(self, policy_step: int) -> M.Assignment | M.NoWork:
+        """An assignment, or NoWork (204: no work right now; when to ask again, 250 ms where the coordinator named
+        no valid wait). 409 raises CoordinatorError(stale_policy)."""
         r = await self._signed("/v1/work", {"policy_step": policy_step})
         if r.status == 204:
-            return None
+            raw = r.retry_after_ms
+            try:
+                return M.NoWork(retry_after_ms=int(raw)) if raw.isascii() and raw.isdigit() else DEFAULT_NO_WORK
+            except ValidationError:  # out of bounds: the coordinator's mistake is not worth a stop
+                return DEFAULT_NO_WORK
         return self._parse(r, M.Assignment)
 
     async def submit(self, sub: M.SubmitRequest) -> M.SubmitResponse:

@@ -406,10 +406,12 @@ class WorkerNode:
                     await sleep_or_stop(self.stop_event, delay)
                     continue
                 backoff.reset()
-                if assignment is None:
+                if isinstance(assignment, M.NoWork):
                     self.state = "idle"
-                    # a newer step may open work this node could not take: ask again as soon as it is in
-                    await wait_any(self.new_weights, self.stop_event, timeout=0.2 + random.random() * 0.3)
+                    # the coordinator paces idle nodes (node/coordinator/pacing.py), spread here by ±25 %; a newer
+                    # step may open work this node could not take: ask again as soon as it is in
+                    wait_s = assignment.retry_after_ms / 1000 * (0.75 + random.random() * 0.5)
+                    await wait_any(self.new_weights, self.stop_event, timeout=wait_s)
                     continue
                 if self._ask_ahead:
                     ahead = asyncio.create_task(self.client.work(self.policy_step), name="work-ahead")
