@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from .checks import Judgement, RolloutClaim, VerifyItem, turn_items  # noqa: F401 - re-exported, torch-free
+from .checks import Judgement as Judgement, RolloutClaim as RolloutClaim, VerifyItem as VerifyItem  # re-exported
+from .checks import turn_items as turn_items  # torch-free
 from .commitment import (TOPK, ChunkScore, CommitmentError, capture_final_hidden, chunk_bounds, parse_commitment,
                          score_commitment)
 from .sampler import check_sampling, check_seed, replay_scores

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import MAX_SEED, check_seed, turn_seed  # noqa: F401 - torch-free, re-exported here
+from .checks import MAX_SEED as MAX_SEED, check_seed as check_seed, turn_seed as turn_seed  # torch-free, re-exported
 
 BLOCK = 256  # token ids per first-level block (part of the sampling contract: changing it changes samples)
 
