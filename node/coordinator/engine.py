@@ -2,8 +2,8 @@
 (training, evaluation, publishing) and the coordinator's own replays of submissions, which share the policy
 models (PolicyStore) in memory, in a child of the API process. The API process keeps HTTP, the ledger's
 other writers, the scheduler, intake and status, and runs nothing of torch: a training step no longer holds
-the GIL that every request waits on. (Its own modules import no torch; transformers 5 still does, when the
-API process loads the run's tokenizer: tests/unit/test_engine_imports.py.)
+the GIL that every request waits on. (It imports no torch at all: its tokenizer is node/trainer/light_tokenizer.py's,
+tests/unit/test_engine_imports.py.)
 
     python -m node.coordinator.engine --fd N --storage DIR
 

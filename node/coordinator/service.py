@@ -8,8 +8,8 @@ Supervisor (node/coordinator/supervisor.py): the first to die marks the coordina
 
 With `server.engine_process = true` the training thread and the replays run in a child process instead
 (node/coordinator/engine.py; this one talks to it through engine_client.EngineProcess, whose channel
-reader is one more critical task), and this process runs nothing of torch (its modules import none; the
-tokenizer's transformers still does, tests/unit/test_engine_imports.py).
+reader is one more critical task), and this process imports nothing of torch: its tokenizer is
+node/trainer/light_tokenizer.py's (tests/unit/test_engine_imports.py).
 """
 from __future__ import annotations
 
