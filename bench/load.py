@@ -249,7 +249,10 @@ class SimNode:
             st, data, _ = await self.call("/v1/heartbeat", hb)
             if st == 200:
                 self.known = c.saw_step(self.known, int(data["current_step"]))
-            next_at += c.args["heartbeat"]
+            period = c.args["heartbeat"]
+            if c.args["idle_mode"] == "paced" and st == 200 and self.retry_ms:  # the coordinator paces heartbeats too
+                period = max(period, self.retry_ms / 1000)
+            next_at += period
             await self.sleep(max(0.0, next_at - time.monotonic()))
 
     async def refresh_step(self) -> None:
@@ -907,7 +910,8 @@ def main() -> None:
     ap.add_argument("--idle", type=span, default=(1.0, 3.0), help="wait after a 204 before asking again, drawn (s)")
     ap.add_argument("--idle-mode", default="drawn",
                     help="comma-separated, each run at every point: 'drawn' (wait --idle after a 204) and/or 'paced' "
-                         "(wait the 204's X-Prime-Retry-After-Ms, or until a new step, as node/worker/node.py does)")
+                         "(wait the 204's X-Prime-Retry-After-Ms, or until a new step, and heartbeat no more often "
+                         "than the heartbeat answer's, as node/worker/node.py does)")
     ap.add_argument("--checkpoint-poll", type=float, default=0.0,
                     help="also GET /v1/checkpoints every S seconds per node (0: only after a 409 stale_policy)")
     ap.add_argument("--shape", default="gpu-example,local",

@@ -70,6 +70,9 @@ class ServerConfig(_Section):
     # How often all idle nodes together ask for work: a 204 from POST /v1/work tells a node to wait
     # (idle nodes / this) seconds, 0.25-60 s (node/coordinator/pacing.py); a new step wakes it at once.
     idle_work_requests_per_s: float = Field(200.0, ge=1.0, le=1_000_000.0)
+    # How often all nodes together heartbeat: the answer tells a node when to send the next one, (nodes / this)
+    # seconds within 5-30 s, and a node counts as online for three of those periods.
+    heartbeats_per_s: float = Field(200.0, ge=1.0, le=1_000_000.0)
 
 
 class StorageConfig(_Section):

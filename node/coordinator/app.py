@@ -126,7 +126,9 @@ def build_app(coord) -> web.Application:
 
     async def heartbeat(request):
         signer, req = await signed(request, M.HeartbeatRequest)
-        return _json(coord.heartbeat(signer, req))
+        answer = _json(coord.heartbeat(signer, req))
+        answer.headers[RETRY_AFTER_MS_HEADER] = str(coord.next_heartbeat_ms(signer))
+        return answer
 
     async def work(request):
         signer, req = await signed(request, M.WorkRequest)

@@ -29,14 +29,14 @@ from node.coordinator.ledger import Ledger, NodeStanding, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator import pacing
 from node.coordinator.node_bytes import NodeBytes
-from node.coordinator.pacing import IdlePacer
+from node.coordinator.pacing import Pacer
 from node.coordinator.records import AssignmentRow, Liveness, NodeState
 from node.coordinator.reachability import DialBack
 from node.coordinator.refusals import Refused
 from node.coordinator.run_model import load_run_model
 from node.coordinator.scheduler import Scheduler, StaleNode, assignment_id, min_policy_for_batch
 from node.coordinator.seeding import SuperSeeder
-from node.coordinator.status import ONLINE_MS, build_status
+from node.coordinator.status import build_status
 from node.coordinator.supervisor import Failure, Supervisor
 from node.coordinator.verification import VerdictQueue
 from node.coordinator.verifier_jobs import JobBoard
@@ -76,7 +76,8 @@ class Coordinator:
         self.root.mkdir(parents=True, exist_ok=True)
         self.ledger = Ledger(self.root / "ledger.sqlite")
         self.metrics = CoordinatorMetrics()
-        self.metrics.watch_nodes(lambda: self.ledger.node_summary(now_ms() - ONLINE_MS, self.published_step)["by_state"])
+        self.metrics.watch_nodes(lambda: self.ledger.node_summary(now_ms() - self.online_ms(),
+                                                                  self.published_step)["by_state"])
         self.checkpoints = CheckpointDir(self.root)
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop, once started
         self.bytes_by_source: Counter[str] = Counter()
@@ -93,7 +94,9 @@ class Coordinator:
         self._status: tuple[float, dict] | None = None
         self._status_body: tuple[float, bytes] | None = None  # the cached document, serialised (status_json)
         self._liveness: dict[str, Liveness] = {}  # node id -> what it last said, not yet in the ledger
-        self.idle_pacer = IdlePacer(cfg.server.idle_work_requests_per_s)  # when a node told "no work" asks again
+        # when a node told "no work" asks again, and when a node heartbeats next (node/coordinator/pacing.py)
+        self.work_pacer = Pacer(cfg.server.idle_work_requests_per_s, pacing.WORK_MIN_MS, pacing.WORK_MAX_MS)
+        self.heartbeat_pacer = Pacer(cfg.server.heartbeats_per_s, pacing.HEARTBEAT_MIN_MS, pacing.HEARTBEAT_MAX_MS)
         # The join's dial-back (reachability.py): at most one dial per listed port per join the address may make.
         self.dialback = DialBack(timeout_s=cfg.p2p.dialback_timeout_s,
                                  per_minute=2 * cfg.admission.joins_per_address_per_minute,
@@ -454,6 +457,14 @@ class Coordinator:
         self.node_bytes.record(node_id, req.bytes_by_source, now_ms())
         return M.HeartbeatResponse(current_step=self.published_step)
 
+    def next_heartbeat_ms(self, node_id: str) -> int:
+        """When `node_id`, which just heartbeated, should send its next one (the 200's X-Prime-Retry-After-Ms)."""
+        return self.heartbeat_pacer.asked(node_id, now_ms())
+
+    def online_ms(self) -> int:
+        """How long a node counts as online after it was last heard from (status, metrics)."""
+        return pacing.online_ms(self.heartbeat_pacer.wait_ms())
+
     def work(self, node_id: str, req: M.WorkRequest) -> M.Assignment | M.NoWork:
         node = self._known_node(node_id)
         m = req.policy_step
@@ -468,7 +479,7 @@ class Coordinator:
             raise Refused("too_many_assignments", f"this node already has {cap} assignments in flight; "
                                                   f"submit one first")
         if m > self.scheduler.published_step:  # published a moment ago; the scheduler hears of it on its next turn
-            return M.NoWork(retry_after_ms=pacing.MIN_MS)
+            return M.NoWork(retry_after_ms=pacing.WORK_MIN_MS)
         self._seen(node_id, m)
         aid = assignment_id()
         try:
@@ -478,8 +489,8 @@ class Coordinator:
             raise Refused("stale_policy",
                           f"policy step {m} is too old: fetch step {need} or newer (newest {self.published_step})")
         if picked is None:
-            return self.idle_pacer.no_work(node_id, now_ms())
-        self.idle_pacer.got_work(node_id)
+            return M.NoWork(retry_after_ms=self.work_pacer.asked(node_id, now_ms()))
+        self.work_pacer.forget(node_id)
         batch, slots = picked
         deadline = now_ms() + int(self.cfg.run.assignment_deadline_seconds * 1000)
         self.ledger.add_assignment(AssignmentRow(

@@ -15,7 +15,6 @@ from node.coordinator.ledger import NodeRow, now_ms
 if TYPE_CHECKING:
     from node.coordinator.service import Coordinator
 
-ONLINE_MS = 30_000
 CURVE_POINTS = 1000  # a long run's reward curve is thinned to this many points (the newest always kept)
 LISTED_NODES = 200  # the node table lists the most recently seen nodes; counts cover all of them
 LISTED_SINCE_MS = 10 * 60_000  # ...that did work, or were seen in the last ten minutes
@@ -47,10 +46,10 @@ def thin(rows: list, limit: int) -> list:
     return rows[-1::-stride][::-1]
 
 
-def node_state(n: NodeRow, t: int) -> str:
+def node_state(n: NodeRow, t: int, online_ms: int) -> str:
     if n.banned:
         return "banned"
-    if t - n.last_seen_ms > ONLINE_MS:
+    if t - n.last_seen_ms > online_ms:
         return "offline"
     return n.state or "online"
 
@@ -60,7 +59,8 @@ def build_status(c: Coordinator) -> dict:
     tl = c.training.snapshot()
     published = c.published_step
     steps = c.ledger.steps()
-    summary = c.ledger.node_summary(t - ONLINE_MS, published)
+    online_ms = c.online_ms()  # three heartbeat periods, which the coordinator paces (node/coordinator/pacing.py)
+    summary = c.ledger.node_summary(t - online_ms, published)
     nodes = c.ledger.recent_nodes(t - LISTED_SINCE_MS, LISTED_NODES)
     hist: Counter[int] = Counter()
     for row in steps:
@@ -85,7 +85,7 @@ def build_status(c: Coordinator) -> dict:
                     "idle_seconds": round(tl.idle_seconds, 3), "idle_fraction": round(tl.idle_fraction, 4),
                     "error": tl.error, "last_metrics": tl.last_metrics},
         "nodes": [{
-            "node_id": n.node_id, "short_id": n.node_id[:8], "state": node_state(n, t),
+            "node_id": n.node_id, "short_id": n.node_id[:8], "state": node_state(n, t, online_ms),
             "policy_step": n.policy_step, "tokens_per_s": round(n.tokens_per_s, 1),
             "accepted": n.accepted, "rejected": n.rejected, "reputation": round(n.reputation, 3),
             "last_seen_ms": n.last_seen_ms,

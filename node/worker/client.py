@@ -48,6 +48,18 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     return data
 
 
+def retry_after(r: HttpResult) -> M.NoWork | None:
+    """The answer's X-Prime-Retry-After-Ms through its wire model (100 ms-120 s); None when missing or out of
+    bounds: the coordinator's mistake is not worth a stop."""
+    raw = r.retry_after_ms
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        return None
+    try:
+        return M.NoWork(retry_after_ms=int(raw))
+    except ValidationError:
+        return None
+
+
 class CoordinatorClient:
     """Signed requests (docs/PROTOCOL.md, "Signed requests"): the run id and the admission rules come from the
     coordinator's GET /v1/status before the first signed request."""
@@ -108,19 +120,19 @@ class CoordinatorClient:
                                                      run.admission.pow_bits, run.admission.pow_log2_n)
         return self._parse(await self._signed("/v1/join", payload), M.RunSpec)
 
-    async def heartbeat(self, hb: M.HeartbeatRequest) -> M.HeartbeatResponse:
-        return self._parse(await self._signed("/v1/heartbeat", hb.model_dump()), M.HeartbeatResponse)
+    async def heartbeat(self, hb: M.HeartbeatRequest) -> tuple[M.HeartbeatResponse, int | None]:
+        """The answer, and when the coordinator wants the next heartbeat (ms; None where it named no valid wait)."""
+        r = await self._signed("/v1/heartbeat", hb.model_dump())
+        answer = self._parse(r, M.HeartbeatResponse)
+        told = retry_after(r)
+        return answer, told.retry_after_ms if told is not None else None
 
     async def work(self, policy_step: int) -> M.Assignment | M.NoWork:
         """An assignment, or NoWork (204: no work right now; when to ask again, 250 ms where the coordinator named
         no valid wait). 409 raises CoordinatorError(stale_policy)."""
         r = await self._signed("/v1/work", {"policy_step": policy_step})
         if r.status == 204:
-            raw = r.retry_after_ms
-            try:
-                return M.NoWork(retry_after_ms=int(raw)) if raw.isascii() and raw.isdigit() else DEFAULT_NO_WORK
-            except ValidationError:  # out of bounds: the coordinator's mistake is not worth a stop
-                return DEFAULT_NO_WORK
+            return retry_after(r) or DEFAULT_NO_WORK
         return self._parse(r, M.Assignment)
 
     async def submit(self, sub: M.SubmitRequest) -> M.SubmitResponse:

@@ -347,16 +347,19 @@ class WorkerNode:
 
     async def _heartbeat_loop(self) -> None:
         while not self.stop_event.is_set():
+            period = self.cfg.worker.heartbeat_seconds
             try:
-                await self.client.heartbeat(M.HeartbeatRequest(
+                _, told_ms = await self.client.heartbeat(M.HeartbeatRequest(
                     policy_step=self.policy_step if self.policy_step >= 0 else None,
                     tokens_per_second=round(self.stats.tokens_per_s, 3), state=self.state,
                     steps_held=self.fetcher.store.held_steps()[-64:],
                     bytes_by_source=dict(self.fetcher.bytes_by_kind)))
+                if told_ms is not None:  # a large swarm: the coordinator paces heartbeats (node/coordinator/pacing.py)
+                    period = max(period, told_ms / 1000)
             except (Unreachable, CoordinatorError) as e:
                 log.debug("heartbeat failed: %s", e)
             # jittered, so that nodes started together do not heartbeat together
-            await sleep_or_stop(self.stop_event, self.cfg.worker.heartbeat_seconds * (0.8 + 0.4 * random.random()))
+            await sleep_or_stop(self.stop_event, period * (0.8 + 0.4 * random.random()))
 
     async def _work_loop(self) -> None:
         """Ask for work, generate, submit. The next assignment is asked for while this one generates (one

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from node.coordinator.pacing import MAX_MS, MIN_MS, WINDOW_MS, IdlePacer
+from node.coordinator.pacing import WORK_MAX_MS, WORK_MIN_MS, Pacer, online_ms
 from node.http import RETRY_AFTER_MS_HEADER
 from node.worker.client import DEFAULT_NO_WORK, CoordinatorClient
 from protocol import messages as M
@@ -19,18 +19,26 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_the_wait_grows_with_the_idle_nodes_within_bounds():
-    p = IdlePacer(requests_per_s=100)
-    assert p.no_work("a", 0).retry_after_ms == MIN_MS  # one idle node: the old cadence
+    p = Pacer(requests_per_s=100, min_ms=WORK_MIN_MS, max_ms=WORK_MAX_MS)
+    assert p.asked("a", 0) == WORK_MIN_MS  # one idle node: the old cadence
     for i in range(999):
-        p.no_work(f"n{i}", 10)
-    assert p.idle_nodes() == 1000 and p.no_work("a", 20).retry_after_ms == 10_000  # 1,000 idle / 100 per s
+        p.asked(f"n{i}", 10)
+    assert p.nodes() == 1000 and p.asked("a", 20) == 10_000  # 1,000 idle / 100 per s
     for i in range(20_000):
-        p.no_work(f"m{i}", 30)
-    assert p.no_work("a", 40).retry_after_ms == MAX_MS
-    # a node that got work is no longer idle; nodes not told "no work" for WINDOW_MS drop out
-    p.got_work("a")
-    assert p.idle_nodes() == 20_999
-    assert p.no_work("b", 40 + WINDOW_MS + 1).retry_after_ms == MIN_MS and p.idle_nodes() == 1
+        p.asked(f"m{i}", 30)
+    assert p.asked("a", 40) == WORK_MAX_MS
+    # a node that got work is no longer idle; nodes that did not ask for two longest waits drop out
+    p.forget("a")
+    assert p.nodes() == 20_999
+    assert p.asked("b", 40 + 2 * WORK_MAX_MS + 1) == WORK_MIN_MS and p.nodes() == 1
+
+
+def test_heartbeats_and_the_online_window_follow_the_swarm():
+    p = Pacer(requests_per_s=200, min_ms=5_000, max_ms=30_000)
+    assert p.asked("a", 0) == 5_000 and online_ms(p.wait_ms()) == 30_000
+    for i in range(10_000):
+        p.asked(f"n{i}", 1)
+    assert p.wait_ms() == 30_000 and online_ms(p.wait_ms()) == 90_000  # capped: 10,000 / 30 s = 333/s
 
 
 def test_the_wire_bounds_of_the_wait():
@@ -75,12 +83,12 @@ async def test_a_coordinator_header_out_of_bounds_or_garbled_means_the_default()
 async def test_a_real_coordinator_paces_its_idle_nodes(tmp_path):
     """Twelve joined nodes, no work left (one node holds every place of the open batches): each 204 names a wait
     that grows with the nodes told "no work", 12 idle at 4 requests/s -> 3 s; the node that asked first was told
-    the minimum."""
+    the minimum. Heartbeats the same way, and status counts a node online for three of their periods."""
     from tests.integration.coordinator_harness import running_coordinator
 
     async with running_coordinator(tmp_path, "verification.fraction=0", "run.batch_prompts=1",
                                    "run.max_assignments_per_node=100", "admission.pow_bits=0",
-                                   "admission.joins_per_address_per_minute=100",
+                                   "admission.joins_per_address_per_minute=100", "server.heartbeats_per_s=1",
                                    "server.idle_work_requests_per_s=4") as (coord, base):
         async with aiohttp.ClientSession() as s:
             nodes = [CoordinatorClient(base, Identity.generate(), s) for _ in range(12)]
@@ -94,4 +102,10 @@ async def test_a_real_coordinator_paces_its_idle_nodes(tmp_path):
             assert all(isinstance(w, M.NoWork) for w in waits)
             ms = [w.retry_after_ms for w in waits]
             assert ms[0] == 500 and ms[-1] == 3000 and ms == sorted(ms), ms  # node 0 counts too: 2 idle, then 12
-            assert coord.idle_pacer.idle_nodes() == 12
+            assert coord.work_pacer.nodes() == 12
+            # heartbeats: the answer names the next one, 5 s at first, then nodes / 1 per s; online follows (3x)
+            hb = M.HeartbeatRequest(policy_step=0, tokens_per_second=1.0, state="idle", steps_held=[0],
+                                    bytes_by_source={})
+            told = [(await n.heartbeat(hb))[1] for n in nodes]
+            assert told[0] == 5_000 and told[-1] == 12_000 and told == sorted(told), told
+            assert coord.online_ms() == 36_000  # status and metrics count a node online this long
