@@ -33,8 +33,11 @@ async def test_a_lora_run_trains_publishes_and_verifies(tmp_path, ranks):
         try:
             # the worker must hold step 2 too (checked below), not only the coordinator have published it: stopping
             # it on the publication alone failed 1 run in 7 here (the worker's manifest of step 2 was None)
-            await wait_for(lambda: coord.published_step >= 2 and worker[0].fetcher.store.manifest(2) is not None,
-                           180, "2 training steps, the second held by the worker", coord)
+            # and step 2's evaluation done: it runs after the publication, later with two ranks (the first CI run of
+            # ranks=2 read the curve at [0, 1])
+            await wait_for(lambda: coord.published_step >= 2 and worker[0].fetcher.store.manifest(2) is not None
+                           and 2 in [e["step"] for e in coord.training.snapshot().eval_curve or []],
+                           180, "2 training steps, the second held by the worker and evaluated", coord)
         finally:
             await stop_workers(worker)
         status = coord.status()

@@ -76,7 +76,9 @@ async def test_the_pool_verifies_honest_work_and_catches_a_forger(tmp_path, layo
             assert pool["replayed_in_process"] == 0  # the pool did every replay
 
 
-@layouts
+# The job board's answers to strangers, bad answers and a dying verifier are the API process's alone: one layout
+# (the engine layout's pool path is in the test above and in test_attack_verifier_dodge.py; make test's 15 minutes)
+@pytest.mark.parametrize("layout", ["one-process"])
 async def test_strangers_bad_answers_and_a_verifier_that_dies(tmp_path, layout):
     from protocol.identity import Identity
 

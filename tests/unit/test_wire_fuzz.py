@@ -151,6 +151,7 @@ SAMPLES: dict[type[BaseModel], dict] = {
                          "bytes_by_source": {"coordinator": 10, "relay": 0, "peer": 2**40}},
     M.HeartbeatResponse: {"current_step": 3, "banned": False},
     M.WorkRequest: {"policy_step": 0},
+    M.NoWork: {"retry_after_ms": 5000},
     M.Sampling: {"temperature": 1.0, "top_p": 0.9, "max_tokens": 32},
     M.PromptWork: {"prompt_id": "p0", "prompt_ids": [1, 2, 3], "seeds": [0, 2**63 - 1], "env_state": "5"},
     M.Assignment: {"assignment_id": "a1", "batch_step": 3, "min_policy_step": 1, "group_size": 2,
