@@ -233,7 +233,8 @@ class Assignment(Wire):
 
 class NoWork(Wire):
     """POST /v1/work's 204 (no work now), its one field sent as the header `X-Prime-Retry-After-Ms`: ask again after
-    this many ms, or as soon as a new step is held (node/coordinator/pacing.py says how the coordinator picks it)."""
+    this many ms, or as soon as a new step is held (node/coordinator/pacing.py says how the coordinator picks it).
+    The heartbeat's 200 carries the same header, read through this model: when to send the next heartbeat."""
     retry_after_ms: Annotated[int, Field(ge=100, le=120_000)]
 
 

@@ -35,7 +35,7 @@ class Unreachable(PrimeNodeError):
 class HttpResult:
     status: int
     body: bytes
-    retry_after_ms: str = ""  # the X-Prime-Retry-After-Ms header, as sent (POST /v1/work's 204)
+    retry_after_ms: str = ""  # the X-Prime-Retry-After-Ms header, as sent (/v1/work's 204, /v1/heartbeat's 200)
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
