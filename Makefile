@@ -48,9 +48,10 @@ demo-real: $(STAMP)
 # Everything not marked gpu, vllm, wan or real. Exit code 5 ("no tests collected") is not a failure of the suite.
 # TEST_WORKERS pytest-xdist processes (0: all in this process): many integration tests wait on subprocesses,
 # sockets and timers, which other workers' tests fill. --dist loadfile: each file runs whole on one worker
-# (module-scoped fixtures built once, a file's tests in their order), files in collection order.
+# (module-scoped fixtures built once, a file's tests in their order), files in collection order. --durations: the
+# 25 slowest, so that CI's log says where the suite's 15 minutes go.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan and not real" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m "not gpu and not vllm and not wan and not real" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # mypy (pinned in the dev extra) over the three packages: strict on protocol/ and verify/, normal on node/
 # (pyproject.toml [tool.mypy]). Zero errors is the bar: CI runs it as its own lane.
