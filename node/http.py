@@ -42,7 +42,7 @@ SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from li
 SHARD_ADDR_HEADER = "X-Prime-Shard-Addr"  # a swarm node's HTTP shard server, /ip4/<ip>/tcp/<port>/http
 HOLDER_HEADER = "X-Prime-Holder"  # on a 429 "seeded": "<node id> <its HTTP shard address>"
 HAVE_HEADER = "X-Prime-Have"  # a node's HTTP shard server: the shards of that step it holds (base64 bitfield)
-RETRY_AFTER_MS_HEADER = "X-Prime-Retry-After-Ms"  # on POST /v1/work's 204: ask again after this many ms
+RETRY_AFTER_MS_HEADER = "X-Prime-Retry-After-Ms"  # /v1/work's 204, /v1/heartbeat's 200: ask again after n ms
 
 # Numbers from clients are ASCII digits only: str.isdigit() and int() also take other scripts' digits
 # ("²" passes isdigit() but int() refuses it; int("١") is 1), and int() takes signs, spaces and "_".

@@ -29,7 +29,6 @@ from node.coordinator.ledger import Ledger, NodeStanding, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator import pacing
 from node.coordinator.node_bytes import NodeBytes
-from node.coordinator.pacing import Pacer
 from node.coordinator.records import AssignmentRow, Liveness, NodeState
 from node.coordinator.reachability import DialBack
 from node.coordinator.refusals import Refused
@@ -95,8 +94,9 @@ class Coordinator:
         self._status_body: tuple[float, bytes] | None = None  # the cached document, serialised (status_json)
         self._liveness: dict[str, Liveness] = {}  # node id -> what it last said, not yet in the ledger
         # when a node told "no work" asks again, and when a node heartbeats next (node/coordinator/pacing.py)
-        self.work_pacer = Pacer(cfg.server.idle_work_requests_per_s, pacing.WORK_MIN_MS, pacing.WORK_MAX_MS)
-        self.heartbeat_pacer = Pacer(cfg.server.heartbeats_per_s, pacing.HEARTBEAT_MIN_MS, pacing.HEARTBEAT_MAX_MS)
+        self.work_pacer = pacing.Pacer(cfg.server.idle_work_requests_per_s, pacing.WORK_MIN_MS, pacing.WORK_MAX_MS)
+        self.heartbeat_pacer = pacing.Pacer(cfg.server.heartbeats_per_s, pacing.HEARTBEAT_MIN_MS,
+                                            pacing.HEARTBEAT_MAX_MS)
         # The join's dial-back (reachability.py): at most one dial per listed port per join the address may make.
         self.dialback = DialBack(timeout_s=cfg.p2p.dialback_timeout_s,
                                  per_minute=2 * cfg.admission.joins_per_address_per_minute,

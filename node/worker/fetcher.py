@@ -338,22 +338,21 @@ class Fetcher:
                 raise FetchError(f"step {step} is a delta against step {m.base_step}, which is not held")
         partial = self.store.partial_dir(step)
         tmp = partial / "payload.tmp"
-        if m.is_adapter:  # the adapter rebuilt alone, then merged into its pinned base: the weights an engine loads
-            base_manifest, base = self._adapter_base(m)
-            if self.store.unmerged_adapters:  # an engine serving adapters unmerged takes the adapter itself
-                await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), tmp)
-                self.store.commit(step, m, tmp, unmerged_adapter=True)
-                log.info("holding step %d (LoRA adapter on step %d, unmerged, %.2f MB)", step, m.base_step,
-                         m.compressed_size / 1e6)
-                return
+        # an engine serving adapters unmerged takes the adapter itself: rebuilt, never merged (its base held all the
+        # same: the engine loads that first)
+        unmerged = m.is_adapter and self.store.unmerged_adapters
+        if m.is_adapter:
+            base_manifest, base_payload = self._adapter_base(m)
+        if m.is_adapter and not unmerged:  # the adapter rebuilt alone, then merged into its pinned base
             adapter = partial / "adapter.tmp"
             await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), adapter)
-            await asyncio.to_thread(merge_adapter_payload, m, adapter, base_manifest, base, tmp)
+            await asyncio.to_thread(merge_adapter_payload, m, adapter, base_manifest, base_payload, tmp)
             adapter.unlink(missing_ok=True)
         else:
             await asyncio.to_thread(reconstruct_payload, m, DirShardReader(partial, m), tmp, base_payload=base)
-        self.store.commit(step, m, tmp)
-        log.info("holding step %d (%s, %d shards, %.2f MB)", step, m.encoding, m.num_shards, m.compressed_size / 1e6)
+        self.store.commit(step, m, tmp, unmerged_adapter=unmerged)
+        log.info("holding step %d (%s%s, %d shards, %.2f MB)", step, m.encoding, ", unmerged" if unmerged else "",
+                 m.num_shards, m.compressed_size / 1e6)
 
     def _adapter_base(self, m: Manifest) -> tuple[Manifest, Path]:
         """The held full step a LoRA adapter applies to: its manifest (checked against the pinned hash by
