@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -108,7 +109,7 @@ async def run_node(args) -> None:
     """One fetch-only node in its own process (one node per machine, as deployed): set up, print
     "ready", wait for "go" on stdin, fetch the newest checkpoint, print the result as JSON."""
     logging.basicConfig(level=logging.ERROR)
-    store = CheckpointDir(Path(args.dir))
+    store = CheckpointDir(Path(args.dir), unmerged_adapters=args.unmerged)  # --unmerged: lora_serving = "adapter"
     done: dict[str, float] = {}
     stop = asyncio.Event()
     identity = Identity.generate()
@@ -167,7 +168,12 @@ async def run_node(args) -> None:
             await p2p.stop()
 
 
-async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file: Path | None = None) -> dict:
+async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file: Path | None = None, *,
+                    seed: Callable[[Path], None] | None = None, at_go: Callable[[], Awaitable[Any]] | None = None,
+                    step: int = 0, unmerged: bool = False) -> dict:
+    """One broadcast of `step` to n nodes. bench/lora.py: `seed(node_dir)` fills each node's store before it starts
+    (e.g. with step 0), `at_go()` runs once the clock started (e.g. publishes `step`); --unmerged nodes hold an
+    adapter step unmerged (worker.lora_serving = "adapter")."""
     key = coord.identity.public_hex
     relay = relay_task = None
     relay_url = ""
@@ -181,7 +187,9 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file:
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     for i in range(n):
         cmd = [sys.executable, __file__, "--node", "--mode", mode, "--dir", str(work / f"n{i}"), "--origin", url,
-               "--key", key, "--run-id", coord.cfg.run.run_id, "--relay", relay_url or "-"]
+               "--key", key, "--run-id", coord.cfg.run.run_id, "--relay", relay_url or "-"] + (["--unmerged"] if unmerged else [])
+        if seed is not None:
+            seed(work / f"n{i}")
         for b in coord.p2p_bootstrap():
             cmd += ["--bootstrap", b]
         work.mkdir(parents=True, exist_ok=True)
@@ -199,6 +207,8 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file:
     for p in procs:
         p.stdin.write(b"go\n")
         await p.stdin.drain()
+    if at_go is not None:
+        await at_go()
     results = []
     for i, p in enumerate(procs):
         line = await asyncio.wait_for(p.stdout.readline(), 600)
@@ -235,9 +245,13 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file:
     if relay is not None:
         relay.stop_event.set()
         await relay_task
-    payload = coord.checkpoints.payload_path(0).read_bytes()
+    payload = coord.checkpoints.payload_path(step).read_bytes()
     for i in range(n):
-        assert (work / f"n{i}" / "payloads" / "0.safetensors").read_bytes() == payload, "a node got a wrong model"
+        if unmerged and step:  # the node holds the rebuilt adapter, verified against its manifest's hashes
+            assert CheckpointDir(work / f"n{i}", unmerged_adapters=True).weights_path(step).is_file()
+        else:
+            assert (work / f"n{i}" / "payloads" / f"{step}.safetensors").read_bytes() == payload, \
+                "a node got a wrong model"
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
             "origin_done_s": origin_done and round(origin_done, 2), "shards_done_s": round(max(e[1] for e in ok), 2),
             "round_cpu_seconds": round(round_cpu, 1), "p2p_counts": dict(sorted(p2p_counts.items())),
@@ -331,6 +345,7 @@ def main() -> None:
     for a in ("--mode", "--dir", "--origin", "--key", "--run-id", "--relay"):
         ap.add_argument(a, help=argparse.SUPPRESS)
     ap.add_argument("--bootstrap", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--unmerged", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.node:
         asyncio.run(run_node(args))
