@@ -281,15 +281,26 @@ def main() -> int:
     doc: dict = {"benchmark": "lora", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "machine": f"{os.cpu_count()} cores", "parts_run": run, "parts_from_json": read}
     t0 = time.monotonic()
-    if "bytes" in run:
-        doc["bytes"] = _guard("bytes", part_bytes, a.models.split(","), [t.split(",") for t in a.targets], a.rank, a.alpha, a.steps)
-    elif "bytes" in read:
-        doc["bytes"] = _from_json(a.out)["bytes"] | {"source": f"from JSON ({a.out.name}, an earlier bench/lora.py)"}
+
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        doc["seconds"] = round(time.monotonic() - t0, 1)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    earlier = _from_json(a.out) if a.out.is_file() and ({"bytes", "broadcast"} & set(read)) else {}
+    # the broadcast first: the slowest and the part no other script measures
     if "broadcast" in run:
         doc["broadcast"] = _guard("broadcast", part_broadcast, a.encodings.split(","), a.nodes, a.cap, a.mode,
                                   a.rank, a.alpha, a.round_timeout)
     elif "broadcast" in read:
-        doc["broadcast"] = _from_json(a.out)["broadcast"] | {"source": f"from JSON ({a.out.name}, an earlier run)"}
+        doc["broadcast"] = earlier["broadcast"] | {"source": f"from JSON ({a.out.name}, an earlier bench/lora.py)"}
+    save()
+    if "bytes" in run:
+        doc["bytes"] = _guard("bytes", part_bytes, a.models.split(","), [t.split(",") for t in a.targets], a.rank,
+                              a.alpha, a.steps)
+    elif "bytes" in read:
+        doc["bytes"] = earlier["bytes"] | {"source": f"from JSON ({a.out.name}, an earlier bench/lora.py)"}
+    save()
     if "rows" in doc.get("broadcast", {}) and "runs" in doc.get("bytes", {}):  # the models not broadcast here: what the cap alone allows
         doc["broadcast"]["lower_bounds"] = [
             {"model": r["model"], "encoding": enc, "bytes": b, "seconds": b / doc["broadcast"]["cap"],
@@ -304,13 +315,11 @@ def main() -> int:
             doc[part] = _guard(part, fn)
         elif part in read:
             doc[part] = _from_json(RESULTS / path)
-    doc["seconds"] = round(time.monotonic() - t0, 1)
+    save()
     print_table(doc)
     for part in PARTS:
         if "error" in doc.get(part, {}):
             print(f"\n{part}: FAILED: {doc[part]['error']}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nwrote {a.out.relative_to(ROOT) if a.out.is_relative_to(ROOT) else a.out} in {doc['seconds']} s")
     return 0
 
