@@ -5,9 +5,13 @@ transformers 5 imports torch as soon as it loads any tokenizer. What the coordin
 small (node/envs/prompt.py, node/envs/episode.py, node/trainer/warm_start.py): render the chat template, encode
 text without special tokens, decode with special tokens skipped, and know the EOS and padding ids. This class
 does exactly that on the `tokenizers` library (the same Rust tokenizer transformers' fast tokenizers wrap) and
-jinja2, loading a model directory the way transformers' `TokenizersBackend.from_pretrained` does for the layouts
-it knows, and refusing every other one with a ModelLoadError rather than tokenizing differently:
-tests/unit/test_light_tokenizer.py checks it id for id and string for string against transformers.
+jinja2, loading a model directory the way transformers' AutoTokenizer does for the layouts it knows, and refusing
+every other one with a ModelLoadError rather than tokenizing differently: tests/unit/test_light_tokenizer.py checks
+it id for id and string for string (and the whole Rust pipeline, serialized) against transformers. It knows two
+`model_type`s: llama, where AutoTokenizer loads tokenizer.json as it is (`TokenizersBackend`), and qwen2 (Qwen2,
+Qwen2.5), where it puts transformers' own Qwen2Tokenizer on the directory, which keeps only the file's vocabulary,
+merges and post-processor and rebuilds the rest (NFC, Qwen2's split regex, byte-level) - `_qwen2_backend` does
+the same, step by step.
 
 The chat template is rendered as transformers renders it (transformers/utils/chat_template_utils.py): an
 ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks and the loopcontrols extension, the globals
@@ -35,10 +39,19 @@ SPECIAL_TOKENS_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token",
 # tokenizer_config.json classes that AutoTokenizer loads as the plain `TokenizersBackend` (the same class under its
 # v4 name): tokenizer.json as it is. Any other class may rebuild or patch the tokenizer in Python.
 PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-# config.json model types for which AutoTokenizer keeps the directory's class (some, e.g. qwen2, get transformers'
-# own class instead, whatever tokenizer_config.json says); llama is what the tiny model and SmolLM2 are, and what the
-# parity tests cover.
-MODEL_TYPES = ("llama",)
+# config.json model types whose tokenizer loads here, each proven id for id against AutoTokenizer by the parity
+# tests: llama (the tiny model, SmolLM2), for which AutoTokenizer keeps the directory's class, and qwen2 (Qwen2,
+# Qwen2.5), for which it puts transformers' own Qwen2Tokenizer on the directory whatever tokenizer_config.json says
+# (models/auto/tokenization_auto.py, MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS). Any other type may get a class
+# that rebuilds the tokenizer in Python in a way not mirrored here, so it is refused.
+MODEL_TYPES = ("llama", "qwen2")
+# What transformers' Qwen2Tokenizer.__init__ (models/qwen2/tokenization_qwen2.py) builds around tokenizer.json's
+# vocabulary and merges, whatever the file's own normalizer, pre-tokenizer and decoder say.
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                           r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_CLASSES = PLAIN_CLASSES + ("Qwen2Tokenizer", "Qwen2TokenizerFast")
+# Qwen2Tokenizer's keyword defaults, for a tokenizer_config.json that leaves the key out (null is kept as None).
+QWEN2_DEFAULTS = {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
 # tokenizer_config.json keys read here, or known not to change tokenization, decoding or rendering.
 KNOWN_KEYS = set(SPECIAL_TOKENS_ATTRIBUTES) | {
     "tokenizer_class", "backend", "chat_template", "clean_up_tokenization_spaces", "model_max_length",
@@ -173,8 +186,6 @@ class LightTokenizer:
 def load_light_tokenizer(model_dir: str | Path) -> LightTokenizer:
     """The tokenizer saved beside a model, as transformers' AutoTokenizer would load it, or ModelLoadError
     (UnsupportedTokenizer where the directory is fine but needs more of transformers than this module has)."""
-    from tokenizers import AddedToken, Tokenizer, processors
-
     path = check_model_dir(model_dir)
     model_type = _read_json(path / "config.json", MAX_CONFIG_BYTES)
     model_type = model_type.get("model_type") if isinstance(model_type, dict) else None
@@ -193,11 +204,24 @@ def load_light_tokenizer(model_dir: str | Path) -> LightTokenizer:
     unknown = sorted(set(config) - KNOWN_KEYS)
     if unknown:
         raise UnsupportedTokenizer(f"{tc}: keys not supported here: {', '.join(unknown)[:300]}")
-    if config.get("tokenizer_class") not in PLAIN_CLASSES:
+    classes = QWEN2_CLASSES if model_type == "qwen2" else PLAIN_CLASSES
+    if config.get("tokenizer_class") not in classes:
         raise UnsupportedTokenizer(f"{tc}: tokenizer_class {config.get('tokenizer_class')!r} is not "
-                                   f"one of {', '.join(PLAIN_CLASSES)}")
+                                   f"one of {', '.join(classes)}")
     if config.get("split_special_tokens"):
         raise UnsupportedTokenizer(f"{tc}: split_special_tokens is not supported here")
+    if model_type == "qwen2":
+        backend, special = _qwen2_backend(path, config)
+    else:
+        backend, special = _plain_backend(path, config)
+    return LightTokenizer(backend, special, _chat_template(path, config))
+
+
+def _plain_backend(path: Path, config: dict) -> tuple[Any, dict[str, str]]:
+    """tokenizer.json as it is, with the named and extra special tokens added as TokenizersBackend adds them."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    tj, tc = path / "tokenizer.json", path / "tokenizer_config.json"
 
     if tj.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
         raise ModelLoadError(f"{tj} is larger than {MAX_TOKENIZER_JSON_BYTES} bytes")
@@ -209,6 +233,7 @@ def load_light_tokenizer(model_dir: str | Path) -> LightTokenizer:
     backend.no_truncation()
     backend.no_padding()
     if config.get("clean_up_tokenization_spaces") and type(backend.model).__name__ != "BPE":
+        # transformers 5 skips the clean-up for a BPE model (it would strip real spaces); Qwen2's is always one
         raise UnsupportedTokenizer(f"{tc}: clean_up_tokenization_spaces is not supported here")
 
     # The named special tokens: tokenizer_config.json, or the legacy special_tokens_map.json where the config has
@@ -256,7 +281,121 @@ def load_light_tokenizer(model_dir: str | Path) -> LightTokenizer:
         backend.add_special_tokens(tokens)
     if backend.post_processor is None:
         backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    return backend, special
 
+
+def _qwen2_backend(path: Path, config: dict) -> tuple[Any, dict[str, str]]:
+    """What AutoTokenizer builds for a `model_type: qwen2` directory, step by step as transformers 5.19 does
+    it: Qwen2Tokenizer takes only the vocabulary, merges and post-processor of tokenizer.json
+    (TokenizersBackend.convert_to_native_format: a class with its own __init__ rebuilds the rest), puts NFC,
+    Qwen2's split regex and byte-level around them, then adds the added tokens of tokenizer_config.json (else of
+    tokenizer.json) in id order, then the named and extra special tokens (TokenizersBackend.__init__, the end of
+    Qwen2Tokenizer.__init__, then _post_init). Layouts beyond what real Qwen2 checkpoints and transformers' own
+    save_pretrained write (AddedToken objects as named tokens, special_tokens_map.json) are refused."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    tj, tc = path / "tokenizer.json", path / "tokenizer_config.json"
+    data = _read_json(tj, MAX_TOKENIZER_JSON_BYTES)
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        raise UnsupportedTokenizer(f"{tj}: a qwen2 tokenizer.json must hold a BPE model here")
+    vocab, merges = model.get("vocab"), model.get("merges") or []
+    if isinstance(vocab, list):  # as convert_to_native_format reads a list vocabulary
+        vocab = {t[0] if isinstance(t, list) else t: i for i, t in enumerate(vocab)}
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise ModelLoadError(f"{tj}: the BPE model has no vocabulary and merges")
+    try:
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+        backend = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
+                                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                                byte_fallback=False))
+        # the file's post-processor, read as transformers reads it: from the file without its vocabulary
+        minimal = {**data, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []}
+        post_processor = Tokenizer.from_str(json.dumps(minimal)).post_processor
+    except Exception as e:  # the Rust side's errors are plain Exceptions
+        raise ModelLoadError(f"{tj} is not a tokenizer: {str(e)[:300]}") from None
+    add_prefix_space = config.get("add_prefix_space")
+    if add_prefix_space is not None and not isinstance(add_prefix_space, bool):
+        raise ModelLoadError(f"{tc}: add_prefix_space must be true, false or null")
+    backend.decoder = decoders.ByteLevel()
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=bool(add_prefix_space), use_regex=False)])
+    if post_processor is not None:
+        backend.post_processor = post_processor
+
+    # Named tokens: the config's (null stays None), else Qwen2Tokenizer's defaults; `additional_special_tokens`
+    # is the v4 name of `extra_special_tokens`.
+    named: dict[str, str] = {}
+    for key in SPECIAL_TOKENS_ATTRIBUTES:
+        value = config[key] if key in config else QWEN2_DEFAULTS.get(key)
+        if value is not None and not isinstance(value, str):
+            raise UnsupportedTokenizer(f"{tc}: {key} must be a string or null here")
+        if value is not None:
+            named[key] = value
+    extras = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if not isinstance(extras, list) or not all(isinstance(t, str) for t in extras):
+        raise UnsupportedTokenizer(f"{tc}: extra_special_tokens must be a list of strings here")
+    if "added_tokens_decoder" not in config and (path / "special_tokens_map.json").exists():
+        raise UnsupportedTokenizer(f"{path}/special_tokens_map.json is not supported here for qwen2")
+
+    flags = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+    raw = config.get("added_tokens_decoder")
+    if raw is None:
+        raw = {str(t.get("id")): {k: v for k, v in t.items() if k != "id"} if isinstance(t, dict) else t
+               for t in (data.get("added_tokens") or [])}
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{tc}: added_tokens_decoder must be an object")
+    decoder: dict[int, Any] = {}
+    for idx, tok in raw.items():
+        if not str(idx).isdigit() or not isinstance(tok, dict) or not isinstance(tok.get("content"), str) \
+                or set(tok) - set(flags) or not all(isinstance(tok[k], bool) for k in tok if k != "content"):
+            raise UnsupportedTokenizer(f"{tc}: added token {idx!r} is not supported here: {tok!r:.200}")
+        decoder[int(idx)] = AddedToken(**tok)
+    by_content = {t.content: t for t in decoder.values()}
+    named_tokens = {k: by_content.get(v, v) for k, v in named.items()}  # `_from_pretrained` maps them
+
+    # TokenizersBackend.__init__: the added tokens in id order, then named and extra tokens not among them
+    to_add: list[Any] = [t for _, t in sorted(decoder.items())]
+    have = {t.content for t in to_add}
+    for value in list(named_tokens.values()) + extras:
+        if str(value) not in have and str(value) not in [str(t) for t in to_add]:
+            to_add.append(value)
+    named_contents = set(named.values())
+    tokens = []
+    for t in to_add:
+        if isinstance(t, str):
+            t = AddedToken(t, special=True)
+        elif not t.special and t.content in named_contents:
+            t.special = True  # transformers flips the same object (it is also the named token)
+        tokens.append(t)
+    if tokens:
+        backend.add_tokens(tokens)
+    # Qwen2Tokenizer.__init__'s last line: every special token (named, then extra, each once) re-added
+    all_special = list(dict.fromkeys(list(named.values()) + extras))
+    if all_special:
+        backend.add_tokens([AddedToken(t, special=True) for t in all_special])
+    # _post_init: the named and extra tokens added as special
+    post = [v if isinstance(v, AddedToken) else AddedToken(v, special=True, normalized=False)
+            for v in named_tokens.values()]
+    post += [AddedToken(t, special=True, normalized=False) for t in extras]
+    if post:
+        backend.add_special_tokens(post)
+    if backend.post_processor is None:
+        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    # transformers gives an added token the next free id, whatever id the files name: where that is not the
+    # file's id (a gap in the ids), AutoTokenizer tokenizes unlike the model was trained, so refuse
+    for idx, tok in decoder.items():
+        if backend.token_to_id(tok.content) != idx:
+            raise UnsupportedTokenizer(f"{tc}: added token {tok.content!r} would get id "
+                                       f"{backend.token_to_id(tok.content)}, not its {idx}")
+    return backend, named
+
+
+def _chat_template(path: Path, config: dict) -> str | None:
+    tc = path / "tokenizer_config.json"
     template: Any = config.get("chat_template")
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():  # transformers: the separate file wins over the config's entry
@@ -267,4 +406,4 @@ def load_light_tokenizer(model_dir: str | Path) -> LightTokenizer:
         raise UnsupportedTokenizer(f"{tc}: only a single chat template is supported here")
     if template is not None and len(template) > MAX_TEMPLATE_CHARS:
         raise ModelLoadError(f"chat template of {path} is longer than {MAX_TEMPLATE_CHARS} characters")
-    return LightTokenizer(backend, special, template or None)
+    return template or None

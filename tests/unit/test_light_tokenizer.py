@@ -1,14 +1,17 @@
 """node/trainer/light_tokenizer.py against transformers' AutoTokenizer, on the same model directories: every id
 the coordinator hands out or checks (prompts of every built-in task, environment turns of multi-turn episodes),
 every text its rewards see (decoded completions), and the EOS and padding ids, on the character tokenizer, a
-byte-level BPE and (marked `real`) SmolLM2-135M-Instruct's. Then the directories it refuses: a chat template that
-tries to leave jinja's sandbox, a malformed or oversized tokenizer.json, a layout only transformers loads."""
+byte-level BPE and (marked `real`) SmolLM2-135M-Instruct's, and on Qwen2 directories (`model_type: qwen2`, where
+AutoTokenizer puts transformers' own Qwen2Tokenizer on the files): one saved by that class, one laid out file for
+file as a real Qwen2.5-Instruct checkpoint is. Then the directories it refuses: a chat template that tries to leave
+jinja's sandbox, a malformed or oversized tokenizer.json, a layout only transformers loads."""
 from __future__ import annotations
 
 import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jinja2 import TemplateError
@@ -23,7 +26,11 @@ from node.trainer.model_dir import ModelLoadError
 from node.trainer.tokenizer import build_bpe_tokenizer, build_char_tokenizer, load_tokenizer
 
 UNICODE = ["héllo wörld", "日本語のテキスト", "emoji 🙂🚀 done", "tab\tand\nnewline", "  leading and trailing  ",
-           "<|end|> inside text", "<|im_end|><|im_start|>user", "ÅÄÖ åäö ß ﬁ", "", " ", "12+34=?", "a" * 300]
+           "<|end|> inside text", "<|im_end|><|im_start|>user", "ÅÄÖ åäö ß ﬁ", "", " ", "12+34=?", "a" * 300,
+           # NFC (Qwen2's normalizer): a combining accent, the Ångström sign, Hangul jamo; Qwen2's split regex:
+           # digits one by one, case-blind contractions, runs of newlines and spaces, CR LF
+           "e\u0301 \u212b \u1100\u1161", "1234567 x99", "I'LL DON'T it's", "a\n\n\n  b  \r\n\tc   ",
+           "👩\u200d💻 \u00a0nbsp", "<tool_call>{\"a\": 1}</tool_call>", "<|endoftext|>tail"]
 SYSTEM = Problem(prompt_id="sys", prompt="what is 3+4?", answer="7", system="You are a careful calculator. ✓")
 
 
@@ -72,6 +79,9 @@ def problems():
 def assert_parity(model_dir: Path):
     hf, light = load_tokenizer(model_dir), load_light_tokenizer(model_dir)
     assert isinstance(light, LightTokenizer)
+    # the whole Rust pipeline as transformers built it: model, normalizer, pre-tokenizer, decoder, post-processor,
+    # every added token with its id and flags
+    assert json.loads(light._backend.to_str()) == json.loads(hf.backend_tokenizer.to_str())
     assert (light.eos_token_id, light.pad_token_id, light.eos_token) == (hf.eos_token_id, hf.pad_token_id, hf.eos_token)
     assert light.special_tokens_map == hf.special_tokens_map
     assert light.chat_template == hf.chat_template
@@ -92,6 +102,7 @@ def assert_parity(model_dir: Path):
     rng = random.Random(3)
     vocab = len(hf)
     specials = [i for i in (hf.eos_token_id, hf.pad_token_id, hf.bos_token_id, hf.unk_token_id) if i is not None]
+    specials += list(hf.added_tokens_decoder)  # every added token, special or not (Qwen2.5's <tool_call> is not)
     for _ in range(300):  # what a reward sees of any completion, incl. EOS, padding and broken UTF-8 byte runs
         ids = [rng.randrange(vocab) if rng.random() < 0.85 else rng.choice(specials) for _ in range(rng.randrange(40))]
         assert decode_completion(light, ids) == decode_completion(hf, ids), ids
@@ -201,7 +212,8 @@ def test_a_malformed_or_huge_tokenizer_json_is_a_model_load_error(char_dir, tmp_
 
 
 @pytest.mark.parametrize("change", [
-    {"config": {"model_type": "qwen2"}},  # transformers puts its own Qwen2 class on such a directory
+    {"config": {"model_type": "mistral"}},  # a type whose tokenizer class is not mirrored here
+    {"config": {"model_type": "qwen2"}},  # Qwen2Tokenizer would turn this character vocabulary into a BPE one
     {"tokenizer_config": {"tokenizer_class": "LlamaTokenizer"}},
     {"tokenizer_config": {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}},
     {"tokenizer_config": {"chat_template": [{"name": "default", "template": "x"}]}, "drop_jinja": True},
@@ -231,7 +243,7 @@ def test_the_run_model_takes_the_light_tokenizer_only_with_the_engine_process(ch
     assert not isinstance(one.tokenizer, LightTokenizer) and isinstance(two.tokenizer, LightTokenizer)
     assert two.eos_token_id == one.eos_token_id
     f = d / "config.json"
-    f.write_text(json.dumps({**json.loads(f.read_text()), "model_type": "qwen2"}))
+    f.write_text(json.dumps({**json.loads(f.read_text()), "model_type": "mistral"}))
     with pytest.raises(ModelLoadError, match="server.engine_process = false"):
         load_run_model(load_config(repo / "configs/local.toml", sets + ["server.engine_process=true"]), tmp_path)
 
@@ -276,3 +288,235 @@ def test_template_features_render_as_in_transformers(char_dir, tmp_path):
     with pytest.raises(TemplateError, match="unknown role tool") as got_err:
         light.apply_chat_template(bad, tokenize=False)
     assert type(got_err.value) is type(want_err.value)
+
+
+# ---- Qwen2 (`model_type: qwen2`): AutoTokenizer loads transformers' Qwen2Tokenizer, which keeps only the
+# vocabulary, merges and post-processor of tokenizer.json and builds NFC, its split regex and byte-level around them.
+
+# Qwen2.5's added tokens in id order after the BPE vocabulary; the last eight are not special in its checkpoints
+# (decoding with skip_special_tokens keeps them). Qwen2 (not 2.5) has the first three.
+QWEN25_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+                "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+QWEN25_SPECIAL = 14
+
+# Qwen's ChatML format, in the style of its checkpoints' templates (written here): `{%-` whitespace control, a
+# default system turn, assistant tool calls as <tool_call> JSON through tojson, runs of tool results folded into
+# one user turn by looking at the neighbouring messages, the generation prompt.
+QWEN_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for call in message.tool_calls %}
+            {%- if call.function is defined %}
+                {%- set call = call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + call.arguments | tojson + '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('unknown role ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+QWEN_CHATS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief. ✓"}, {"role": "user", "content": "  2+2?\n"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 日本?"}],
+    [{"role": "user", "content": "weather?"},
+     {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get", "arguments": {"city": "Zürich"}}}]},
+     {"role": "tool", "content": "12°C"}, {"role": "tool", "content": "<|im_end|> rain"},
+     {"role": "assistant", "content": "Cold."}, {"role": "user", "content": "<tool_call>x</tool_call>"}],
+]
+
+
+def qwen2_bpe():
+    """A byte-level BPE trained here with Qwen2's normalizer and split regex (transformers' own constant)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.train_from_iterator(task_texts() + UNICODE * 3, trainers.BpeTrainer(
+        vocab_size=900, min_frequency=1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return tok
+
+
+def qwen2_config(path: Path, vocab_size: int, **extra) -> None:
+    # as a real Qwen2.5 checkpoint's config.json (saved by transformers 4)
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                                                  "transformers_version": "4.43.1", "vocab_size": vocab_size, **extra}))
+
+
+@pytest.fixture(scope="module")
+def qwen2_saved_dir(tmp_path_factory):
+    """Written by transformers 5's Qwen2Tokenizer.save_pretrained."""
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    model = json.loads(qwen2_bpe().to_str())["model"]
+    kwargs: dict[str, Any] = dict(bos_token=None, eos_token="<|im_end|>", unk_token=None, errors="replace",
+                                  split_special_tokens=False, extra_special_tokens=QWEN25_ADDED[1:QWEN25_SPECIAL],
+                                  chat_template=QWEN_TEMPLATE, model_max_length=32768, clean_up_tokenization_spaces=False)
+    merges: list[Any] = [tuple(m) for m in model["merges"]]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, **kwargs)
+    path = tmp_path_factory.mktemp("qwen2-saved")
+    tok.save_pretrained(str(path))
+    qwen2_config(path, len(tok))
+    return path
+
+
+def qwen25_layout(path: Path, eos: str = "<|im_end|>", added: list[str] = QWEN25_ADDED, drop: tuple = (),
+                  **config_changes) -> Path:
+    """File for file what a Qwen2.5-Instruct checkpoint holds (saved by transformers 4): tokenizer.json with a
+    byte-level post-processor, the added tokens after the vocabulary, vocab.json and merges.txt beside it, and a
+    tokenizer_config.json with added_tokens_decoder, additional_special_tokens, null bos and unk, the template."""
+    from tokenizers import AddedToken, decoders, pre_tokenizers, processors
+
+    tok = qwen2_bpe()
+    byte_level = dict(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([tok.pre_tokenizer[0], pre_tokenizers.ByteLevel(**byte_level)])
+    tok.decoder = decoders.ByteLevel(**byte_level)
+    tok.post_processor = processors.ByteLevel(**byte_level)
+    n = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(t, special=i < QWEN25_SPECIAL, normalized=False) for i, t in enumerate(added)])
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    tok.model.save(str(path))  # vocab.json, merges.txt (transformers reads tokenizer.json instead)
+    config = {
+        "add_bos_token": False, "add_prefix_space": False,
+        "added_tokens_decoder": {str(n + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                              "single_word": False, "special": i < QWEN25_SPECIAL}
+                                 for i, t in enumerate(added)},
+        "additional_special_tokens": added[1:QWEN25_SPECIAL], "bos_token": None, "chat_template": QWEN_TEMPLATE,
+        "clean_up_tokenization_spaces": False, "eos_token": eos, "errors": "replace", "model_max_length": 131072,
+        "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None, **config_changes}
+    config = {k: v for k, v in config.items() if k not in drop}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    qwen2_config(path, n + len(added), bos_token_id=n, eos_token_id=n + added.index(eos))
+    return path
+
+
+def assert_qwen_chats(model_dir: Path):
+    hf, light = load_tokenizer(model_dir), load_light_tokenizer(model_dir)
+    for chat in QWEN_CHATS:
+        for gen in (False, True):
+            text = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+            assert light.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen) == text
+            assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n" if gen else "\n")
+            ids = hf.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False)
+            assert light.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False) == ids
+            for skip in (False, True):
+                assert light.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    if "<tool_call>" in hf.get_added_vocab():
+        assert "<tool_call>" in light.decode(ids, skip_special_tokens=True)  # not special in Qwen2.5: kept
+
+
+def test_a_qwen2_tokenizer_saved_by_transformers_matches(qwen2_saved_dir):
+    assert type(load_tokenizer(qwen2_saved_dir)).__name__ == "Qwen2Tokenizer"  # what the parity is against
+    assert_parity(qwen2_saved_dir)
+    assert_qwen_chats(qwen2_saved_dir)
+
+
+@pytest.mark.parametrize("change", [
+    {},  # Instruct
+    {"eos": "<|endoftext|>"},  # base
+    {"pad_token": "<|fim_pad|>"},  # a named token that the added tokens call not special: transformers makes it so
+    {"drop": ("unk_token", "pad_token", "bos_token", "additional_special_tokens")},  # Qwen2Tokenizer's defaults
+    {"add_prefix_space": True, "add_bos_token": True},  # the first is honoured, the second dropped
+    {"added": QWEN25_ADDED[:3]},  # Qwen2 (not 2.5)
+])
+def test_a_qwen25_checkpoint_layout_matches(tmp_path, change):
+    d = qwen25_layout(tmp_path / "m", **change)
+    assert_parity(d)
+    assert_qwen_chats(d)
+    hf, light = load_tokenizer(d), load_light_tokenizer(d)
+    assert (light.eos_token, light.pad_token, light.unk_token, light.bos_token) == \
+        (hf.eos_token, hf.pad_token, hf.unk_token, hf.bos_token)
+
+
+def test_qwen2_ignores_the_pipeline_written_in_tokenizer_json_as_transformers_does(tmp_path):
+    """Qwen2Tokenizer keeps only the vocabulary, merges and post-processor of tokenizer.json: a file whose
+    normalizer, pre-tokenizer and decoder say otherwise still tokenizes the Qwen2 way, here as in transformers
+    (loading the file as it is, as for llama, would lower-case and split on whitespace)."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+
+    d = qwen25_layout(tmp_path / "m")
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.save(str(d / "tokenizer.json"))
+    hf, light = load_tokenizer(d), load_light_tokenizer(d)
+    assert json.loads(light._backend.to_str()) == json.loads(hf.backend_tokenizer.to_str())
+    for text in UNICODE + ["Hello World", "e\u0301"]:
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert light.encode(text, add_special_tokens=False) == ids
+        assert light.decode(ids) == hf.decode(ids)
+    assert light.decode(light.encode("Hello World")) == "Hello World"
+
+
+def test_qwen2_added_tokens_whose_ids_transformers_would_move_are_refused(tmp_path):
+    """Qwen2Tokenizer gives each added token the next free id after the vocabulary, whatever id the files name:
+    with a gap the ids AutoTokenizer hands out are not the model's, so the light tokenizer refuses the directory."""
+    d = qwen25_layout(tmp_path / "m")
+    f = d / "tokenizer_config.json"
+    config = json.loads(f.read_text())
+    config["added_tokens_decoder"] = {str(int(i) + 1): t for i, t in config["added_tokens_decoder"].items()}
+    f.write_text(json.dumps(config))
+    first = min(int(i) for i in config["added_tokens_decoder"])
+    assert load_tokenizer(d).convert_tokens_to_ids("<|endoftext|>") == first - 1  # moved, not `first`
+    with pytest.raises(UnsupportedTokenizer, match="would get id"):
+        load_light_tokenizer(d)
+
+
+@pytest.mark.parametrize("change", [
+    {"eos_token": {"content": "<|im_end|>", "special": True}},  # an AddedToken object as a named token
+    {"extra_special_tokens": {"think_token": "<|box_start|>"}},  # model-specific named tokens
+    {"additional_special_tokens": [{"content": "<|im_start|>"}]},
+    {"tokenizer_class": "LlamaTokenizer"},
+    {"added_tokens_decoder": {"5": {"content": "x", "special": True, "weird": 1}}},
+    {"add_prefix_space": "yes"},
+])
+def test_a_qwen2_layout_beyond_real_checkpoints_is_refused(tmp_path, change):
+    d = qwen25_layout(tmp_path / "m", **change)
+    with pytest.raises(ModelLoadError):
+        load_light_tokenizer(d)
+
+
+def test_a_qwen2_directory_with_a_legacy_special_tokens_map_or_a_broken_bpe_is_refused(tmp_path):
+    d = qwen25_layout(tmp_path / "m", drop=("added_tokens_decoder",))
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(UnsupportedTokenizer, match="special_tokens_map"):
+        load_light_tokenizer(d)
+    (d / "special_tokens_map.json").unlink()
+    assert_qwen_chats(d)  # without it the added tokens come from tokenizer.json, as in transformers
+    data = json.loads((d / "tokenizer.json").read_text())
+    data["model"]["merges"] = ["a b c"]
+    (d / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match="is not a tokenizer"):
+        load_light_tokenizer(d)
