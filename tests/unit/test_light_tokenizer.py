@@ -246,6 +246,15 @@ def test_the_run_model_takes_the_light_tokenizer_only_with_the_engine_process(ch
     f.write_text(json.dumps({**json.loads(f.read_text()), "model_type": "mistral"}))
     with pytest.raises(ModelLoadError, match="server.engine_process = false"):
         load_run_model(load_config(repo / "configs/local.toml", sets + ["server.engine_process=true"]), tmp_path)
+    # a Qwen2.5 directory (configs/gpu-example.toml's kind) runs in both layouts
+    q = qwen25_layout(tmp_path / "qwen")
+    sets = [f"storage.dir={tmp_path}", f"model.path={q}", "task.name=arithmetic"]
+    one = load_run_model(load_config(repo / "configs/local.toml", sets), tmp_path)
+    two = load_run_model(load_config(repo / "configs/local.toml", sets + ["server.engine_process=true"]), tmp_path)
+    assert type(one.tokenizer).__name__ == "Qwen2Tokenizer" and isinstance(two.tokenizer, LightTokenizer)
+    assert two.eos_token_id == one.eos_token_id == json.loads((q / "config.json").read_text())["eos_token_id"]
+    p = one.task.sample(0, 0)
+    assert encode_prompt(two.tokenizer, p) == encode_prompt(one.tokenizer, p)
 
 
 # A template in the style of real ones (Llama 3, Qwen): block tags on their own indented lines (trim_blocks and
