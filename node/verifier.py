@@ -156,7 +156,8 @@ class Verifier:
         self.jobs_done += 1
         self.rollouts_judged += len(items)
         return M.VerdictsRequest(job_id=job.job_id, verdicts=[
-            M.ReplayVerdict(reason=j.reason, tokens=j.tokens, near_ties=j.near_ties, outlier=j.outlier)
+            M.ReplayVerdict(reason=j.reason, tokens=j.tokens, near_ties=j.near_ties, outlier=j.outlier,
+                            fit=j.fit)
             for j in judgements])
 
     async def _model_for(self, step: int) -> PreTrainedModel | None:

@@ -342,6 +342,9 @@ class ReplayVerdict(Wire):
     tokens: Counter
     near_ties: Counter
     outlier: bool = False  # failed by one sampled token only (possibly numerical)
+    # mean |claimed - recomputed| logprob x T under the job's step: the stale-step audit compares it across steps
+    # (node/coordinator/stale_audit.py); None from verifiers that predate it
+    fit: Annotated[float, Field(ge=0.0, le=1e6)] | None = None
 
 
 class VerdictsRequest(Wire):

@@ -92,3 +92,6 @@ class Judgement:
     tokens: int
     near_ties: int
     outlier: bool = False  # failed by one sampled token only: voided, not proof of forgery
+    # how far the claimed logprobs are from this step's (the verifier's mean deviation x T, whatever the
+    # verdict): the stale-step audit compares it across steps (node/coordinator/stale_audit.py); None: not known
+    fit: float | None = None

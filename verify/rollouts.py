@@ -344,8 +344,15 @@ def judge(model: PreTrainedModel, items: Sequence[VerifyItem]) -> list[Judgement
             log.info("rollout failed verify_%s: %s %s", v.reason, v.detail,
                      {k: round(x, 4) for k, x in v.scores.items()})
         out.append(Judgement(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
-                             int(v.scores.get("near_tie_positions", 0)), outlier))
+                             int(v.scores.get("near_tie_positions", 0)), outlier, _fit(v)))
     return out
+
+
+def _fit(v: Verdict) -> float | None:
+    """The rollout's fit to the replayed step for the stale-step audit (Judgement.fit): its mean logprob
+    deviation, bounded as the wire bounds it; None when the replay computed none (a shape failure)."""
+    x = v.scores.get("logprob_mean")
+    return None if x is None or math.isnan(x) else min(float(x), 1e6)
 
 
 def _int_list(xs: Any, vocab: int) -> bool:

@@ -168,7 +168,7 @@ class Engine:
         verdicts = merge_turns(judge(model, checks), owner, len(refs))
         return C.Verdicts(request_id=req.request_id, refs=refs,
                           verdicts=[ReplayVerdict(reason=v.reason, tokens=v.tokens, near_ties=v.near_ties,
-                                                  outlier=v.outlier) for v in verdicts])
+                                                  outlier=v.outlier, fit=v.fit) for v in verdicts])
 
     # -- life ----------------------------------------------------------------------------------------
     def run(self) -> int:

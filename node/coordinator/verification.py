@@ -19,6 +19,7 @@ from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.records import Rejection
 from node.coordinator.scheduler import Scheduler
+from node.coordinator.stale_audit import REASON as STALE, StaleAudit
 from node.coordinator.verifier_jobs import JobBoard
 from node.trainer.model import load_model
 from protocol import messages as M
@@ -48,8 +49,12 @@ def merge_turns(answers: list[Judgement], owner: list[int], n: int) -> list[Judg
     out = []
     for js in turns:
         failed = [j for j in js if j.reason]
-        out.append(Judgement(failed[0].reason if failed else None, sum(j.tokens for j in js),
-                             sum(j.near_ties for j in js), len(failed) == 1 and failed[0].outlier))
+        tokens = sum(j.tokens for j in js)
+        fits = [j.fit for j in js]  # the rollout's fit: its turns' token-weighted mean (the stale-step audit's)
+        fit = None if not js or None in fits or not tokens else sum(
+            f * j.tokens for f, j in zip(fits, js) if f is not None) / tokens
+        out.append(Judgement(failed[0].reason if failed else None, tokens, sum(j.near_ties for j in js),
+                             len(failed) == 1 and failed[0].outlier, fit))
     return out
 
 
@@ -151,6 +156,7 @@ class VerdictQueue:
         self.holds = holds
         assert (policies is None) != (remote_judge is None), "one holder of the policies: this process or the engine"
         assert (remote_judge is None) == (holds is None), "the engine's replays come with the steps it holds"
+        self.stale_audit = StaleAudit(cfg.stale_audit_window, cfg.stale_audit_alpha)
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
 
@@ -233,12 +239,40 @@ class VerdictQueue:
                 log.info("submission %s of node %s voided: one token off the sampler's choice in %d rollouts",
                          assignment_id, node.node_id[:12], len(failed))
                 return
+            if await self._stale(node.node_id, assignment_id, step, undecided, refs, verdicts):
+                return  # banned for generating with the previous step's weights, or banned and voided meanwhile
             tokens = sum(v.tokens for v in verdicts)
             near_ties = sum(v.near_ties for v in verdicts)
             ledger.set_verdict(assignment_id, "verified", node_id=node.node_id, tokens=tokens,
                                  near_ties=near_ties)
             self._check_steering(node.node_id)
         self.on_decided()
+
+    async def _stale(self, node_id: str, assignment_id: str, step: int, undecided: list[GroupRow],
+                     refs: list[tuple[str, int]], verdicts: list[Any]) -> bool:
+        """The stale-step audit (node/coordinator/stale_audit.py) of a submission that passed its replay: on a
+        fresh secret draw, its rollouts replayed against step - 1 as well (before the verdict is set: the engine
+        and the pool replay a submission's undecided groups); True when the node was banned for it, or was
+        banned and voided by another verdict while the audit's replay ran (no verdict to set then)."""
+        rate = self.cfg.stale_audit_fraction
+        if step == 0 or rate <= 0 or not self._held(step - 1) or \
+                not (rate >= 1.0 or secrets.randbelow(1 << 32) < int(rate * (1 << 32))):
+            return False
+        older = await self._judge(assignment_id, step - 1, undecided)
+        node = self.ledger.node(node_id)
+        if node is None or node.banned or all(g.verdict is not None for g in
+                                              self.ledger.submission_groups(assignment_id)):
+            return True  # banned and voided while the audit's replay ran
+        if older is None or older[0] != refs:
+            return False  # step - 1 fell out of the window meanwhile: no evidence
+        if not self.stale_audit.record(node_id, [(v.fit, o.fit) for v, o in zip(verdicts, older[1])]):
+            return False
+        self.metrics.rejected.labels(STALE).inc()
+        n = self._void(node_id, None, [Rejection(STALE)])
+        log.warning("node %s banned: its rollouts fit step %d better than the step %d they claimed, in at least %d "
+                    "of a window of %d audited rollouts; %d rollouts voided", node_id[:12], step - 1, step,
+                    self.stale_audit.threshold, self.stale_audit.window, n)
+        return True
 
     def _held(self, step: int) -> bool:
         """Whether this coordinator still holds `step`'s weights, in this process or in its engine."""
@@ -295,7 +329,7 @@ class VerdictQueue:
                                                                   max_tokens=s.max_tokens))
         if answers is None:
             return None
-        return [Judgement(a.reason, a.tokens, a.near_ties, a.outlier) for a in answers]
+        return [Judgement(a.reason, a.tokens, a.near_ties, a.outlier, a.fit) for a in answers]
 
     def _check_steering(self, node_id: str) -> None:
         """Ban a node whose tokens are far more often not the sampler's first choice than an honest

@@ -131,7 +131,7 @@ SPEC = {"run_id": "r", "coordinator_key": H64, "model_config_json": {"vocab_size
         "async_level": 2, "checkpoint_dtype": "bfloat16", "relays": ["http://127.0.0.1:9"]}
 JOB = {"job_id": "ab12-0", "policy_step": 3, "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8},
        "lease_ms": 1_700_000_000_000, "items": [REPLAY]}
-VERDICT = {"reason": "verify_sampling", "tokens": 3, "near_ties": 0, "outlier": True}
+VERDICT = {"reason": "verify_sampling", "tokens": 3, "near_ties": 0, "outlier": True, "fit": 0.0523}
 CKPT = {"step": 3, "encoding": "xor-delta", "base_step": 2, "num_shards": 2, "total_size": 300_000,
         "compressed_size": 90_000, "manifest_hash": H64}
 SAMPLES: dict[type[BaseModel], dict] = {
@@ -173,7 +173,7 @@ SAMPLES: dict[type[BaseModel], dict] = {
     M.VerifyJob: JOB,
     M.VerifyJobsResponse: {"spec": SPEC, "job": JOB},
     M.ReplayVerdict: VERDICT,
-    M.VerdictsRequest: {"job_id": "ab12-0", "verdicts": [VERDICT, dict(VERDICT, reason=None, outlier=False)]},
+    M.VerdictsRequest: {"job_id": "ab12-0", "verdicts": [VERDICT, dict(VERDICT, reason=None, outlier=False, fit=None)]},
     M.VerdictsResponse: {"accepted": True},
     M.CheckpointInfo: CKPT,
     M.CheckpointList: {"steps": [2, 3], "newest": 3, "checkpoints": [CKPT]},
