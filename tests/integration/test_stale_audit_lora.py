@@ -66,7 +66,7 @@ def _audit(run, generator_step: int, seed: int) -> tuple[int, int | None, int | 
 @pytest.mark.parametrize("lr, rejected_at_most", [(1e-2, N // 8), (1.5e-2, N)])
 def test_stale_node_flagged_where_the_per_rollout_replay_misses_it(tmp_path, lr, rejected_at_most):
     """lr 1e-2 moves the adapted matrices by 1.0 % in step 3 (the docstring's case: the per-rollout replay misses
-    nearly every stale rollout: 0/24 there, 0-3/64 here), 1.5e-2 by 1.6 % (per rollout more than half are caught:
+    nearly every stale rollout: 0/24 there, 3/64 here, 15/256 over more prompts), 1.5e-2 by 1.6 % (per rollout more than half are caught:
     15/24 in the matrix's measurement, 39/64 here; the audit still sees the submissions that slip through)."""
     run = lora_run(tmp_path / "pub", tmp_path / "worker", lr=lr)
     rel = run["rel"][STEPS]

@@ -16,7 +16,9 @@ noise is indistinguishable one rollout at a time. Measured here (24 rollouts, `l
 relative Frobenius change of the most-moved adapted matrix): 1.0% -> 0/24 rejected (mean logprob deviation 0.055
 against 0.016 for honest rollouts of the same prompts: separable over a node's many rollouts, not in one), 1.6% ->
 15/24 (commitment 11, logprobs 4), 2.3% (LR below) -> 24/24 (commitment). LR = 2e-2 is therefore just above the
-per-rollout threshold, as the full-parameter matrix's `test_attack_different_step` sits 2.5x above its own.
+per-rollout threshold, as the full-parameter matrix's `test_attack_different_step` sits 2.5x above its own. Below
+it, the coordinator's stale-step audit catches the node over its rollouts (node/coordinator/stale_audit.py,
+tests/integration/test_stale_audit_lora.py).
 """
 from __future__ import annotations
 
