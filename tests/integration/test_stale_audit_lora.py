@@ -140,3 +140,33 @@ async def test_verdict_queue_bans_the_stale_node_and_verifies_the_honest_one(tmp
     assert rejections.get("verify_stale_step") == 1, rejections
     vq.close()
     ledger.close()
+
+
+@pytest.mark.parametrize("lr", [2.5e-4, 5e-4])
+def test_full_parameter_stale_node_flagged(lr):
+    """The same attack on a full-parameter policy (a lazy node that did not fetch step n): test_verify_matrix's
+    tiny Qwen2 and one real AdamW step of all its weights (`training_step`; lr 5e-3 there moves them ~2.5 %, caught
+    per rollout), both steps broadcast in bf16. Full-parameter steps are caught per rollout at smaller changes than
+    LoRA's (lr 1e-3, 0.6 % of the projections: 11/64 rejected), so these are smaller: 0.26 % and 0.37 %, where the
+    replay rejected 0/64 stale rollouts and step n - 1 fit 60/64 and 63/64 of them better (honest: 3/64, 0/64).
+    Honest node never flagged, stale node flagged."""
+    import torch
+
+    from tests.integration.test_verify_matrix import tiny_model, training_step
+
+    before = tiny_model(0)
+    after = training_step(before, lr=lr)
+    weights = {STEPS - 1: {k: v.to(torch.bfloat16) for k, v in before.state_dict().items()},
+               STEPS: {k: v.to(torch.bfloat16) for k, v in after.state_dict().items()}}
+    rel = max(float((weights[STEPS][k].float() - weights[STEPS - 1][k].float()).norm()
+                    / weights[STEPS - 1][k].float().norm()) for k in weights[STEPS] if k.endswith("proj.weight"))
+    run = {"weights": weights}
+    rejected, _, flagged_alone, better = _audit(run, STEPS, seed=13)
+    print(f"full-parameter step change {rel:.4f}: honest node: {rejected}/{N} rejected, step - 1 fit better in "
+          f"{better}/{N}, flagged at {flagged_alone}")
+    assert rejected == 0 and flagged_alone is None
+    rejected, flagged, flagged_alone, better = _audit(run, STEPS - 1, seed=14)
+    print(f"full-parameter step change {rel:.4f}: stale node: {rejected}/{N} rejected per rollout, step - 1 fit "
+          f"better in {better}/{N}; flagged after {flagged} audited rollouts of the submissions that passed")
+    assert rejected <= N // 8, f"{rejected} stale rollouts rejected per rollout: not the case this covers"
+    assert flagged is not None and flagged_alone is not None
