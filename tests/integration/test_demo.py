@@ -42,17 +42,6 @@ def test_demo_runs_and_writes_summary(tmp_path):
     assert "held-out eval" in r.stdout
 
 
-def test_demo_with_two_fsdp_trainer_ranks(tmp_path):
-    """`prime-node demo --set trainer.ranks=2`: the coordinator starts a second FSDP2 rank (gloo on CPU) and
-    trains with it; every rollout is replayed against the gathered broadcast weights, so 0 rejections says
-    the two ranks' checkpoint is the one nodes generate with."""
-    _, s = run_demo(tmp_path, "--nodes", "1", "--steps", "3", "--set", "trainer.ranks=2", "--set", "eval.every_steps=0",
-                    "--set", "trainer.warm_start_steps=0")
-    assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
-    log = (tmp_path / "demo-out" / "coordinator.log").read_text()
-    assert "Traceback" not in log
-
-
 def test_demo_with_lora(tmp_path):
     """`prime-node demo --set trainer.lora.rank=8` (issue #29): step 0 is published full, every later step as a signed
     `lora-adapter` checkpoint that the workers merge into step 0; every rollout is replayed against that merge and
@@ -68,27 +57,21 @@ def test_demo_with_lora(tmp_path):
     assert all(encodings[n] == "lora-adapter" and store.manifest(n).lora.rank == 8 for n in held if n), encodings
 
 
-def test_demo_with_a_verifier_pool(tmp_path):
-    """`prime-node demo --set verification.pool=1`: the demo starts one `prime-node verifier` process, the
-    coordinator hands it every replay (verification.fraction = 1) and trains a group only after its verdict."""
-    r, s = run_demo(tmp_path, "--nodes", "1", "--steps", "3", "--set", "verification.pool=1", "--set", "eval.every_steps=0",
-                    "--set", "trainer.warm_start_steps=0")
-    assert "and 1 verifiers" in r.stdout
+def test_demo_of_the_multi_turn_task_with_a_verifier_pool(tmp_path):
+    """`prime-node demo --set task.name=guess-number --set verification.pool=1`: the demo starts one `prime-node
+    verifier` process and the coordinator hands it every replay (verification.fraction = 1), training a group only
+    after its verdict; episodes of several turns, each model turn a replay item of the pool's jobs, the environment
+    re-run by the coordinator; nothing rejected. (The single-turn task with a pool is this test's subset; the demo with
+    two trainer ranks is tests/integration/test_ranks2_eval.py's: each cost make test ~30 s of its own.)"""
+    import sqlite3
+
+    r, s = run_demo(tmp_path, "--nodes", "1", "--steps", "3", "--set", "task.name=guess-number",
+                    "--set", "verification.pool=1", "--set", "eval.every_steps=0")
     assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
+    assert "and 1 verifiers" in r.stdout
     assert s["groups_by_verdict"].get("verified", 0) >= 3 * 8  # batch_prompts groups per step, all replayed
     vlog = (tmp_path / "demo-out" / "verifier-0.log").read_text()
     assert "Traceback" not in vlog and "holding step 0" in vlog
-
-
-def test_demo_of_the_multi_turn_task_with_a_verifier_pool(tmp_path):
-    """`prime-node demo --set task.name=guess-number` with one pool verifier: episodes of several turns, each
-    model turn a replay item of the pool's jobs, the environment re-run by the coordinator; nothing rejected."""
-    import sqlite3
-
-    _, s = run_demo(tmp_path, "--nodes", "1", "--steps", "3", "--set", "task.name=guess-number",
-                    "--set", "verification.pool=1", "--set", "eval.every_steps=0")
-    assert s["steps_completed"] == 3 and s["accepted_rollouts"] > 0 and s["rejected_rollouts"] == 0
-    assert s["groups_by_verdict"].get("verified", 0) >= 3 * 8
     with sqlite3.connect(tmp_path / "demo-out" / "coordinator" / "ledger.sqlite") as db:
         turns = [1 + len(r.get("turns", [])) for (data,) in db.execute("select data from groups")
                  for r in json.loads(data)["rollouts"]]

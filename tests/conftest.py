@@ -1,0 +1,30 @@
+"""Order of the whole suite: test files longest first (tests/durations.py says why and how the table is made).
+
+Only whole files move (a file's tests keep their order, so module-scoped fixtures and in-file sequences are
+untouched); every xdist worker sorts its collection with the same table, so their collections stay identical.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.durations import TABLE
+
+NEW_FILE_S = 30.0  # a file the table does not know yet: among the long ones, as a new file is often an integration test
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        seconds: dict[str, float] = json.loads(TABLE.read_text())
+    except (OSError, ValueError):
+        return
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        path = item.nodeid.split("::")[0]
+        return (-seconds.get(path, NEW_FILE_S), first_seen[path])
+
+    items.sort(key=key)
