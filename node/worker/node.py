@@ -46,6 +46,11 @@ ALLOWED_MODEL_FILES = {"tokenizer.json", "tokenizer_config.json", "special_token
 PROBE_SEED, PROBE_PROMPT_TOKENS, PROBE_MAX_TOKENS, PROBES_KEPT = 0x5EED, 8, 16, 64
 
 
+# How long a stopping work loop waits for a submission still in flight (a request's own timeout is longer only
+# for a coordinator that is already failing: then the prompts are re-issued after their deadline anyway).
+DELIVERY_GRACE_S = 20.0
+
+
 class KeyPinError(PrimeNodeError):
     pass
 
@@ -362,12 +367,25 @@ class WorkerNode:
             await sleep_or_stop(self.stop_event, period * (0.8 + 0.4 * random.random()))
 
     async def _work_loop(self) -> None:
-        """Ask for work, generate, submit. The next assignment is asked for while this one generates (one
-        request ahead, within the coordinator's run.max_assignments_per_node = 2): a node 200 ms away no longer
-        idles a round trip between assignments, so its round trip stops deciding how much it can do
-        (docs/BENCHMARKS.md, "WAN lab: work shared by compute")."""
+        """Ask for work, generate, submit, with no round trip of the coordinator's between two generations:
+        - the submission of an assignment travels while the next one generates (`delivering`), so a node
+          200 ms away does not idle a round trip plus the coordinator's intake per assignment (docs/BENCHMARKS.md,
+          "WAN lab: does k = 2 hide the broadcast?": with k = 2 the trainer waited on exactly that);
+        - the next assignment is asked for while this one generates (`ahead`), once the previous submission is
+          in: a node holds at most two assignments, the coordinator's run.max_assignments_per_node = 2
+          ("WAN lab: work shared by compute"). With a coordinator that allows one, neither overlaps.
+        Both tasks are owned here: awaited in order, and on the way out a submission in flight is given until its
+        assignment's deadline (`_submit` retries and gives up on stop), an ask ahead is cancelled."""
         backoff = Backoff(0.5, 30.0)
         ahead: asyncio.Task | None = None  # the next assignment, asked for while generating
+        delivering: asyncio.Task | None = None  # the previous assignment's submission, in flight
+        pending_sub: M.SubmitRequest | None = None  # what `delivering` carries
+
+        async def ask_after_delivery(previous: asyncio.Task | None) -> M.Assignment | M.NoWork:
+            if previous is not None:
+                await asyncio.shield(previous)  # its assignment counted as held until its submission is in
+            return await self.client.work(self.policy_step)
+
         try:
             while not self.stop_event.is_set():
                 self.new_weights.clear()  # set again by a step that arrives from here on (the idle wait below)
@@ -382,7 +400,7 @@ class WorkerNode:
                         task, ahead = ahead, None
                         assignment = await task
                     else:
-                        assignment = await self.client.work(self.policy_step)
+                        assignment = await ask_after_delivery(delivering)
                 except CoordinatorError as e:
                     if e.code == "stale_policy":
                         self.state = "fetching"
@@ -417,15 +435,35 @@ class WorkerNode:
                     await wait_any(self.new_weights, self.stop_event, timeout=wait_s)
                     continue
                 if self._ask_ahead:
-                    ahead = asyncio.create_task(self.client.work(self.policy_step), name="work-ahead")
-                await self._do_assignment(assignment)
+                    ahead = asyncio.create_task(ask_after_delivery(delivering), name="work-ahead")
+                sub = await self._generate(assignment)
+                if delivering is not None:
+                    await delivering  # done by now unless the coordinator is slower than a whole generation
+                    delivering = None
+                if sub is not None:
+                    if not self._ask_ahead:  # one at a time: the next ask waits for this submission anyway
+                        await self._deliver(sub, assignment.deadline_ms)
+                    else:
+                        delivering = asyncio.create_task(self._deliver(sub, assignment.deadline_ms), name="submit")
+                        pending_sub = sub
         finally:
             if ahead is not None:
                 ahead.cancel()
                 if ahead.done() and not ahead.cancelled():
                     ahead.exception()  # retrieved: an abandoned request's error is not worth a warning
+            if delivering is not None and not delivering.done():
+                # a submission in flight when the loop ends: delivered if the coordinator answers soon (a clean
+                # stop loses no work), else abandoned and counted (its prompts are re-issued after the deadline)
+                await asyncio.wait({delivering}, timeout=DELIVERY_GRACE_S)
+                if not delivering.done():
+                    delivering.cancel()
+                    self.stats.lost += len(pending_sub.rollouts) if pending_sub is not None else 0
+                    log.error("a submission still in flight %.0f s after the work loop ended was abandoned",
+                              DELIVERY_GRACE_S)
 
-    async def _do_assignment(self, a: M.Assignment) -> None:
+    async def _generate(self, a: M.Assignment) -> M.SubmitRequest | None:
+        """The assignment's rollouts, as a submission; None when stopped meanwhile (the coordinator re-issues
+        the prompts after the deadline)."""
         self.state = "generating"
         backend, spec = self.backend, self.spec
         assert backend is not None and spec is not None  # work is asked for only on a started engine
@@ -443,7 +481,7 @@ class WorkerNode:
         self.stats.tokens += sum(len(e.first.completion_ids) + sum(len(r.completion_ids) for _, r in e.rest)
                                  for e in played)
         if self.stop_event.is_set():
-            return  # abandon: the coordinator re-issues the prompts after the deadline
+            return None
         rollouts, it = [], iter(played)
         for p in a.prompts:
             for j in range(len(p.seeds)):
@@ -453,8 +491,11 @@ class WorkerNode:
                     logprobs=e.first.logprobs, finish_reason=e.first.finish_reason, commitment=e.first.commitment,
                     turns=[M.EnvTurn(env_ids=env, completion_ids=r.completion_ids, logprobs=r.logprobs,
                                      finish_reason=r.finish_reason, commitment=r.commitment) for env, r in e.rest]))
-        sub = M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
-        resp = await self._submit(sub, a.deadline_ms)
+        return M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
+
+    async def _deliver(self, sub: M.SubmitRequest, deadline_ms: int) -> None:
+        """Submit and count the answer."""
+        resp = await self._submit(sub, deadline_ms)
         if resp is None:
             return
         self.stats.assignments += 1
