@@ -146,10 +146,13 @@ class VerificationConfig(_Section):
     # Stale-step audit (node/coordinator/stale_audit.py): this share of verified submissions is replayed against
     # the claimed step - 1 too (one more replay per audited rollout); a node whose rollouts fit step - 1 better
     # in at least the sign test's threshold of a window of `stale_audit_window` is banned (verify_stale_step).
-    # An honest node is flagged with probability <= stale_audit_alpha per window. 0 = off.
+    # An honest node is flagged with probability <= stale_audit_alpha per window. 0 = off. A ban is for good and
+    # a swarm audits many windows (10,000 nodes x 100 windows at 2.6e-4 each, the 16 / 1e-3 setting, would ban
+    # ~260 honest nodes whose steps barely differ), so the default asks 30 of 32 (1.2e-7 per window): a stale node
+    # is caught after ~32 audited rollouts instead of ~16 (~256 verified rollouts at the default fraction).
     stale_audit_fraction: float = Field(0.125, ge=0, le=1)
-    stale_audit_window: int = Field(16, ge=8, le=1024)
-    stale_audit_alpha: float = Field(1e-3, ge=1e-9, le=0.05)
+    stale_audit_window: int = Field(32, ge=8, le=1024)
+    stale_audit_alpha: float = Field(1e-6, ge=1e-9, le=0.05)
     # The verifier pool (`prime-node verifier`): trusted processes whose keys are listed here replay the
     # chosen submissions instead of the coordinator; none listed = the coordinator replays in-process.
     verifier_keys: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
