@@ -61,14 +61,14 @@ def _cpu_seconds() -> float:
 
 def _failure_kind(message: str) -> str:
     """A short reason from a source error's text (a swarm error joins each tried peer's)."""
-    for kind in ("no stream within", "timed out", "connection lost", "stream failed", "busy", "cannot open",
-                 "not found", "answered"):
+    for kind in ("no peer holds", "no address we may dial", "could not be dialled", "no stream within", "timed out",
+                 "connection lost", "stream failed", "busy", "cannot open", "not found", "answered"):
         if kind in message:
             return kind
     return "other"
 
 
-def _count_outcomes(sources: list, events: list) -> dict[str, float]:
+def _count_outcomes(sources: list, events: list, samples: list | None = None) -> dict[str, float]:
     """Each source's shard requests by outcome ("peer ok", "coordinator deferred", "peer failed", ...), to
     see why a node went to the origin: wraps the sources' `shard` in place. `events` gets one
     (start, end, source kind, outcome, shard index) per request, times from time.monotonic()."""
@@ -87,6 +87,8 @@ def _count_outcomes(sources: list, events: list) -> dict[str, float]:
             except Exception as e:
                 outcome = "failed"
                 why = f"{src.kind} failed: {_failure_kind(str(e))}"
+                if samples is not None and len(samples) < 5:  # the errors' own words, for the round's JSON
+                    samples.append(f"{why}: {type(e).__name__}: {str(e)[:300]}")
                 counts[why] = counts.get(why, 0) + 1
                 raise
             else:
@@ -108,7 +110,7 @@ def _count_outcomes(sources: list, events: list) -> dict[str, float]:
 async def run_node(args) -> None:
     """One fetch-only node in its own process (one node per machine, as deployed): set up, print
     "ready", wait for "go" on stdin, fetch the newest checkpoint, print the result as JSON."""
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=os.environ.get("BENCH_NODE_LOG", "ERROR"))  # e.g. WARNING: the p2p layer's drops
     store = CheckpointDir(Path(args.dir), unmerged_adapters=args.unmerged)  # --unmerged: lora_serving = "adapter"
     done: dict[str, float] = {}
     stop = asyncio.Event()
@@ -126,7 +128,12 @@ async def run_node(args) -> None:
             sources.append(HttpSource(args.origin, "coordinator", session, swarm=True,
                                       signer=lambda m, path: sign_request(identity, m, path, b"", run_id=args.run_id)))
             # a worker's host, on 127.0.0.1; swarm-http: with p2p.http = true
-            cfg = P2PConfig(listen_host="127.0.0.1", http=args.mode == "swarm-http", bootstrap=args.bootstrap)
+            # every node is on 127.0.0.1: peers' loopback addresses must be dialable (as configs/local.toml says for
+            # the demo). Without it a node could fetch only from peers already connected to it, and dialled none
+            # that announced a shard ("not connected and announced no address we may dial"): with step 0 seeded,
+            # bench/lora.py's 16-node rounds got 0 bytes from peers.
+            cfg = P2PConfig(listen_host="127.0.0.1", http=args.mode == "swarm-http", bootstrap=args.bootstrap,
+                            allow_private_addrs=True)
             p2p = P2PNode(identity, cfg, run_id=args.run_id, coordinator_key=args.key,
                           shard_source=CheckpointShards(store.ckpt_dir))
             await p2p.start()
@@ -138,7 +145,8 @@ async def run_node(args) -> None:
         else:
             sources.append(HttpSource(args.origin, "coordinator", session))
         events: list = []
-        outcomes = _count_outcomes(sources, events)
+        failures: list[str] = []
+        outcomes = _count_outcomes(sources, events, failures)
         f = Fetcher(store, sources, args.key, keep=3, on_new_step=lambda s, p: done.setdefault("t", time.monotonic()),
                     on_shards=announcer.add if announcer else None)
         if p2p:
@@ -156,6 +164,7 @@ async def run_node(args) -> None:
                 await asyncio.sleep(0.05)
         print(json.dumps({"seconds": done["t"] - t0, "outcomes": outcomes,
                           "events": [(round(a - t0, 3), round(b - t0, 3), *rest) for a, b, *rest in events],
+                          "failures": failures,
                           **{k: f.bytes_by_kind[k] for k in ("coordinator", "relay", "peer")}}), flush=True)
         # keep serving peers until told to stop; then say how much CPU this process used in the round
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -223,6 +232,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file:
     ok = [e for r in results for e in r["events"] if e[3] == "ok"]
     origin_done = max((e[1] for e in ok if e[2] == "coordinator"), default=None)
     outcomes: dict[str, float] = {}
+    failures = sorted({f for r in results for f in r.get("failures", [])})[:10]
     for r in results:
         for k, v in r.get("outcomes", {}).items():
             outcomes[k] = round(outcomes.get(k, 0) + v, 2)
@@ -255,7 +265,7 @@ async def one_round(mode: str, n: int, coord, url: str, work: Path, events_file:
     return {"mode": mode, "nodes": n, "seconds": round(total, 2), "node_cpu_seconds": round(node_cpu, 1),
             "origin_done_s": origin_done and round(origin_done, 2), "shards_done_s": round(max(e[1] for e in ok), 2),
             "round_cpu_seconds": round(round_cpu, 1), "p2p_counts": dict(sorted(p2p_counts.items())),
-            "shard_requests": dict(sorted(outcomes.items())),
+            "shard_requests": dict(sorted(outcomes.items())), "failure_samples": failures,
             "bytes_from_origin": sum(r["coordinator"] for r in results) + (relay.fetcher.bytes_by_kind["coordinator"] if relay else 0),
             "bytes_from_relay": sum(r["relay"] for r in results), "bytes_from_peers": sum(r["peer"] for r in results)}
 

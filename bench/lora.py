@@ -169,6 +169,11 @@ async def broadcast_round(encoding: str, n: int, cap: int, mode: str, rank: int,
     finally:
         await runner.cleanup()
         await coord.stop()
+        if os.environ.get("BENCH_KEEP_LOGS"):  # the node processes' logs, for a round to be read after
+            keep = Path(os.environ["BENCH_KEEP_LOGS"]) / f"{encoding}{'-unmerged' if unmerged else ''}"
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in (work / "nodes").glob("n*.log"):
+                shutil.copy(log, keep / log.name)
         shutil.rmtree(work, ignore_errors=True)
 
 
