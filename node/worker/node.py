@@ -46,8 +46,8 @@ ALLOWED_MODEL_FILES = {"tokenizer.json", "tokenizer_config.json", "special_token
 PROBE_SEED, PROBE_PROMPT_TOKENS, PROBE_MAX_TOKENS, PROBES_KEPT = 0x5EED, 8, 16, 64
 
 
-# How long a stopping work loop waits for a submission still in flight (a request's own timeout is longer only
-# for a coordinator that is already failing: then the prompts are re-issued after their deadline anyway).
+# How long a stopping work loop waits for a submission still in flight before it counts it lost (its prompts are
+# re-issued to other nodes after their deadline).
 DELIVERY_GRACE_S = 20.0
 
 
@@ -374,8 +374,8 @@ class WorkerNode:
         - the next assignment is asked for while this one generates (`ahead`), once the previous submission is
           in: a node holds at most two assignments, the coordinator's run.max_assignments_per_node = 2
           ("WAN lab: work shared by compute"). With a coordinator that allows one, neither overlaps.
-        Both tasks are owned here: awaited in order, and on the way out a submission in flight is given until its
-        assignment's deadline (`_submit` retries and gives up on stop), an ask ahead is cancelled."""
+        Both tasks are owned here: awaited in order; on the way out an ask ahead is cancelled, and a submission in
+        flight is given DELIVERY_GRACE_S to land, then cancelled and counted lost (`stats.lost`)."""
         backoff = Backoff(0.5, 30.0)
         ahead: asyncio.Task | None = None  # the next assignment, asked for while generating
         delivering: asyncio.Task | None = None  # the previous assignment's submission, in flight
