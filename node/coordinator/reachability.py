@@ -38,6 +38,7 @@ class NodeReach:
     libp2p: bool | None
     http: bool | None
     http_port: int | None
+    libp2p_port: int | None = None  # the libp2p port dialled (super-seeding names it: seeding.py X-Prime-Holder)
 
 
 def observed_ip(remote: str | None) -> str | None:
@@ -91,7 +92,8 @@ class DialBack:
             finally:
                 self._in_flight -= len(dial)
             results.update(zip(dial, ok))
-        self._remember(node_id, NodeReach(ip, results["libp2p"], results["http"], wanted.get("http")))
+        self._remember(node_id, NodeReach(ip, results["libp2p"], results["http"], wanted.get("http"),
+                                          wanted.get("libp2p")))
         return M.Reachability(observed_ip=ip, **results)
 
     def _may_dial(self, ip: str) -> bool:
@@ -109,10 +111,18 @@ class DialBack:
         return reach.libp2p if reach is not None else None
 
     def http_addr_verified(self, node_id: str, addr: str) -> bool:
-        """`addr` (/ip4/<ip>/tcp/<port>/http) is the HTTP shard server we dialled back for this node."""
+        """`addr` is an address of this node the dial-back reached: its HTTP shard server
+        (/ip4/<ip>/tcp/<port>/http) or, since super-seeding names libp2p holders too, its libp2p port
+        (/ip4/<ip>/tcp/<port>, a /p2p/<peer id> suffix allowed). (The name predates the libp2p form; the
+        coordinator's app wires it into the seeding gate.)"""
         reach = self._nodes.get(node_id)
-        if reach is None or not reach.http or reach.http_port is None:
-            return False
         parts = addr.split("/")
-        return (len(parts) == 6 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[5] == "http"
-                and observed_ip(parts[2]) == reach.observed_ip and parts[4] == str(reach.http_port))
+        if reach is None or len(parts) < 5 or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+            return False
+        if observed_ip(parts[2]) != reach.observed_ip or not parts[4].isdigit():
+            return False
+        if len(parts) == 6 and parts[5] == "http":
+            return bool(reach.http) and reach.http_port is not None and parts[4] == str(reach.http_port)
+        if len(parts) == 5 or (len(parts) == 7 and parts[5] == "p2p"):
+            return bool(reach.libp2p) and reach.libp2p_port is not None and parts[4] == str(reach.libp2p_port)
+        return False

@@ -29,6 +29,8 @@ than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` window
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,6 +40,10 @@ from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
 from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
+# X-Prime-Shard-Addr values read per request: a node's HTTP shard server and its libp2p address
+MAX_SHARD_ADDRS = 2
+# a libp2p TCP address as a node tells it (its announced /ip4/<ip>/tcp/<port>/p2p/<peer id>), or as we repeat it
+_LIBP2P_TCP = re.compile(r"/(ip4|ip6)/([0-9a-fA-F.:]{2,45})/tcp/([0-9]{1,5})(?:/p2p/[1-9A-HJ-NP-Za-km-z]{1,128})?")
 
 
 def step_of(key: Hashable) -> Hashable:
@@ -206,9 +212,11 @@ class SeedingGate:
     def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000,
                  allow_private_addrs: bool = False, verified: Callable[[str, str], bool] | None = None):
         self.seeder, self.verifier, self.is_member = seeder, verifier, is_member
-        # node id -> the HTTP shard server it told us about (X-Prime-Shard-Addr on its signed requests), so a
-        # deferred node learns where the first copy went (X-Prime-Holder) instead of waiting for gossip
+        # node id -> where it serves shards, as it told us (X-Prime-Shard-Addr on its signed requests): its HTTP
+        # shard server (/ip4/<ip>/tcp/<port>/http) and its libp2p address (/ip4/<ip>/tcp/<port>), so a deferred node
+        # learns where the first copy went (X-Prime-Holder) instead of waiting for gossip
         self.shard_addrs: OrderedDict[str, str] = OrderedDict()
+        self.libp2p_addrs: OrderedDict[str, str] = OrderedDict()
         self.max_addrs = max_addrs
         # p2p.allow_private_addrs: off, an address that is loopback, private, link-local, ... is never repeated
         # (every worker told of it would fetch from it: node/p2p/addrs.py).
@@ -217,25 +225,60 @@ class SeedingGate:
         # dial-back to consult (addresses are then repeated on the policy check alone)
         self.verified = verified
 
-    def _remember_addr(self, node_id: str, addr: str | None) -> None:
+    def _checked(self, node_id: str, addr: str) -> tuple[str, str] | None:
+        """("http" | "libp2p", the address as we repeat it) for an address of `node_id` we may name, else None:
+        a literal-IP /http address, or a libp2p TCP address (/ip4/<ip>/tcp/<port>, a /p2p/<id> suffix dropped:
+        the deferred node derives the peer id from the node id), that passes the address policy and that the
+        join's dial-back reached."""
+        from node.p2p.addrs import ip_allowed
         from node.p2p.http_shards import url_of
 
-        if addr is None:
-            return
-        if url_of(addr, allow_private=self.allow_private_addrs) is None or (
-                self.verified is not None and not self.verified(node_id, addr)):
-            # Only a literal-IP /http address that passed the address policy and that the join's dial-back
-            # reached is ever repeated; a node that now claims one that does not loses the one it had.
-            self.shard_addrs.pop(node_id, None)
-            return
-        self.shard_addrs[node_id] = addr
-        self.shard_addrs.move_to_end(node_id)
-        while len(self.shard_addrs) > self.max_addrs:
-            self.shard_addrs.popitem(last=False)
+        if url_of(addr, allow_private=self.allow_private_addrs) is not None:
+            kind, named = "http", addr
+        else:
+            m = _LIBP2P_TCP.fullmatch(addr)
+            try:
+                ip = ipaddress.ip_address(m.group(2)) if m is not None else None
+            except ValueError:
+                return None
+            if (m is None or ip is None or m.group(1) != f"ip{ip.version}" or not 0 < int(m.group(3)) < 65536
+                    or not ip_allowed(str(ip), self.allow_private_addrs)):
+                return None
+            kind, named = "libp2p", f"/ip{ip.version}/{ip}/tcp/{int(m.group(3))}"
+        if self.verified is not None and not self.verified(node_id, named):
+            return None
+        return kind, named
 
-    def _holder_header(self, key) -> dict[str, str] | None:
+    def _remember_addr(self, node_id: str, addr: str | None) -> None:
+        self._remember_addrs(node_id, [addr] if addr is not None else [])
+
+    def _remember_addrs(self, node_id: str, addrs: list[str]) -> None:
+        """What a request told replaces what we kept for the node: only addresses that passed the address policy
+        and that the join's dial-back reached are ever repeated; a node that now claims none of a kind that does
+        loses the one it had. No header at all changes nothing (an unsigned or a Range request may omit it)."""
+        if not addrs:
+            return
+        kept: dict[str, str] = {}
+        for addr in addrs[:MAX_SHARD_ADDRS]:
+            if (checked := self._checked(node_id, addr)) is not None:
+                kept.setdefault(*checked)
+        for kind, table in (("http", self.shard_addrs), ("libp2p", self.libp2p_addrs)):
+            if kind not in kept:
+                table.pop(node_id, None)
+                continue
+            table[node_id] = kept[kind]
+            table.move_to_end(node_id)
+            while len(table) > self.max_addrs:
+                table.popitem(last=False)
+
+    def _holder_header(self, key, over_http: bool) -> dict[str, str] | None:
+        """X-Prime-Holder for a 429: the first holder's HTTP shard server to a node that fetches over HTTP itself
+        (it told us its own /http address), else the holder's libp2p address (every swarm node dials libp2p)."""
         holder = self.seeder.holder(key)
-        addr = self.shard_addrs.get(holder) if holder is not None else None
+        if holder is None:
+            return None
+        http, libp2p = self.shard_addrs.get(holder), self.libp2p_addrs.get(holder)
+        addr = (http if over_http else None) or libp2p or http
         return {HOLDER_HEADER: f"{holder} {addr}"} if addr is not None else None
 
     def _node(self, request) -> str | None:
@@ -249,11 +292,13 @@ class SeedingGate:
 
     def before(self, request, step: int, index: int) -> tuple | None:
         key, node_id = (step, index), self._node(request)
+        told = request.headers.getall(SHARD_ADDR_HEADER, [])
         if node_id is not None:
-            self._remember_addr(node_id, request.headers.get(SHARD_ADDR_HEADER))
+            self._remember_addrs(node_id, told)
         if not self.seeder.admit(key, node_id):
+            over_http = any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS])  # it runs the HTTP data plane
             raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer",
-                           headers=self._holder_header(key))
+                           headers=self._holder_header(key, over_http))
         # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
         if request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-"):
             self.seeder.started(key, node_id)

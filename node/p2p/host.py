@@ -250,6 +250,19 @@ class P2PNode:
 
         return next(filter(is_http_addr, self.announce_addrs), None) if self._http_server else None
 
+    @property
+    def origin_shard_addrs(self) -> list[str]:
+        """Where we serve shards, as told to the origin with our swarm shard requests (X-Prime-Shard-Addr) so that
+        super-seeding can name us as a first holder: our HTTP shard server first (an older origin reads only the
+        first), then our first direct libp2p address (not a relay circuit). The origin repeats only what its
+        join's dial-back reached (node/coordinator/seeding.py)."""
+        from .http_shards import is_http_addr
+        from .nat import is_circuit
+
+        http = self.http_shard_addr
+        direct = next((a for a in self.announce_addrs if not is_http_addr(a) and not is_circuit(a)), None)
+        return [a for a in (http, direct) if a is not None]
+
     async def _start_http(self) -> None:
         """Fetch over HTTP from peers that offer it; serve ours if we listen and hold shards. It is announced
         with an address peers can dial: an announce override's host, a listen host that is not a wildcard,

@@ -6,8 +6,10 @@ and reports a bad one here, which drops that peer (not the whole swarm) for the 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
+import re
 from collections import defaultdict
 
 from node.p2p.errors import ShardBusy, ShardNotFound
@@ -16,6 +18,17 @@ from protocol.errors import PrimeNodeError
 from protocol.messages import CheckpointList
 
 log = logging.getLogger("prime_node.peers")
+
+# a first holder's libp2p address as the origin names it (X-Prime-Holder): /ip4/<ip>/tcp/<port>, no peer id
+_LIBP2P_TCP = re.compile(r"/ip[46]/([0-9a-fA-F.:]{2,45})/tcp/([0-9]{1,5})")
+
+
+def _literal_ip(proto: str, text: str) -> bool:
+    """`text` is an IP literal of the version `proto` (ip4 / ip6) names."""
+    try:
+        return proto == f"ip{ipaddress.ip_address(text).version}"
+    except ValueError:
+        return False
 
 
 class PeerSource:
@@ -69,19 +82,33 @@ class PeerSource:
         raise SourceError("; ".join(errors))
 
     def hint(self, step: int, manifest_hash: str, index: int, node_id: str, addr: str) -> None:
-        """The origin says `node_id` got shard `index` from it and serves it at HTTP `addr`. Untrusted like any
-        announcement (the shard is verified whoever serves it); only a literal-IP /http address is kept."""
-        from node.p2p.http_shards import url_of
+        """The origin says `node_id` got shard `index` from it and serves it at `addr`: its HTTP shard server
+        (/ip4/<ip>/tcp/<port>/http: kept as is) or its libp2p address (/ip4/<ip>/tcp/<port>: the peer id, derived
+        from the node id, is appended so that libp2p can dial it; before, a libp2p-only node dropped the hint and
+        waited for gossip that reached few nodes in time). Untrusted like any announcement (the shard is verified
+        whoever serves it); only a literal-IP address our address policy allows is kept."""
+        from node.p2p.addrs import multiaddr_allowed
+        from node.p2p.http_shards import is_http_addr, url_of
         from node.p2p.keys import peer_id_for_node
 
-        if url_of(addr, allow_private=self.p2p.cfg.allow_private_addrs) is None:
-            return
+        allow = self.p2p.cfg.allow_private_addrs
         try:
             peer = peer_id_for_node(node_id).to_base58()
         except ValueError:
             return
-        if peer != self.p2p.peer_id:
-            self.p2p.table.record_hint(peer, step, manifest_hash, (index,), addr)
+        if peer == self.p2p.peer_id:
+            return
+        if is_http_addr(addr):
+            if url_of(addr, allow_private=allow) is None:
+                return
+        else:
+            m = _LIBP2P_TCP.fullmatch(addr)
+            if m is None or not 0 < int(m.group(2)) < 65536:
+                return
+            addr = f"{addr}/p2p/{peer}"
+            if not multiaddr_allowed(addr, allow) or not _literal_ip(addr.split("/")[1], m.group(1)):
+                return
+        self.p2p.table.record_hint(peer, step, manifest_hash, (index,), addr)
 
     def report_bad(self, step: int, index: int) -> bool:
         peer = self._last.get((step, index))

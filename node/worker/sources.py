@@ -10,9 +10,10 @@ others, where a plain `SourceError` (unreachable, 404, busy) only costs a retry.
 from __future__ import annotations
 
 import re
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import aiohttp
+from multidict import CIMultiDict
 
 from node.aio import read_bounded
 from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER
@@ -34,8 +35,9 @@ class BadAnswer(SourceError):
 
 
 class ShardDeferred(SourceError):
-    """The origin asks us to get this shard from peers for now (super-seeding); `holder`: (node id, HTTP
-    shard address) of the node it sent the first copy to, when it says."""
+    """The origin asks us to get this shard from peers for now (super-seeding); `holder`: (node id, address) of
+    the node it sent the first copy to, when it says: its HTTP shard server (/ip4/<ip>/tcp/<port>/http) or its
+    libp2p address (/ip4/<ip>/tcp/<port>)."""
 
     def __init__(self, msg: str, holder: tuple[str, str] | None = None):
         super().__init__(msg)
@@ -67,7 +69,8 @@ class ShardSource(Protocol):
         one peer that served it), False if the fetcher should ban the source itself."""
 
     def hint(self, step: int, manifest_hash: str, index: int, node_id: str, addr: str) -> None:
-        """The origin says `node_id` holds the shard and serves it at HTTP `addr` (the swarm records it)."""
+        """The origin says `node_id` holds the shard and serves it at `addr`, HTTP or libp2p (the swarm records
+        it)."""
 
 
 _HOLDER = re.compile(r"([0-9a-f]{64}) (/\S{1,200})")
@@ -84,7 +87,7 @@ class HttpSource:
 
     def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession, *, swarm: bool = False,
                  signer: Callable[[str, str], dict[str, str]] | None = None,
-                 shard_addr: Callable[[], str | None] = lambda: None):
+                 shard_addr: Callable[[], str | Sequence[str] | None] = lambda: None):
         self.base = base_url.rstrip("/")
         self.name = f"{kind}:{self.base}"
         self.kind = kind
@@ -92,7 +95,9 @@ class HttpSource:
         self.swarm = swarm  # we can also fetch from peers: the origin may defer us to them
         # (method, path) -> signed headers: super-seeding counts only the copies of joined nodes
         self.signer = signer
-        self.shard_addr = shard_addr  # our HTTP shard server, told to the origin so it can name us as a holder
+        # where we serve shards (our HTTP shard server first: an older origin reads only the first; then our
+        # libp2p address), told to the origin so it can name us as a first holder
+        self.shard_addr = shard_addr
 
     async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
         """Status and body (at most `limit` bytes: a longer body is a BadAnswer, read no further)."""
@@ -131,14 +136,15 @@ class HttpSource:
     async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0, *,
                     manifest_hash: str | None = None) -> bytes:
         """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
-        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        headers = CIMultiDict({"Range": f"bytes={offset}-"} if offset else {})
         path = f"/v1/checkpoints/{int(step)}/shards/{int(index)}"
         if self.swarm:
             headers["X-Prime-Swarm"] = "1"
             if self.signer is not None:
                 headers.update(self.signer("GET", path))
-            if (mine := self.shard_addr()) is not None:
-                headers[SHARD_ADDR_HEADER] = mine
+            mine = self.shard_addr()
+            for addr in ([mine] if isinstance(mine, str) else list(mine or ()))[:2]:  # one header per address
+                headers.add(SHARD_ADDR_HEADER, addr)
         url = self.base + path
         got = bytearray()
         try:

@@ -1,0 +1,97 @@
+"""Super-seeding's X-Prime-Holder hint on the libp2p plane (#26, docs/PROTOCOL.md "Super-seeding").
+
+A step whose shards all went to one node first (a one-shard LoRA adapter step, in bench/lora.py) spreads only if
+the nodes the origin defers learn of that holder in time. With `p2p.http = false` the origin used to name a holder
+only at an HTTP shard address, and a deferred node dropped anything else: it waited for gossip, was deferred 3 times
+and then took the shard from the origin (bench/lora.py: 16 origin copies, 0 bytes from peers). Real components
+throughout: the coordinator's HTTP server (super-seeding, the join's dial-back), two libp2p hosts on loopback, the
+worker's Fetcher, HttpSource and PeerSource."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import aiohttp
+
+from node.checkpoint_dir import CheckpointDir
+from node.p2p.config import P2PConfig
+from node.p2p.host import P2PNode
+from node.p2p.shard_store import CheckpointShards
+from node.worker.client import CoordinatorClient
+from node.worker.fetcher import Fetcher
+from node.worker.peers import PeerSource
+from node.worker.sources import HttpSource
+from protocol import messages as M
+from protocol.identity import Identity
+from protocol.signing import sign_request
+from tests.integration.coordinator_harness import running_coordinator
+
+
+async def _joined_node(tmp, name: str, base: str, coord, session, stack) -> tuple[P2PNode, Fetcher]:
+    """A worker's fetch side, joined as node/worker/node.py joins: its listen ports dialled back, then announcing
+    what the coordinator reached; libp2p only (`p2p.http = false`), not connected to anyone."""
+    key, run_id = coord.identity.public_hex, coord.cfg.run.run_id
+    identity = Identity.generate()
+    store = CheckpointDir(tmp / name)
+    p2p = P2PNode(identity, P2PConfig(listen_host="127.0.0.1", http=False, allow_private_addrs=True), run_id=run_id,
+                  coordinator_key=key, shard_source=CheckpointShards(store.ckpt_dir))
+    await p2p.start()
+    stack.push_async_callback(p2p.stop)
+    spec = await CoordinatorClient(base, identity, session).join(
+        M.NodeInfo(listen_ports=M.ListenPorts(**p2p.listen_ports())))
+    assert spec.reachability is not None and spec.reachability.libp2p, spec.reachability
+    p2p.apply_reachability(spec.reachability.observed_ip, spec.reachability.libp2p, spec.reachability.http)
+    origin = HttpSource(base, "coordinator", session, swarm=True,
+                        signer=lambda m, path: sign_request(identity, m, path, b"", run_id=run_id),
+                        shard_addr=lambda: p2p.origin_shard_addrs)
+    # on_shards as the worker's (node.py _on_shards): the peer table learns the step's signed manifest
+    fetcher = Fetcher(store, [origin, PeerSource(p2p)], key, keep=3, on_new_step=lambda s, p: None,
+                      on_shards=lambda step, h, indices: p2p.note_manifest(step, h))
+    return p2p, fetcher
+
+
+async def test_a_libp2p_node_the_origin_defers_fetches_from_the_holder_it_names(tmp_path):
+    async with running_coordinator(tmp_path, "distribution.super_seed_seconds=10.0") as (coord, base):
+        m = coord.checkpoints.manifest(0)
+        assert m is not None
+        async with aiohttp.ClientSession() as session, contextlib.AsyncExitStack() as stack:
+            _, first = await _joined_node(tmp_path, "a", base, coord, session, stack)
+            _, deferred = await _joined_node(tmp_path, "b", base, coord, session, stack)
+            assert await first.sync_once() == 0  # every first copy goes to the one node asking
+            assert first.bytes_by_kind["coordinator"] == m.compressed_size
+            t0 = time.monotonic()
+            assert await deferred.sync_once() == 0
+            took = time.monotonic() - t0
+    # Named at the libp2p address the dial-back reached, the holder served every shard at once; before, the deferred
+    # node got no name it could use, waited out 3 deferrals (2 s apart) and took every shard from the origin.
+    assert deferred.bytes_by_kind["peer"] == m.compressed_size, deferred.bytes_by_kind
+    assert deferred.bytes_by_kind["coordinator"] == 0
+    assert took < 4.0, took
+
+
+def test_the_origin_repeats_only_libp2p_addresses_its_dial_back_reached():
+    """The gate keeps a node's libp2p address only in the form `/ip4/<ip>/tcp/<port>` (its /p2p/ suffix dropped:
+    the deferred node derives the peer id from the node id), only if the address policy allows the IP and only if
+    the join's dial-back reached that IP and port; an HTTP-plane requester is named the holder's HTTP server."""
+    from node.coordinator.reachability import DialBack, NodeReach
+    from node.coordinator.seeding import SeedingGate, SuperSeeder
+
+    dial = DialBack()
+    dial._remember("n", NodeReach("8.8.8.8", True, True, 8080, 4001))
+    gate = SeedingGate(SuperSeeder(5.0), verifier=None, is_member=lambda n: True, verified=dial.http_addr_verified)
+    gate._remember_addrs("n", ["/ip4/8.8.8.8/tcp/8080/http", "/ip4/8.8.8.8/tcp/4001/p2p/12D3KooWabc"])
+    assert gate.shard_addrs["n"] == "/ip4/8.8.8.8/tcp/8080/http" and gate.libp2p_addrs["n"] == "/ip4/8.8.8.8/tcp/4001"
+    gate.seeder.started((0, 0), "n")
+    gate.seeder.finished((0, 0), "n")
+    assert gate._holder_header((0, 0), over_http=False) == {"X-Prime-Holder": "n /ip4/8.8.8.8/tcp/4001"}
+    assert gate._holder_header((0, 0), over_http=True) == {"X-Prime-Holder": "n /ip4/8.8.8.8/tcp/8080/http"}
+    for bad in ("/ip4/8.8.8.8/tcp/4002", "/ip4/1.1.1.1/tcp/4001", "/ip6/8.8.8.8/tcp/4001", "/dns4/x.example/tcp/4001",
+                "/ip4/8.8.8.8/tcp/4001/ws"):
+        gate._remember_addrs("n", [bad])
+        assert "n" not in gate.libp2p_addrs and "n" not in gate.shard_addrs, bad
+    dial._remember("m", NodeReach("127.0.0.1", True, None, None, 4001))
+    gate._remember_addrs("m", ["/ip4/127.0.0.1/tcp/4001"])  # loopback: only where allow_private_addrs says so
+    assert "m" not in gate.libp2p_addrs
+    gate.allow_private_addrs = True
+    gate._remember_addrs("m", ["/ip4/127.0.0.1/tcp/4001"])
+    assert gate.libp2p_addrs["m"] == "/ip4/127.0.0.1/tcp/4001"
