@@ -124,7 +124,8 @@ async def run_node(args) -> None:
             from node.p2p.shard_store import CheckpointShards
             from protocol.signing import sign_request
 
-            await CoordinatorClient(args.origin, identity, session).join()
+            from protocol import messages as M
+
             sources.append(HttpSource(args.origin, "coordinator", session, swarm=True,
                                       signer=lambda m, path: sign_request(identity, m, path, b"", run_id=args.run_id)))
             # a worker's host, on 127.0.0.1; swarm-http: with p2p.http = true
@@ -137,7 +138,15 @@ async def run_node(args) -> None:
             p2p = P2PNode(identity, cfg, run_id=args.run_id, coordinator_key=args.key,
                           shard_source=CheckpointShards(store.ckpt_dir))
             await p2p.start()
-            sources[0].shard_addr = lambda: p2p.http_shard_addr
+            # joined as a worker joins (node/worker/node.py): with its listen ports, so the coordinator dials them
+            # back, and then announcing what it reached; the origin names a first holder (X-Prime-Holder) only at an
+            # address its dial-back reached (before, the bench joined without ports and no hint was ever given)
+            spec = await CoordinatorClient(args.origin, identity, session).join(
+                M.NodeInfo(listen_ports=M.ListenPorts(**p2p.listen_ports())))
+            if spec.reachability is not None:
+                p2p.apply_reachability(spec.reachability.observed_ip, spec.reachability.libp2p,
+                                       spec.reachability.http)
+            sources[0].shard_addr = lambda: p2p.origin_shard_addrs
             sources.append(PeerSource(p2p))
             announcer = HaveAnnouncer(p2p, interval=0.05)
         elif args.mode == "relay":
@@ -147,8 +156,17 @@ async def run_node(args) -> None:
         events: list = []
         failures: list[str] = []
         outcomes = _count_outcomes(sources, events, failures)
+
+        def on_shards(step: int, h: str, indices: list[int]) -> None:
+            # as the worker's (node/worker/node.py _on_shards): the peer table learns the step's signed manifest from
+            # the fetcher too, not only from the coordinator's gossip (a hint or `have` for a step it does not know
+            # is not kept), and the shards are announced
+            assert p2p is not None and announcer is not None
+            p2p.note_manifest(step, h)
+            announcer.add(step, h, indices)
+
         f = Fetcher(store, sources, args.key, keep=3, on_new_step=lambda s, p: done.setdefault("t", time.monotonic()),
-                    on_shards=announcer.add if announcer else None)
+                    on_shards=on_shards if announcer else None)
         if p2p:
             p2p.add_listener(lambda event: f.announce_change())
         print("ready", flush=True)
