@@ -39,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 8000
@@ -349,7 +350,7 @@ def swarm_sites(n: int) -> list[tuple[str, object, str]]:
 
 
 def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: float, timeout_s: float = 420.0,
-              extra: tuple[str, ...] = ()) -> dict:
+              extra: tuple[str, ...] = (), tail_s: float = 60.0) -> dict:
     """N nodes of the issue's mix follow the real coordinator for `steps` steps (the origin's upload capped at
     `origin_mbit`). The bench polls every node's checkpoint directory (first sight of each step, every 0.1 s:
     not the code under test) and times each step from its publication until every node holds it (or a later
@@ -398,7 +399,14 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
                 raise RuntimeError("the coordinator exited:\n" + lab.log("coordinator")[-3000:])
             time.sleep(1)
         wall = time.monotonic() - t_start
-        time.sleep(5)  # the last step reaches the nodes; their p2p totals are logged (every 2 s)
+        # The last steps reach the nodes (the trainer has stopped, so this changes no earlier step's time; with
+        # a fixed 5 s the slowest homes' last 2-3 steps used to count as missed), then their p2p totals are
+        # logged (every 2 s).
+        t_tail = time.monotonic()
+        while time.monotonic() - t_tail < tail_s and min((max(s, default=0) for s in seen.values()), default=0) < steps:
+            time.sleep(0.5)
+        tail = time.monotonic() - t_tail
+        time.sleep(3)
         st = lab_status(lab, dc, url) or st
         rss = _rss_mb(lab)
         logs = {nd.name: lab.log(f"worker-{nd.name}") for nd in nodes}
@@ -454,7 +462,8 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
     # phases (bench/wan.py --loopback's) when the run's logs are JSON lines (--set server.log_format=json); the
     # namespaces share the host's clock
     phases = step_phases(st, [logs[nd.name] for nd in nodes])[0] if "server.log_format=json" in " ".join(extra) else None
-    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1), "phases_s": phases,
+    return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1), "tail_s": round(tail, 1),
+            "phases_s": phases,
             "origin_mbit": origin_mbit, "bytes_by_source": bsrc, "origin_bytes": st.get("bytes_served"),
             "served_by_kind": by_kind, "natted_served_bytes": by_kind.get("home", {}).get("served_bytes", 0),
             "full": {"t_all_s": med("full", "t_all_s"), "lower_bound_s": med("full", "lower_bound_s"),
@@ -668,6 +677,8 @@ def main() -> None:
     ap.add_argument("--origin-mbit", type=float, default=20.0, help="--scale: the origin's upload cap, Mbit/s")
     ap.add_argument("--loopback", default=None,
                     help="N values (e.g. 1,6): no lab, no root; where a step's time goes from publication to held")
+    ap.add_argument("--forwarded", action="store_true",
+                    help="the defaults at home with both ports forwarded, beside two NATed homes (docs/OPERATIONS.md)")
     ap.add_argument("--set", action="append", default=[], dest="sets",
                     help="--loopback, --scale: a config override for the coordinator and every node (e.g. p2p.http=true)")
     args = ap.parse_args()
@@ -695,6 +706,13 @@ def main() -> None:
         sys.exit(f"bench/wan.py: {why}")
     res = REPO / "bench" / "results" / "wan.json"
     extra = (*(("--set=p2p.enabled=false",) if args.no_p2p else ()), *(f"--set={x}" for x in args.sets))
+    if args.forwarded:
+        r = run_forwarded(args.steps, args.workdir / "forwarded", extra)
+        old = json.loads(res.read_text()) if res.is_file() else {}
+        old[args.key or "forwarded"] = r
+        res.write_text(json.dumps(old, indent=1) + "\n")
+        print(f"wrote {res.relative_to(REPO)}")
+        return
     if args.scale:
         rows = [run_swarm(REPO, int(n), args.steps, args.workdir / f"n{n}", origin_mbit=args.origin_mbit, extra=extra)
                 for n in args.scale.split(",")]
@@ -727,6 +745,57 @@ def main() -> None:
     old[args.key or ("no_p2p" if args.no_p2p else "p2p")] = {"delays_ms": delays, "steps": args.steps, "runs": runs}
     res.write_text(json.dumps(old, indent=1) + "\n")
     print(f"wrote {res.relative_to(REPO)}")
+
+
+def run_forwarded(steps: int, workdir: Path, extra: tuple[str, ...], timeout_s: float = 240.0) -> dict:
+    """docs/OPERATIONS.md's "at home with forwarded ports", tried: a home whose router forwards both of the node's
+    ports (libp2p 4001, HTTP 4002) beside two NATed homes with the same uplink and round trip (25 ms one way).
+    Every node sets p2p.listen_port=4001 and p2p.http_port=4002 and nothing else of p2p (the defaults: p2p.http
+    on); only the first home's router forwards them. What the join's dial-back told each node (its log line),
+    the bytes each served, and each delta's seconds from publication to held (the coordinator's and the node's
+    JSON log lines)."""
+    from tests.wan.lab import Lab, home, json_lines
+
+    sites: list[tuple[str, object]] = [("fwd", home(25.0, forward=(4001, 4002))), ("home1", home(25.0)),
+                                       ("home2", home(25.0))]
+    common = ["--config", str(REPO / "configs/local.toml"), "--set=trainer.warm_start_steps=0",
+              "--set=eval.every_steps=0", "--set=server.log_format=json", *extra]
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    with Lab() as lab:
+        dc, nodes, url, coord = start_run(
+            lab, REPO, sites, workdir, [*common, f"--set=run.max_steps={steps}"],
+            [*common, "--set=p2p.listen_port=4001", "--set=p2p.http_port=4002", "--set=p2p.stats_log_s=1"])
+        t0, st = time.monotonic(), dict[str, Any]()
+        while time.monotonic() - t0 < timeout_s:
+            st = lab_status(lab, dc, url) or st
+            rows = st.get("nodes", [])
+            if st.get("step", 0) >= steps and len(rows) == len(nodes) and {r.get("policy_step") for r in rows} == {steps}:
+                break
+            if coord.poll() is not None:  # type: ignore[attr-defined]  # a Popen
+                raise RuntimeError("the coordinator exited:\n" + lab.log("coordinator")[-3000:])
+            time.sleep(1)
+        time.sleep(2.5)  # the last "p2p totals" lines
+        lab.check_delay_lines()
+        published = {int(m.group(1)): r["ts"] for r in json_lines(lab.log("coordinator"))
+                     if (m := re.match(r"step (\d+) published", r["msg"]))}
+        out: dict = {"steps": steps, "trainer_steps": st.get("step"),
+                     "by_source": st.get("checkpoint_bytes_by_source"), "nodes": {}}
+        for nd in nodes:
+            rows = json_lines(lab.log(f"worker-{nd.name}"))
+            said = next((r["msg"] for r in rows if "reachable at" in r["msg"]), None)
+            held = {int(m.group(1)): r["ts"] for r in rows if (m := re.match(r"holding step (\d+)", r["msg"]))}
+            lags = [held[k] - published[k] for k in held if k in published and k >= 1]
+            tot = [m for r in rows if (m := re.match(r"p2p totals: served (\d+) bytes, fetched (\d+) bytes", r["msg"]))]
+            out["nodes"][nd.name] = {"dialback": said[:300] if said else None,
+                                     "served": int(tot[-1].group(1)) if tot else 0,
+                                     "fetched": int(tot[-1].group(2)) if tot else 0,
+                                     "steps_held": len(lags), "held_median_s": _r(statistics.median(lags)) if lags else None}
+    for name, row in out["nodes"].items():
+        print(f"{name:6} served {row['served']:>9} fetched {row['fetched']:>9} steps held {row['steps_held']} "
+              f"publish->held median {_f(row['held_median_s'])} s\n       {row['dialback']}")
+    print(f"bytes by source {out['by_source']}")
+    return out
 
 
 def print_scale(rows: list[dict]) -> None:
