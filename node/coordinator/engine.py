@@ -174,6 +174,9 @@ class Engine:
     def run(self) -> int:
         self.training.restore_or_init()
         self._ready = True
+        # the trainer's snapshot first: status answers from the engine's own figures (batch health, last
+        # metrics) from the moment the API process starts, as in one process, not from an empty placeholder
+        self._send_snapshot()
         self.chan.send(C.Ready(published_step=self.training.published_step, held=self.policies.steps()))
         started = False
         try:

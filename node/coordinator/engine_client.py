@@ -90,6 +90,9 @@ class EngineProcess:
         await self._chan.send(C.Init(config_json=self.cfg.model_dump_json(),
                                      key_hex=self.identity.private_bytes_raw().hex()))
         msg = await self._chan.recv()
+        while isinstance(msg, C.Snapshot):  # the restored trainer's, sent just before Ready (engine.py)
+            self._apply(msg)
+            msg = await self._chan.recv()
         if not isinstance(msg, C.Ready):
             code = await self._exit_code()
             if code is None:  # alive but saying something else: not an engine this process can drive
