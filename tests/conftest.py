@@ -6,10 +6,18 @@ untouched); every xdist worker sorts its collection with the same table, so thei
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.durations import TABLE
+
+# Tiny demo models built once per machine and copied (node/coordinator/run_model.py, TINY_CACHE_ENV): every test
+# coordinator of the engine-process layout (the default) would otherwise build its own in a child Python that
+# imports torch and transformers, ~4-5 s each on 2 loaded cores. Inherited by the CLI coordinators tests start.
+os.environ.setdefault("PRIME_NODE_TINY_MODEL_CACHE", str(Path(tempfile.gettempdir()) / f"prime-node-tiny-{os.getuid()}"))
 
 NEW_FILE_S = 30.0  # a file the table does not know yet: among the long ones, as a new file is often an integration test
 
