@@ -29,9 +29,15 @@ class P2PConfig(BaseModel):
     # libp2p streams. Served on listen_host:http_port (0 = any free port) and announced with the first
     # address peers can dial (announce_addrs' host if set: forward this port too); also told to the origin,
     # which then names this node to others as the holder of a first copy. libp2p stays for discovery,
-    # gossip, outbound-only nodes and any peer whose HTTP server cannot be reached. Off by default: it needs
-    # a second inbound port.
-    http: bool = False
+    # gossip, outbound-only nodes and any peer whose HTTP server cannot be reached.
+    # On by default (docs/BENCHMARKS.md, "WAN lab: N nodes"): a peer's delta shard over py-libp2p took ~0.64 s
+    # on 2 loaded cores, over HTTP ~0.02 s; loopback N = 6 held a delta in 0.64 s (median) instead of 3.37 s.
+    # Behind NAT it costs nothing and changes nothing: the join's dial-back cannot reach the HTTP port, so
+    # the node announces no /http address (P2PNode.apply_reachability), still fetches from reachable peers
+    # over HTTP, and serves over the libp2p connections it opened (nat.py). The server it opens has the
+    # libp2p plane's limits (max_concurrent_streams, 4 per client address, deadlines, 429 "busy",
+    # upload_limit shared by both planes). False: libp2p only, one inbound port.
+    http: bool = True
     http_port: int = Field(0, ge=0, le=65535)
     # Shard transfers served at once; further requests are answered "busy" instead of queueing.
     # A slot is taken only once a well-formed request has arrived.

@@ -1,10 +1,10 @@
 """Shard bytes between nodes over plain HTTP: the swarm's cheap data plane.
 
-Opt-in (`p2p.http = true`). libp2p keeps discovery, gossip and the nodes that can only dial out; a node
-that listens also serves the shards it holds at `GET /v1/p2p/shards/{step}/{index}?manifest=<hash>` and puts
-`/ip4/<host>/tcp/<port>/http` among the addresses of its `have` announcements. A fetcher that knows such
-an address for a holder asks it over HTTP first: on this machine a fetch over py-libp2p costs ~14 ms of CPU
-before its first byte and ~35-40 CPU-s per GB, over HTTP ~0.7 ms and ~2 (bench/transport_cost.py).
+On by default (`p2p.http`; docs/P2P.md "The HTTP data plane"). libp2p keeps discovery, gossip and the nodes
+that can only dial out; a node that listens also serves the shards it holds at
+`GET /v1/p2p/shards/{step}/{index}?manifest=<hash>` and puts `/ip4/<host>/tcp/<port>/http` among the addresses of
+its `have` announcements. A fetcher that knows such an address for a holder asks it over HTTP first: on this
+machine a fetch over py-libp2p costs ~14 ms of CPU before its first byte and ~35-40 CPU-s per GB, over HTTP ~0.7 ms and ~2 (bench/transport_cost.py).
 
 Every answer about a shard (200, 404, 429) also says which shards of that step the server holds
 (`X-Prime-Have`, a bitfield as in BitTorrent): a node learns a holder's whole set with each fetch instead

@@ -28,6 +28,7 @@ H = "cd" * 32
 
 
 def node(shard_source=None, **settings) -> P2PNode:
+    settings.setdefault("http", False)  # hostile peers on the libp2p plane (the HTTP plane: test_p2p_http.py)
     return P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True, **settings), run_id=RUN,
                    shard_source=shard_source)  # all on 127.0.0.1
 

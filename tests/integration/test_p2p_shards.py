@@ -47,7 +47,9 @@ def write_checkpoint(root, step: int, n_shards: int, raw_size: int) -> tuple[dic
 
 
 def node(*, shard_root=None, shard_source=None, coordinator_key=None, **settings) -> P2PNode:
-    """A host on 127.0.0.1 with `settings` (P2PConfig fields) over the defaults."""
+    """A host on 127.0.0.1 with `settings` (P2PConfig fields) over the defaults; the libp2p plane alone unless a
+    test asks for `http` (this file tests /prime-node/shard/1.0.0; the HTTP plane has test_p2p_http.py)."""
+    settings.setdefault("http", False)
     return P2PNode(Identity.generate(), p2p_config(allow_private_addrs=True, **settings), run_id=RUN,
                    shard_root=shard_root, shard_source=shard_source, coordinator_key=coordinator_key)
 

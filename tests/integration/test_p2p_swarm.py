@@ -17,7 +17,7 @@ async def test_four_nodes_capped_origin_most_bytes_from_peers(tmp_path, plane):
     first holders)."""
     async with running_coordinator(tmp_path, *BIGGER, "distribution.origin_upload_limit=400000",
                                    "run.max_steps=2") as (coord, url):
-        extra = ["p2p.http=true"] if plane == "http" else []
+        extra = [f"p2p.http={'true' if plane == 'http' else 'false'}"]  # `libp2p`: that plane alone
         nodes = [start_worker(tmp_path, f"w{i}", coord, url, *extra) for i in range(4)]
         await wait_for(lambda: coord.published_step >= 2 and all(
             n.backend is not None and n.backend.policy_step >= 2 for n, _ in nodes), 240,
@@ -64,7 +64,7 @@ async def test_malicious_peer_is_detected_avoided_and_download_completes(tmp_pat
                        run_id=coord.cfg.run.run_id, coordinator_key=coord.identity.public_hex, shard_source=corrupt)
         await evil.start()
         try:
-            node, task = start_worker(tmp_path, "honest", coord, url, *(["p2p.http=true"] if plane == "http" else []))
+            node, task = start_worker(tmp_path, "honest", coord, url, f"p2p.http={'true' if plane == 'http' else 'false'}")
             await wait_for(lambda: hasattr(node, "p2p") and node.p2p is not None and node.p2p.running, 60, "p2p up")
 
             async def announce_forever():
