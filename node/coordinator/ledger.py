@@ -143,6 +143,14 @@ class NodeStanding:
 
 
 @dataclass(frozen=True)
+class UndecidedHead:
+    """What the verdict queue decides on (Ledger.undecided_head): the submitter and claimed step of a submission's
+    first undecided group, read without its rollouts (decoding a 1.3 MB submission's data took ~25 ms)."""
+    node_id: str
+    policy_step: int
+
+
+@dataclass(frozen=True)
 class RejectionRow:
     id: int
     at_ms: int
@@ -488,6 +496,13 @@ class Ledger:
     def submission_groups(self, assignment_id: str) -> list[GroupRow]:
         rows = self._exec("SELECT * FROM groups WHERE assignment_id=? ORDER BY group_id", (assignment_id,)).fetchall()
         return [_group(r) for r in rows]
+
+    def undecided_head(self, assignment_id: str) -> UndecidedHead | None:
+        """The node and claimed step of the submission's first group still without a verdict; None when every
+        group of it has one (or it has none). Two columns through the assignment's index: no JSON decoded."""
+        row = self._exec("SELECT node_id, policy_step FROM groups WHERE assignment_id=? AND verdict IS NULL "
+                         "ORDER BY group_id LIMIT 1", (assignment_id,)).fetchone()
+        return None if row is None else UndecidedHead(row[0], row[1])
 
     def set_verdict(self, assignment_id: str, verdict: Verdict, *, node_id: str | None = None, tokens: int = 0,
                     near_ties: int = 0) -> None:

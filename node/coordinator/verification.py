@@ -192,16 +192,18 @@ class VerdictQueue:
             slots.release()
 
     async def decide(self, assignment_id: str) -> None:
+        # On the event loop: what the verdict needs is read without the submission's rollouts (Ledger.undecided_head:
+        # two columns; decoding a 1.3 MB submission's data here took ~25 ms, a stall for every other request).
+        # The rollouts are read, in a thread, only when this process builds the replay's checks (_undecided).
         ledger = self.ledger
-        groups = ledger.submission_groups(assignment_id)
-        undecided = [g for g in groups if g.verdict is None]
-        if not undecided:
+        head = ledger.undecided_head(assignment_id)
+        if head is None:
             return
-        node = ledger.node(undecided[0].node_id)
+        node = ledger.node(head.node_id)
         if node is None or node.banned:
-            self._void(undecided[0].node_id, None, [])
+            self._void(head.node_id, None, [])
             return
-        step = undecided[0].policy_step
+        step = head.policy_step
         if not self.chosen(node):
             ledger.set_verdict(assignment_id, "unchecked")
         elif not self._held(step):
@@ -209,6 +211,11 @@ class VerdictQueue:
             log.warning("no weights of step %d left to verify %s against; passed over", step, assignment_id)
             ledger.set_verdict(assignment_id, "unchecked")
         else:
+            # the engine builds its checks from the ledger itself; the pool and an in-process replay need the rollouts
+            undecided = await self._undecided(assignment_id) \
+                if self.board is not None or self.remote_judge is None else None
+            if undecided == []:
+                return  # decided (voided with its node) while its rollouts were read
             judged = await self._judge(assignment_id, step, undecided)
             if judged is None:  # the step fell out of the window meanwhile: stale for every batch, never trained
                 log.warning("no weights of step %d left to verify %s against; passed over (stale)", step,
@@ -220,7 +227,7 @@ class VerdictQueue:
             fresh = ledger.node(node.node_id)
             assert fresh is not None  # a node that submitted is never forgotten (Ledger.forget_idle_nodes)
             node = fresh
-            if node.banned or all(g.verdict is not None for g in ledger.submission_groups(assignment_id)):
+            if node.banned or ledger.undecided_head(assignment_id) is None:
                 return  # banned and voided while its replay was out with the pool
             self.metrics.verified.inc(len(refs))
             failed = [Rejection(v.reason, p, i) for (p, i), v in zip(refs, verdicts) if v.reason]
@@ -248,7 +255,12 @@ class VerdictQueue:
             self._check_steering(node.node_id)
         self.on_decided()
 
-    async def _stale(self, node_id: str, assignment_id: str, step: int, undecided: list[GroupRow],
+    async def _undecided(self, assignment_id: str) -> list[GroupRow]:
+        """The submission's groups without a verdict, rollouts decoded, in a thread (tens of ms for a large one)."""
+        groups = await asyncio.to_thread(self.ledger.submission_groups, assignment_id)
+        return [g for g in groups if g.verdict is None]
+
+    async def _stale(self, node_id: str, assignment_id: str, step: int, undecided: list[GroupRow] | None,
                      refs: list[tuple[str, int]], verdicts: list[Any]) -> bool:
         """The stale-step audit (node/coordinator/stale_audit.py) of a submission that passed its replay: on a
         fresh secret draw, its rollouts replayed against step - 1 as well (before the verdict is set: the engine
@@ -260,8 +272,7 @@ class VerdictQueue:
             return False
         older = await self._judge(assignment_id, step - 1, undecided)
         node = self.ledger.node(node_id)
-        if node is None or node.banned or all(g.verdict is not None for g in
-                                              self.ledger.submission_groups(assignment_id)):
+        if node is None or node.banned or self.ledger.undecided_head(assignment_id) is None:
             return True  # banned and voided while the audit's replay ran
         if older is None or older[0] != refs:
             return False  # step - 1 fell out of the window meanwhile: no evidence
@@ -287,12 +298,14 @@ class VerdictQueue:
         return build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts}, self.sampling, self.eos_token_id)
 
     async def _judge(self, assignment_id: str, step: int,
-                     undecided: list[GroupRow]) -> Judged | None:
+                     undecided: list[GroupRow] | None) -> Judged | None:
         """Every rollout of the submission replayed (by the pool, else by this coordinator: here, or in its
         engine process): (prompt_id, sample_index) and its judgement, per rollout; None when no weights of
-        `step` are held any more."""
+        `step` are held any more. `undecided` (the groups) is None only when the engine replays, which reads them
+        itself."""
         built = None
         if self.board is not None:
+            assert undecided is not None
             built = refs, checks, owner = self._checks(assignment_id, undecided)
             answers = await self._pool_replay(step, checks)
             if answers is not None:
@@ -302,6 +315,7 @@ class VerdictQueue:
                         "in the engine process" if self.remote_judge is not None else "in-process")
         if self.remote_judge is not None:  # the engine holds the policies: it builds the checks from the ledger
             return await self.remote_judge(assignment_id, step)
+        assert undecided is not None
         refs, checks, owner = built or self._checks(assignment_id, undecided)
         answers = await self._replay_here(step, checks)
         if answers is None:
