@@ -7,12 +7,13 @@ the claimed step's weights (in its own thread, so the HTTP API never blocks on a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from node.config import SamplingConfig, VerificationConfig
 from node.coordinator.ledger import Ledger, NodeRow
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
     from node.coordinator.records import GroupRow
 
+_T = TypeVar("_T")
 Judged = tuple[list[tuple[str, int]], list[Any]]  # (prompt_id, sample_index) and its Judgement, per rollout
 
 # verify.rollouts imports torch: it is imported where a replay is run in this process, never at import time,
@@ -201,15 +203,15 @@ class VerdictQueue:
             return
         node = ledger.node(head.node_id)
         if node is None or node.banned:
-            self._void(head.node_id, None, [])
+            await self._void(head.node_id, None, [])
             return
         step = head.policy_step
         if not self.chosen(node):
-            ledger.set_verdict(assignment_id, "unchecked")
+            await self._write(ledger.set_verdict, assignment_id, "unchecked")
         elif not self._held(step):
             # fell out of the window while queued: not the node's fault
             log.warning("no weights of step %d left to verify %s against; passed over", step, assignment_id)
-            ledger.set_verdict(assignment_id, "unchecked")
+            await self._write(ledger.set_verdict, assignment_id, "unchecked")
         else:
             # the engine builds its checks from the ledger itself; the pool and an in-process replay need the rollouts
             undecided = await self._undecided(assignment_id) \
@@ -220,7 +222,7 @@ class VerdictQueue:
             if judged is None:  # the step fell out of the window meanwhile: stale for every batch, never trained
                 log.warning("no weights of step %d left to verify %s against; passed over (stale)", step,
                             assignment_id)
-                ledger.set_verdict(assignment_id, "unchecked")
+                await self._write(ledger.set_verdict, assignment_id, "unchecked")
                 self.on_decided()
                 return
             refs, verdicts = judged
@@ -234,25 +236,28 @@ class VerdictQueue:
             for f in failed:
                 self.metrics.rejected.labels(f.reason).inc()
             if any(not v.outlier for v in verdicts if v.reason):
-                voided = self._void(node.node_id, assignment_id, failed)
+                voided = await self._void(node.node_id, assignment_id, failed)
                 log.warning("node %s banned: a verified forgery (%s); %d rollouts voided", node.node_id[:12],
                             ", ".join(sorted({f.reason for f in failed})), voided)
+                self.on_decided()  # voided groups: the trainer's batch health counts them now (not VOID_POLL_S later)
                 return
             if failed:  # only single-token sampling outliers: possibly numerical, never trained, no ban
                 rep = node.reputation - self.cfg.reputation_penalty
                 banned = rep < self.cfg.ban_below
-                _, by_batch = ledger.void_submission(assignment_id, node.node_id, failed, rep, banned)
+                _, by_batch = await self._write(ledger.void_submission, assignment_id, node.node_id, failed, rep,
+                                                banned)
                 self.scheduler.forget_waiting(by_batch)
                 log.info("submission %s of node %s voided: one token off the sampler's choice in %d rollouts",
                          assignment_id, node.node_id[:12], len(failed))
+                self.on_decided()
                 return
             if await self._stale(node.node_id, assignment_id, step, undecided, refs, verdicts):
                 return  # banned for generating with the previous step's weights, or banned and voided meanwhile
             tokens = sum(v.tokens for v in verdicts)
             near_ties = sum(v.near_ties for v in verdicts)
-            ledger.set_verdict(assignment_id, "verified", node_id=node.node_id, tokens=tokens,
-                                 near_ties=near_ties)
-            self._check_steering(node.node_id)
+            await self._write(functools.partial(ledger.set_verdict, assignment_id, "verified", node_id=node.node_id,
+                                                tokens=tokens, near_ties=near_ties))
+            await self._check_steering(node.node_id)
         self.on_decided()
 
     async def _undecided(self, assignment_id: str) -> list[GroupRow]:
@@ -279,7 +284,7 @@ class VerdictQueue:
         if not self.stale_audit.record(node_id, [(v.fit, o.fit) for v, o in zip(verdicts, older[1])]):
             return False
         self.metrics.rejected.labels(STALE).inc()
-        n = self._void(node_id, None, [Rejection(STALE)])
+        n = await self._void(node_id, None, [Rejection(STALE)])
         log.warning("node %s banned: its rollouts fit step %d better than the step %d they claimed, in at least %d "
                     "of a window of %d audited rollouts; %d rollouts voided", node_id[:12], step - 1, step,
                     self.stale_audit.threshold, self.stale_audit.window, n)
@@ -345,20 +350,26 @@ class VerdictQueue:
             return None
         return [Judgement(a.reason, a.tokens, a.near_ties, a.outlier, a.fit) for a in answers]
 
-    def _check_steering(self, node_id: str) -> None:
+    async def _check_steering(self, node_id: str) -> None:
         """Ban a node whose tokens are far more often not the sampler's first choice than an honest
         node's (near-ties are numerical noise; choosing among them on purpose is steering)."""
         node = self.ledger.node(node_id)
         assert node is not None  # it was just given a verdict
         if node.verified_tokens >= self.cfg.near_tie_min_tokens and \
                 node.near_ties > self.cfg.near_tie_max_rate * node.verified_tokens:
-            n = self._void(node_id, None, [Rejection("verify_near_tie_rate")])
+            n = await self._void(node_id, None, [Rejection("verify_near_tie_rate")])
             log.warning("node %s banned: %d of its %d verified tokens were near-ties; %d rollouts voided",
                         node_id[:12], node.near_ties, node.verified_tokens, n)
 
-    def _void(self, node_id: str, assignment_id: str | None, rejections: list[Rejection]) -> int:
+    async def _write(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """A ledger write of a verdict, in a thread: a write waits for the ledger's lock, which an intake thread
+        holds through its fsync'd commit of a submission (tens of ms on a slow disk, one after another while a
+        batch's submissions come in); on the event loop that wait would hold up every other request."""
+        return await asyncio.to_thread(fn, *args)
+
+    async def _void(self, node_id: str, assignment_id: str | None, rejections: list[Rejection]) -> int:
         """Ban and void in the ledger; the scheduler hands the voided groups' places out again."""
-        voided, by_batch = self.ledger.ban_and_void(node_id, assignment_id, rejections)
+        voided, by_batch = await self._write(self.ledger.ban_and_void, node_id, assignment_id, rejections)
         self.scheduler.forget_waiting(by_batch)
         return voided
 
