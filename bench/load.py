@@ -110,7 +110,7 @@ def coordinator_overrides(args, storage: Path, n: int, trainer: str = "train",
                           layout: str = "one-process") -> list[str]:
     return [
         f"storage.dir={storage}",
-        *(["server.engine_process=true"] if layout == "engine-process" else []),
+        f"server.engine_process={'true' if layout == 'engine-process' else 'false'}",  # named in both: whatever the default
         "verification.fraction=0",  # the rollouts are not model output
         "admission.pow_bits=0",
         "admission.joins_per_address_per_minute=1000000",  # every simulated node is 127.0.0.1
