@@ -24,9 +24,16 @@ FAST = ("run.batch_prompts=8", "run.group_size=4", f"run.stall_warn_groups={WARN
         "verification.fraction=0", "verification.new_node_fraction=0")
 
 
-def stall_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
+def stall_warnings(caplog, capfd) -> list[str]:
+    """The stall warnings logged so far: by this process (server.engine_process = false), or by the engine process
+    (the default), whose log lines go to the stderr it shares with its API process (read through capfd)."""
+    captured = getattr(capfd, "engine_err", "") + capfd.readouterr().err
+    capfd.engine_err = captured  # readouterr() hands each line out once: kept for the next call
+    engine = [line.split("prime_node.training: ", 1)[1] for line in captured.splitlines()
+              if " WARNING prime_node.training: " in line and "cannot fill" in line]
+    here = [r.getMessage() for r in caplog.records
             if r.name == "prime_node.training" and r.levelno == logging.WARNING and "cannot fill" in r.getMessage()]
+    return engine or here  # one of the two processes trains; a handler of this one may also write to stderr
 
 
 async def metric(url: str, name: str, **labels) -> float:
@@ -38,7 +45,7 @@ async def metric(url: str, name: str, **labels) -> float:
     return float(m.group(1))
 
 
-async def stalled_run(tmp_path, caplog, reward: float, reason: str) -> dict:
+async def stalled_run(tmp_path, caplog, capfd, reward: float, reason: str) -> dict:
     """Runs until three times the warning threshold of groups in a row were unusable; returns the status."""
     caplog.set_level(logging.INFO, logger="prime_node.training")
     async with running_coordinator(tmp_path, TASK, f"task.kwargs={{reward = {reward}}}", *FAST) as (coord, url):
@@ -60,15 +67,15 @@ async def stalled_run(tmp_path, caplog, reward: float, reason: str) -> dict:
         assert await metric(url, "prime_batch_groups_usable") == 0
         assert await metric(url, "prime_batch_groups_needed") == 8
         # once, though the streak is three times the threshold: the warning is rate-limited
-        assert len(stall_warnings(caplog)) == 1, stall_warnings(caplog)
+        assert len(stall_warnings(caplog, capfd)) == 1, stall_warnings(caplog, capfd)
         return status
 
 
-async def test_every_reward_zero_says_why_everywhere(tmp_path, caplog):
-    status = await stalled_run(tmp_path, caplog, 0.0, "all_rewards_zero")
+async def test_every_reward_zero_says_why_everywhere(tmp_path, caplog, capfd):
+    status = await stalled_run(tmp_path, caplog, capfd, 0.0, "all_rewards_zero")
     hint = "check the task's answer format against what the model writes"
     assert hint in status["batch_health"]["warning"]
-    (logged,) = stall_warnings(caplog)
+    (logged,) = stall_warnings(caplog, capfd)
     assert hint in logged and "all_rewards_zero" in logged
     from node.demo import unusable_note
 
@@ -76,18 +83,18 @@ async def test_every_reward_zero_says_why_everywhere(tmp_path, caplog):
     assert re.fullmatch(r"\d+ \(all rewards 0\)", note), note  # the demo's progress line
 
 
-async def test_every_reward_one_says_the_task_is_too_easy(tmp_path, caplog):
-    status = await stalled_run(tmp_path, caplog, 1.0, "all_rewards_equal")
+async def test_every_reward_one_says_the_task_is_too_easy(tmp_path, caplog, capfd):
+    status = await stalled_run(tmp_path, caplog, capfd, 1.0, "all_rewards_equal")
     hint = "the task is too easy or the reward is constant"
     assert hint in status["batch_health"]["warning"]
-    (logged,) = stall_warnings(caplog)
+    (logged,) = stall_warnings(caplog, capfd)
     assert hint in logged
     from node.demo import unusable_note
 
     assert "(all rewards equal)" in unusable_note(status)
 
 
-async def test_normal_run_fills_its_batches_without_warning(tmp_path, caplog):
+async def test_normal_run_fills_its_batches_without_warning(tmp_path, caplog, capfd):
     caplog.set_level(logging.INFO, logger="prime_node.training")
     async with running_coordinator(tmp_path, "run.max_steps=2", *FAST) as (coord, url):
         worker = start_worker(tmp_path, "w", coord, url)
@@ -99,7 +106,7 @@ async def test_normal_run_fills_its_batches_without_warning(tmp_path, caplog):
         assert bh["run_usable"] >= 2 * 8 and bh["warning"] is None, bh
         assert bh["unusable_in_a_row"] < WARN_AFTER, bh
         assert await metric(url, "prime_groups_usable_total") >= 2 * 8
-        assert stall_warnings(caplog) == []
+        assert stall_warnings(caplog, capfd) == []
 
 
 async def test_dashboard_names_why_the_batch_cannot_fill(tmp_path):
@@ -123,7 +130,7 @@ async def test_dashboard_names_why_the_batch_cannot_fill(tmp_path):
         assert errors == []
 
 
-async def test_groups_voided_by_verification_count_as_rejected(tmp_path, caplog):
+async def test_groups_voided_by_verification_count_as_rejected(tmp_path, caplog, capfd):
     """A node's forged submission (random tokens, commitments to random states) is acknowledged, replayed,
     and its groups voided: they never reach the trainer, and the batch's counts say `rejected`."""
     caplog.set_level(logging.INFO, logger="prime_node.training")
@@ -148,4 +155,4 @@ async def test_groups_voided_by_verification_count_as_rejected(tmp_path, caplog)
         assert bh["unusable"]["rejected"] == groups and bh["usable"] == 0, bh
         assert "verification voids the groups" in bh["warning"]
         assert await metric(url, "prime_groups_unusable_total", reason="rejected") == groups
-        assert len(stall_warnings(caplog)) == 1
+        assert len(stall_warnings(caplog, capfd)) == 1

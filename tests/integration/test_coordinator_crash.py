@@ -24,6 +24,7 @@ BATCH_PROMPTS = 4
 
 
 ENGINE = "--set=server.engine_process=true"
+ONE_PROCESS = "--set=server.engine_process=false"
 
 
 def engine_pids(storage) -> list[int]:
@@ -157,7 +158,7 @@ def assert_durable(tmp, acked: list) -> int:
 async def test_sigkill_and_restart(tmp_path, crash_at, layout):
     rng = random.Random(1)
     acked: list = []
-    extra = [ENGINE] if layout == "engine-process" else []
+    extra = [ENGINE] if layout == "engine-process" else [ONE_PROCESS]
     proc, url = start(tmp_path, crash_at, *extra)
     async with aiohttp.ClientSession() as s:
         node = RawNode(url, s)

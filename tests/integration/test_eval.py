@@ -55,8 +55,13 @@ async def test_eval_curve_in_status_and_metrics(tmp_path):
             assert values["prime_eval_reward"] == pytest.approx(curve[-1]["reward"])
         step0 = coord.ledger.steps()[0].metrics
         assert step0["warm_start_steps"] == 2 and step0["warm_start_nll"] > 0  # θ_0 is the warm-started policy
-        # the prompts handed out for training never came from the evaluation's seed stream
-        eval_ids = {p.prompt_id for p in coord.training.evaluator.problems}
+        # the prompts handed out for training never came from the evaluation's seed stream (the evaluator is in the
+        # engine process by default: its problems are the task's on eval_seed, node/coordinator/evaluation.py)
+        from node.coordinator.evaluation import eval_seed
+
+        eval_ids = {coord.task.sample(eval_seed(coord.cfg.run.seed), i).prompt_id for i in range(coord.cfg.eval.prompts)}
+        if coord.engine is None:
+            assert eval_ids == {p.prompt_id for p in coord.training.evaluator.problems}
         served = {g.prompt_id.split(":", 1)[1] for g in coord.ledger.groups(list(range(1, 200)))}
         assert served and not served & eval_ids
 
@@ -66,4 +71,4 @@ async def test_no_eval_curve_when_off(tmp_path):
         async with aiohttp.ClientSession() as s:
             async with s.get(base + "/v1/status") as r:
                 status = await r.json()
-        assert "eval_curve" not in status and coord.training.evaluator is None
+        assert "eval_curve" not in status and getattr(coord.training, "evaluator", None) is None

@@ -21,12 +21,15 @@ from tests.integration.swarm_harness import start_worker, stop_workers, wait_for
 pytestmark = [pytest.mark.timeout(300)]
 
 
+# 1 rank: the default layout, training in the engine process (what is published, replayed and evaluated); 2 ranks: in
+# this process (server.engine_process = false), so that the trainer's own adapters and base can be read below
+# (the engine layout with 2 ranks and LoRA: test_demo.py's LoRA demo and test_ranks2_eval.py run it from the CLI)
 @pytest.mark.parametrize("ranks", [1, 2])  # 2: 13 s on 2 cores (two local ranks, gloo)
 async def test_a_lora_run_trains_publishes_and_verifies(tmp_path, ranks):
     from node.trainer import lora
     from node.trainer.model import load_model
 
-    async with running_coordinator(tmp_path, "trainer.lora.rank=8", f"trainer.ranks={ranks}", "run.max_steps=2", "run.batch_prompts=4",
+    async with running_coordinator(tmp_path, f"server.engine_process={str(ranks == 1).lower()}", "trainer.lora.rank=8", f"trainer.ranks={ranks}", "run.max_steps=2", "run.batch_prompts=4",
                                    "run.group_size=4", "trainer.warm_start_steps=2", "eval.every_steps=1",
                                    "eval.prompts=4", "verification.fraction=1.0") as (coord, url):
         worker = start_worker(tmp_path, "w", coord, url)
@@ -72,6 +75,8 @@ async def test_a_lora_run_trains_publishes_and_verifies(tmp_path, ranks):
             # xor-delta of it is small too; on SmolLM2-135M see docs/BENCHMARKS.md
             assert r.compressed_bytes < xor.compressed_size < full.compressed_size
 
+        if coord.engine is not None:
+            return  # the trainer is in the engine process
         # with 2 ranks rank 0 holds a shard: its gathered copy (a collective; training and evaluation are done, the
         # eval curve above has step 2, so no other call is in flight)
         trainer = coord.training.trainer

@@ -48,6 +48,11 @@ async def train_and_check(tmp_path, *worker_settings):
         assert node.stats.accepted > 0 and node.stats.rejected == 0
         task, tok, seed = coord.task, coord.tokenizer, coord.cfg.run.seed
         groups = coord.ledger.groups(list(range(1, 1000)))
+        # transformers' own tokenizer for the id (the coordinator's is the light one in the engine layout, which
+        # has no convert_tokens_to_ids)
+        from node.trainer.tokenizer import load_tokenizer
+
+        assistant = load_tokenizer(coord.model_dir).convert_tokens_to_ids("<|assistant|>")
         episodes = [(g, r) for g in groups for r in g.rollouts]
         multi = [r for _, r in episodes if r.turns]
         assert multi, "no episode had a second turn"
@@ -56,7 +61,7 @@ async def train_and_check(tmp_path, *worker_settings):
             assert check_episode(task, tok, problem, *episode_of(r)) is None
             assert r.reward == pytest.approx(score_episode(task, problem, model_texts(tok, *episode_of(r))))
             for t in r.turns:
-                assert tok.decode(t.env_ids).startswith("<|user|>") and t.env_ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+                assert tok.decode(t.env_ids).startswith("<|user|>") and t.env_ids[-1] == assistant
         return node
 
 

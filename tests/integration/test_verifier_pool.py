@@ -19,7 +19,7 @@ from tests.integration.test_intake_attacks import backend_at, honest_rollouts, t
 
 pytestmark = pytest.mark.timeout(300)
 
-LAYOUTS = {"one-process": (), "engine-process": ("server.engine_process=true", "server.engine_nice=0")}
+LAYOUTS = {"one-process": ("server.engine_process=false",), "engine-process": ("server.engine_process=true", "server.engine_nice=0")}
 layouts = pytest.mark.parametrize("layout", list(LAYOUTS))
 
 

@@ -24,7 +24,10 @@ def probes(node) -> list[dict]:
 async def test_vllm_node_trains_with_swaps_and_no_rejections(tmp_path):
     from verify.rollouts import RolloutClaim, RolloutVerifier
 
-    async with running_coordinator(tmp_path, "run.max_steps=5", "verification.fraction=1.0") as (coord, url):
+    # one process: the probes are checked against the coordinator's own policies (coord.policies), which the engine
+    # process (the default layout) holds in its own memory
+    async with running_coordinator(tmp_path, "run.max_steps=5", "verification.fraction=1.0",
+                                   "server.engine_process=false") as (coord, url):
         node, task = start_worker(tmp_path, "v", coord, url, "worker.backend=vllm", "worker.device=cpu")
         checked: dict[int, object] = {}
 

@@ -238,7 +238,7 @@ def test_the_run_model_takes_the_light_tokenizer_only_with_the_engine_process(ch
     repo = Path(__file__).resolve().parents[2]
     d = copy_dir(char_dir, tmp_path / "m")
     sets = [f"storage.dir={tmp_path}", f"model.path={d}"]
-    one = load_run_model(load_config(repo / "configs/local.toml", sets), tmp_path)
+    one = load_run_model(load_config(repo / "configs/local.toml", sets + ["server.engine_process=false"]), tmp_path)
     two = load_run_model(load_config(repo / "configs/local.toml", sets + ["server.engine_process=true"]), tmp_path)
     assert not isinstance(one.tokenizer, LightTokenizer) and isinstance(two.tokenizer, LightTokenizer)
     assert two.eos_token_id == one.eos_token_id
@@ -249,7 +249,7 @@ def test_the_run_model_takes_the_light_tokenizer_only_with_the_engine_process(ch
     # a Qwen2.5 directory (configs/gpu-example.toml's kind) runs in both layouts
     q = qwen25_layout(tmp_path / "qwen")
     sets = [f"storage.dir={tmp_path}", f"model.path={q}", "task.name=arithmetic"]
-    one = load_run_model(load_config(repo / "configs/local.toml", sets), tmp_path)
+    one = load_run_model(load_config(repo / "configs/local.toml", sets + ["server.engine_process=false"]), tmp_path)
     two = load_run_model(load_config(repo / "configs/local.toml", sets + ["server.engine_process=true"]), tmp_path)
     assert type(one.tokenizer).__name__ == "Qwen2Tokenizer" and isinstance(two.tokenizer, LightTokenizer)
     assert two.eos_token_id == one.eos_token_id == json.loads((q / "config.json").read_text())["eos_token_id"]
