@@ -19,6 +19,32 @@ from tests.durations import TABLE
 # imports torch and transformers, ~4-5 s each on 2 loaded cores. Inherited by the CLI coordinators tests start.
 os.environ.setdefault("PRIME_NODE_TINY_MODEL_CACHE", str(Path(tempfile.gettempdir()) / f"prime-node-tiny-{os.getuid()}"))
 
+# The coordinator's layout in tests. The default, server.engine_process = true, costs every coordinator an engine
+# process: a Python that imports torch + transformers and restores the run, ~8 s of CPU on 2 cores, where the
+# one-process layout costs ~0.3 s once the test worker has imported torch (measured in this repository, 2026-11).
+# The modules below build coordinators in this process to test the HTTP door, intake, attacks on the API, p2p and
+# relays, none of which depends on where training runs: they pin one process (coordinator_harness.PINNED; a
+# test's own settings still win). Everything else runs the default: training, status, evaluation, the verifier
+# pool (both layouts), stopping, crashes, the CLI, the demo and the end-to-end swarms.
+ONE_PROCESS_MODULES = frozenset(f"tests/{m}.py" for m in (
+    "integration/test_admission", "integration/test_attack_admission_declines", "integration/test_attack_announcements",
+    "integration/test_attack_connections", "integration/test_attack_hostile_relay", "integration/test_coordinator_api",
+    "integration/test_coordinator_load", "integration/test_fair_work", "integration/test_fuzz_api",
+    "integration/test_intake_attacks", "integration/test_lora_serving", "integration/test_p2p_holder_hint",
+    "integration/test_p2p_http", "integration/test_p2p_swarm", "integration/test_reachability_join",
+    "integration/test_real_sizes", "integration/test_relay", "integration/test_relay_hop", "integration/test_step_push",
+    "integration/test_submit_overlap", "unit/test_idle_pacing"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the item's fixtures (a module-scoped coordinator too): its module's layout pin."""
+    from tests.integration import coordinator_harness
+
+    one = item.nodeid.split("::")[0] in ONE_PROCESS_MODULES
+    coordinator_harness.PINNED = ("server.engine_process=false",) if one else ()
+
+
 NEW_FILE_S = 30.0  # a file the table does not know yet: among the long ones, as a new file is often an integration test
 
 

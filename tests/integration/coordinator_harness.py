@@ -46,13 +46,18 @@ class RawNode:
             return r.status, data
 
 
+# Settings every coordinator of the running test gets before its own `extra`: tests/conftest.py sets
+# ("server.engine_process=false",) for the test modules it lists in ONE_PROCESS_MODULES (and says why), () otherwise.
+PINNED: tuple[str, ...] = ()
+
+
 def test_config(tmp: Path, *extra: str):
     from node.config import load_config
 
     # The demo's config with its warm start and evaluation off: the tests built on this harness are about an
     # untrained tiny model (test_eval.py turns both on for itself); `extra` comes last and wins.
     return load_config(REPO / "configs/local.toml", [f"storage.dir={tmp / 'coord'}", "trainer.warm_start_steps=0",
-                                                     "eval.every_steps=0", *extra])
+                                                     "eval.every_steps=0", *PINNED, *extra])
 
 
 @asynccontextmanager
