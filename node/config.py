@@ -59,10 +59,14 @@ class ServerConfig(_Section):
     stop_timeout_s: float = Field(5.0, gt=0, le=3600)
     # Training, evaluation, publishing and the coordinator's own replays run in a child process, the engine
     # (node/coordinator/engine.py, docs/ARCHITECTURE.md "Processes"): the process that serves HTTP runs nothing
-    # of torch, so a training step never holds the GIL that requests wait on. false: one process.
+    # of torch, so a training step never holds the GIL that requests wait on. The default because of what that
+    # GIL costs: bench/load.py at 1,000 simulated nodes with training, p99 4,268 ms in one process against 611 and
+    # 44.6 ms (two runs) with the engine, API-process CPU 2.50 against 0.87 ms per request (docs/BENCHMARKS.md,
+    # "Training in its own process"); the price, one more Python importing torch, ~8 s of CPU at start on 2 cores.
+    # false: one process (needed for a model directory the torch-free tokenizer refuses: node/coordinator/run_model.py).
     # With a verifier pool (verification.verifier_keys) the API process hands the pool its jobs, and the engine
     # replays what no pool verifier could do.
-    engine_process: bool = False
+    engine_process: bool = True
     # The engine process's niceness (added to this process's): requests are served first and training takes
     # the CPU they leave. On a box with fewer cores than runnable threads, an engine at the API's priority
     # made p99 no better than one process (bench/load.py --layout, docs/ARCHITECTURE.md "Processes").
