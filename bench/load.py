@@ -578,6 +578,9 @@ def start_coordinator(args, work: Path, n: int, tree: Path = REPO, trainer: str 
            *[f"--set={o}" for o in coordinator_overrides(args, work / "coord", n, trainer, layout)],
            "--ready-file", str(ready)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)}
+    if args.gc_log:  # bench/gc_probe/sitecustomize.py logs each garbage-collector pass over 2 ms to the work dir
+        env["PYTHONPATH"] += os.pathsep + str(REPO / "bench" / "gc_probe")
+        env["BENCH_GC_LOG_DIR"] = str(work)
     if args.asyncio_debug:  # asyncio logs each callback that holds the loop over 100 ms (with its source)
         env["PYTHONASYNCIODEBUG"] = "1"
     proc = subprocess.Popen(cmd, cwd=tree, env=env,
@@ -628,6 +631,26 @@ def tree_cpu_s(pids: list[int]) -> float:
     return total
 
 
+def gc_summary(path: Path, w0: float, w1: float) -> dict:
+    """--gc-log: the API process's garbage-collector passes over 2 ms that ended inside the window (each holds the
+    GIL throughout: no request is served meanwhile), by generation, and by the second of the window they ended in."""
+    passes = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            t, gen, ms, _thread = line.split(" ", 3)
+            if w0 <= float(t) < w1:
+                passes.append((float(t), gen, float(ms)))
+    by_gen: dict[str, dict] = {}
+    for _, gen, ms in passes:
+        g = by_gen.setdefault(gen, {"passes": 0, "total_ms": 0.0, "max_ms": 0.0})
+        g["passes"] += 1
+        g["total_ms"] = round(g["total_ms"] + ms, 1)
+        g["max_ms"] = max(g["max_ms"], ms)
+    return {"passes_over_2ms": len(passes), "total_ms": round(sum(p[2] for p in passes), 1),
+            "max_ms": max((p[2] for p in passes), default=0.0), "by_generation": by_gen,
+            "over_50ms_by_second": dict(Counter(int(t - w0) for t, _, ms in passes if ms > 50))}
+
+
 def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str = "current",
             layout: str = "one-process", idle_mode: str = "drawn") -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix=f"prime-load-{n}-", dir=args.tmp_root))
@@ -672,7 +695,9 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         print(f"N={n}: coordinator pid {pid} at {base}; {procs} client processes, joins over {ramp:.0f} s, warm-up {warmup:.0f} s, "
               f"measuring {seconds:.0f} s…", flush=True)
         time.sleep(max(0.0, w0 - time.time()))
-        spy = start_py_spy(args, pid, w1 - time.time(), work / "profile.txt")
+        # --py-spy-seconds: only the window's first seconds (where the first batches' intake lands)
+        spy_s = w1 - time.time() if not args.py_spy_seconds else min(args.py_spy_seconds, w1 - time.time())
+        spy = start_py_spy(args, pid, spy_s, work / "profile.txt")
         engine = child_pids(pid)  # the engine process (and a trainer's other ranks, if any): empty in one process
         cpu_a, loop_a, busy_a, wall_a = proc_cpu_s(pid), proc_cpu_s(pid, pid), machine_busy_s(), time.time()
         engine_a = tree_cpu_s(engine)
@@ -699,6 +724,8 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
             proc.kill()
             proc.wait()
         log_text = (work / "coord.log").read_text()
+        # (w1 is unset when the run failed before its window: the exception goes on, nothing to summarise)
+        gc_passes = gc_summary(work / f"gc_{pid}.log", w0, w1) if args.gc_log and "w1" in locals() else None
         log_tail = log_text[-4000:]
         # asyncio debug: "Executing <Handle ...> took 0.512 seconds" for each callback that blocked the loop
         stalls = [ln for ln in log_text.splitlines() if re.search(r"Executing .* took [0-9.]+ seconds", ln)]
@@ -713,6 +740,8 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         r["code"], r["trainer"], r["layout"], r["idle_mode"] = label, trainer, layout, idle_mode
     if profile is not None:
         rows[-1]["profile"] = profile
+    if gc_passes is not None:
+        rows[-1]["gc_in_window"] = gc_passes
     if args.asyncio_debug:
         took = sorted((float(re.search(r"took ([0-9.]+) seconds", ln)[1]) for ln in stalls), reverse=True)
         rows[-1]["loop_stalls_over_100ms"] = {"count_whole_run": len(took), "longest_s": took[:10],
@@ -763,7 +792,7 @@ def summarise(n, args, results, status, w0, w1, t0, coord) -> list[dict]:
         rejected.update(res["rejected"])
     p99_by_ep = {r["endpoint"]: r["p99_ms"] for r in out if r["endpoint"] not in BEFORE_WINDOW}
     summary = {
-        "nodes": n, "endpoint": "summary", "seconds": round(seconds, 1), "requests": len(window_all),
+        "nodes": n, "endpoint": "summary", "seconds": round(seconds, 1), "window_start_unix": round(w0, 3), "requests": len(window_all),
         "requests_per_s": round(len(window_all) / seconds, 1),
         "p50_ms": round(pct(window_all, 0.5), 1), "p99_ms": round(pct(window_all, 0.99), 1),
         "max_ms": round(window_all[-1], 1) if window_all else None,
@@ -949,6 +978,11 @@ def main() -> None:
     ap.add_argument("--py-spy-wall", action="store_true",
                     help="with --py-spy: sample wall time (every thread, idle included) instead of GIL-holding CPU")
     ap.add_argument("--py-spy-rate", type=int, default=50, help="py-spy samples per second")
+    ap.add_argument("--gc-log", action="store_true",
+                    help="log the API process's garbage-collector passes over 2 ms (bench/gc_probe) and summarise "
+                         "those in the window")
+    ap.add_argument("--py-spy-seconds", type=float, default=0.0,
+                    help="with --py-spy: profile only the window's first this many seconds (0: all of it)")
     args = ap.parse_args()
     trainers = [x.strip() for x in args.trainer.split(",") if x.strip()]
     if bad := [x for x in trainers if x not in ("train", "idle")]:
