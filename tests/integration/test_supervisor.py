@@ -34,7 +34,9 @@ def start_coordinator(tmp: Path, fault: str, *extra: str) -> tuple[subprocess.Po
     args = [sys.executable, "-m", "node.cli", "coordinator", "--config", str(REPO / "configs/local.toml"),
             "--set", f"storage.dir={tmp / 'coord'}", "--set", "trainer.warm_start_steps=0",
             "--set", "eval.every_steps=0", "--ready-file", str(ready), *[f"--set={e}" for e in extra]]
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PRIME_NODE_FAULT": fault}
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PRIME_NODE_FAULT": fault,
+           # the suite's tiny-model cache (tests/conftest.py): no child Python building the model for each of these
+           **{k: v for k, v in os.environ.items() if k == "PRIME_NODE_TINY_MODEL_CACHE"}}
     proc = subprocess.Popen(args, cwd=tmp, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     return proc, log
 
