@@ -95,3 +95,26 @@ def test_the_origin_repeats_only_libp2p_addresses_its_dial_back_reached():
     gate.allow_private_addrs = True
     gate._remember_addrs("m", ["/ip4/127.0.0.1/tcp/4001"])
     assert gate.libp2p_addrs["m"] == "/ip4/127.0.0.1/tcp/4001"
+
+
+def test_a_libp2p_hint_is_kept_with_the_holders_peer_id_and_only_where_the_policy_allows():
+    """PeerSource.hint on a real (unstarted) host: the origin's `/ip4/<ip>/tcp/<port>` gets the peer id of the named
+    node appended; a private address is kept only with allow_private_addrs; an address that is not a literal IP
+    of its protocol's version, or not TCP, is dropped; an /http hint is kept as before."""
+    holder = Identity.generate()
+    holder_peer = P2PNode(holder, P2PConfig(), run_id="r").peer_id
+    h = "ab" * 32
+    for allow in (False, True):
+        host = P2PNode(Identity.generate(), P2PConfig(allow_private_addrs=allow), run_id="r")
+        host.note_manifest(3, h)
+        source = PeerSource(host)
+        for bad in ("/ip4/::1/tcp/4001", "/dns4/x.example/tcp/4001", "/ip4/8.8.8.8/udp/4001", "/ip4/8.8.8.8/tcp/0"):
+            source.hint(3, h, 0, holder.public_hex, bad)
+        assert host.table.addrs_of(holder_peer) == ()
+        source.hint(3, h, 0, holder.public_hex, "/ip4/127.0.0.1/tcp/4001")
+        assert host.table.addrs_of(holder_peer) == (("/ip4/127.0.0.1/tcp/4001/p2p/" + holder_peer,) if allow else ())
+        source.hint(3, h, 1, holder.public_hex, "/ip4/8.8.8.8/tcp/4001")
+        source.hint(3, h, 1, holder.public_hex, "/ip4/8.8.8.8/tcp/8080/http")
+        assert host.table.addrs_of(holder_peer)[-2:] == ("/ip4/8.8.8.8/tcp/4001/p2p/" + holder_peer,
+                                                         "/ip4/8.8.8.8/tcp/8080/http")
+        assert source.holders(3, 1, h) == 1
