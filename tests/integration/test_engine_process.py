@@ -221,3 +221,26 @@ async def test_an_honest_worker_trains_with_every_submission_replayed_by_the_eng
         assert status["verification"]["rejected"] == 0, status["verification"]
         assert worker[0].stats.accepted > 0 and worker[0].stats.rejected == 0
         assert status["trainer"]["last_metrics"].get("groups", 0) > 0  # the engine's snapshot reached the status
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The niceness of every thread of `pid` (field 19 of /proc/PID/task/TID/stat; Linux keeps it per thread)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(int(open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError):
+            pass  # a thread that ended meanwhile
+    return out
+
+
+async def test_the_engine_restores_at_the_api_priority_then_every_thread_is_niced(tmp_path):
+    """server.engine_nice applies from Ready on (node/coordinator/engine.py): the restore, θ_0 and the warm start
+    run at the API's priority (niced from its start, an engine's start-up was starved past 120 s in CI), then every
+    thread of the engine is niced, torch's worker threads, started during the restore, too."""
+    from tests.integration.coordinator_harness import running_coordinator
+
+    async with running_coordinator(tmp_path, "server.engine_process=true") as (coord, _):
+        assert coord.engine is not None and coord.engine.pid is not None
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert thread_nices(coord.engine.pid) == {min(19, ours + coord.cfg.server.engine_nice)}
