@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -33,6 +34,12 @@ async def serve(cfg, *, ready_file: Path | None = None, stop: asyncio.Event | No
     identity = coordinator_identity(storage)
     coord = Coordinator(cfg, identity)
     runner, port = await start_server(coord, cfg.server.host, cfg.server.port)
+    # Everything built so far (modules, pydantic schemas, the run's tokenizer, the ledger's caches) lives as long
+    # as the process: out of the collector's sight it is not walked again by each full collection, a pass that
+    # holds the GIL throughout (a 131-192 ms gen2 pass as the first submissions came in at 1,000 nodes:
+    # docs/BENCHMARKS.md, "Training in its own process").
+    gc.collect()
+    gc.freeze()
     url = f"http://{cfg.server.host}:{port}"
     print(f"coordinator listening on {url}", flush=True)
     print(f"  dashboard:       {url}/dashboard", flush=True)
