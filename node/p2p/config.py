@@ -30,8 +30,10 @@ class P2PConfig(BaseModel):
     # address peers can dial (announce_addrs' host if set: forward this port too); also told to the origin,
     # which then names this node to others as the holder of a first copy. libp2p stays for discovery,
     # gossip, outbound-only nodes and any peer whose HTTP server cannot be reached.
-    # On by default (docs/BENCHMARKS.md, "WAN lab: N nodes"): a peer's delta shard over py-libp2p took ~0.64 s
-    # on 2 loaded cores, over HTTP ~0.02 s; loopback N = 6 held a delta in 0.64 s (median) instead of 3.37 s.
+    # On by default (docs/BENCHMARKS.md, "WAN lab: N nodes"): a shard costs 14-22x less CPU than over py-libp2p
+    # (bench/transport_cost.py); a LoRA step reached 16 loopback nodes in 4.07 s against 5.67 s, a peer shard
+    # 0.09 s against 0.94 s (loaded 2-core box). At N = 6, in the WAN lab and on loopback, the planes were within
+    # noise of each other (2026-11-27): no case measured where HTTP was slower.
     # Behind NAT it costs nothing and changes nothing: the join's dial-back cannot reach the HTTP port, so
     # the node announces no /http address (P2PNode.apply_reachability), still fetches from reachable peers
     # over HTTP, and serves over the libp2p connections it opened (nat.py). The server it opens has the
