@@ -77,7 +77,23 @@ class EngineProcess:
     # -- life ----------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine and wait until it restored the run from the ledger (or published θ_0): then
-        `published_step` is the ledger's newest step. Raises EngineDied if it dies first."""
+        `published_step` is the ledger's newest step. Raises EngineDied if it dies first. Cancelled (a stop
+        asked while it starts: node/coordinator/main.py), it kills the engine: it ignores signals, reads its
+        channel only once ready, and a restore cut short is redone at the next start (the ledger's crash
+        safety, as for a SIGKILL)."""
+        try:
+            await self._start()
+        except asyncio.CancelledError:
+            if self.proc is not None and self.proc.poll() is None:
+                log.info("stop asked while the engine process %d was starting: killing it", self.proc.pid)
+                self.proc.kill()
+                self.proc.wait()
+            if self._chan is not None:
+                self._chan.close()
+                self._chan = None
+            raise
+
+    async def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         storage = str(Path(self.cfg.storage.dir).resolve())
         try:

@@ -33,7 +33,19 @@ async def serve(cfg, *, ready_file: Path | None = None, stop: asyncio.Event | No
     storage.mkdir(parents=True, exist_ok=True)
     identity = coordinator_identity(storage)
     coord = Coordinator(cfg, identity)
-    runner, port = await start_server(coord, cfg.server.host, cfg.server.port)
+    # A stop asked while the coordinator starts (its engine process restores the run: tens of seconds on a busy
+    # box) ends the start instead of waiting it out and meeting node/lifecycle.py's deadline (exit 143).
+    starting = asyncio.ensure_future(start_server(coord, cfg.server.host, cfg.server.port))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done() and coord.engine is not None:  # one process: its restore thread can't be cut short
+        log.info("stop asked while starting: stopping before serving")
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await coord.stop()
+        return 1 if coord.failure is not None else 0
+    runner, port = await starting
     # Everything built so far (modules, pydantic schemas, the run's tokenizer, the ledger's caches) lives as long
     # as the process: out of the collector's sight it is not walked again by each full collection, a pass that
     # holds the GIL throughout (a 131-192 ms gen2 pass as the first submissions came in at 1,000 nodes:

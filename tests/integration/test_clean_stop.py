@@ -296,6 +296,44 @@ def test_second_sigterm_exits_a_stuck_coordinator_at_once(tmp_path):
     print(f"second SIGTERM: exited {took:.2f} s later")
 
 
+# The coordinator, whose engine process never says it is ready (the API process never reads its channel): a
+# restore that takes longer than anyone waits, as on a busy box.
+ENGINE_NEVER_READY = [
+    "-c",
+    "import asyncio, sys\n"
+    "from node.coordinator import engine_channel\n"
+    "async def recv(self):\n"
+    "    await asyncio.Event().wait()\n"
+    "engine_channel.AsyncChannel.recv = recv\n"
+    "from node.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n",
+]
+
+
+def test_coordinator_stopped_while_its_engine_starts_exits_at_once_and_kills_the_engine(tmp_path):
+    """SIGTERM while the engine process is still starting (server.engine_process, the default): the start is
+    cut short, the engine killed (it ignores signals and reads its channel only once ready), exit 0; before,
+    the stop waited for a start that never ended and met the 10 s deadline (exit 128 + SIGTERM)."""
+    coord = cli(tmp_path, "coord.log", "coordinator", "--config", str(REPO / "configs/local.toml"),
+                f"--set=storage.dir={tmp_path / 'coord'}", *FAST_CFG, program=ENGINE_NEVER_READY)
+
+    def engine_up():
+        assert coord.poll() is None, (tmp_path / "coord.log").read_text()[-3000:]
+        tree = descendants(coord.pid)
+        return tree if any("node.coordinator.engine" in c for c in tree.values()) else None
+
+    tree = wait_until(engine_up, 60, "the engine process")
+    coord.send_signal(signal.SIGTERM)
+    rc, took = wait_exit(coord, STOP_BOUND_S + MARGIN_S)
+    wait_gone(tree, 5)
+    log = (tmp_path / "coord.log").read_text()
+    assert rc == 0, (rc, log[-3000:])
+    assert took < STOP_BOUND_S - 1, took  # the stop, not the deadline, ended it
+    assert "killing it" in log, log[-3000:]
+    ledger_intact(tmp_path / "coord" / "ledger.sqlite")
+    print(f"coordinator stopped while its engine started exited {took:.1f} s after SIGTERM")
+
+
 def _role_blocked_on_a_silent_peer(tmp: Path, role: str, *args: str):
     """Start `role` against a server that accepts and never answers; SIGTERM it once it is blocked in
     that read; it must exit within the bound."""
