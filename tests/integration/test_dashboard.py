@@ -111,7 +111,9 @@ async def test_dashboard_renders_node_supplied_strings_as_text(tmp_path):
     literal text and never become markup. The real status document is fetched and then tampered.
     The page's own CSP stays in force here (it allows inline handlers, so it is not what stops this:
     the rendering code is), and a page that violates its CSP would log console errors."""
-    async with running_coordinator(tmp_path) as (coord, url), chromium_page(bypass_csp=False) as (page, errors):
+    # one process: what the page does with hostile strings does not depend on where training runs (~8 CPU-s less)
+    async with running_coordinator(tmp_path, "server.engine_process=false") as (coord, url), \
+            chromium_page(bypass_csp=False) as (page, errors):
         async def tamper(route):
             response = await route.fetch()
             doc = await response.json()

@@ -170,3 +170,36 @@ def test_bf16_generation_verifies_in_fp32():
     for q, r in zip(reqs, results):
         v = verifier.verify(q.prompt_ids, RolloutClaim.of(r.__dict__), q.seed, 1.0, 1.0, 40, 2)
         assert v.ok, v
+
+
+def test_nodes_of_one_process_start_their_engines_at_once(tmp_path):
+    """Four start_backend calls in threads of a fresh interpreter (transformers not imported yet), as the nodes of
+    the demo or a test load their first weights together: each gets its engine. transformers' lazy module is not
+    safe to import from two threads at once ("cannot import name 'AutoConfig'", 2-3 of 4 threads before)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.integration.coordinator_harness import REPO
+
+    model = tiny(4, tie=True)
+    model.config.save_pretrained(tmp_path / "m")
+    payload = _checkpoint_payload(model, tmp_path / "p.safetensors")
+    code = textwrap.dedent(f"""
+        import sys, threading
+        assert "transformers" not in sys.modules
+        from node.worker.backends import start_backend
+        errors = []
+        def start():
+            try:
+                start_backend("transformers", {str(tmp_path / "m")!r}, {str(payload)!r}, 1, device="cpu")
+            except Exception as e:
+                errors.append(repr(e))
+        threads = [threading.Thread(target=start) for _ in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print(errors)
+        sys.exit(1 if errors else 0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])

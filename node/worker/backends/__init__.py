@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
 from .adapter import LoraAdapter
 from .base import BackendError, GenRequest, GenResult, InferenceBackend
+
+_TRANSFORMERS_IMPORT = threading.Lock()  # start_backend: see there
 
 __all__ = ["BackendError", "GenRequest", "GenResult", "InferenceBackend", "LoraAdapter", "start_backend"]
 
@@ -34,9 +37,14 @@ def start_backend(name: str, model_dir: str | Path, payload: str | Path, step: i
     except ValueError as e:
         raise BackendError(str(e)) from None
     if name == "transformers":
-        from transformers import AutoConfig, AutoModelForCausalLM
+        with _TRANSFORMERS_IMPORT:
+            # transformers' lazy module is not safe to import from two threads at once: two nodes of one process
+            # (the demo's, the tests') loading their first weights together got "cannot import name
+            # 'AutoConfig' from 'transformers'" (transformers 5.19; 2-3 of 4 threads in a fresh process). The
+            # names generation needs later are resolved here too, so that no thread meets a half-made one.
+            from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel  # noqa: F401
 
-        from .transformers_backend import TransformersBackend
+            from .transformers_backend import TransformersBackend
 
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
         backend: InferenceBackend = TransformersBackend(AutoModelForCausalLM.from_config(config), dtype=dtype,
