@@ -68,8 +68,9 @@ class ServerConfig(_Section):
     # replays what no pool verifier could do.
     engine_process: bool = True
     # The engine process's niceness (added to this process's), from its Ready on: requests are served first and
-    # training takes the CPU they leave (the restore, θ_0 and the warm start, before any request, run un-niced). On a box with fewer cores than runnable threads, an engine at the API's priority
-    # made p99 no better than one process (bench/load.py --layout, docs/ARCHITECTURE.md "Processes").
+    # training takes the CPU they leave (the restore, θ_0 and the warm start, before any request, run un-niced).
+    # On a box with fewer cores than runnable threads, an engine at the API's priority made p99 no better than one
+    # process (bench/load.py --layout, docs/ARCHITECTURE.md "Processes").
     engine_nice: int = Field(10, ge=0, le=19)
     # How often all idle nodes together ask for work: a 204 from POST /v1/work tells a node to wait
     # (idle nodes / this) seconds, 0.25-60 s (node/coordinator/pacing.py); a new step wakes it at once.

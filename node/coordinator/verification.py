@@ -7,7 +7,6 @@ the claimed step's weights (in its own thread, so the HTTP API never blocks on a
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 import threading
@@ -255,8 +254,8 @@ class VerdictQueue:
                 return  # banned for generating with the previous step's weights, or banned and voided meanwhile
             tokens = sum(v.tokens for v in verdicts)
             near_ties = sum(v.near_ties for v in verdicts)
-            await self._write(functools.partial(ledger.set_verdict, assignment_id, "verified", node_id=node.node_id,
-                                                tokens=tokens, near_ties=near_ties))
+            await self._write(ledger.set_verdict, assignment_id, "verified", node_id=node.node_id, tokens=tokens,
+                              near_ties=near_ties)
             await self._check_steering(node.node_id)
         self.on_decided()
 
@@ -361,11 +360,11 @@ class VerdictQueue:
             log.warning("node %s banned: %d of its %d verified tokens were near-ties; %d rollouts voided",
                         node_id[:12], node.near_ties, node.verified_tokens, n)
 
-    async def _write(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def _write(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """A ledger write of a verdict, in a thread: a write waits for the ledger's lock, which an intake thread
         holds through its fsync'd commit of a submission (tens of ms on a slow disk, one after another while a
         batch's submissions come in); on the event loop that wait would hold up every other request."""
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def _void(self, node_id: str, assignment_id: str | None, rejections: list[Rejection]) -> int:
         """Ban and void in the ledger; the scheduler hands the voided groups' places out again."""
