@@ -292,6 +292,8 @@ class Fetcher:
                                origin_slots=self.parallel if small else 1)
         bar = _bar(self.progress, m.compressed_size, f"step {step}")
         bar.update(sum(m.shards[i].zsize for i in have))
+        t0 = time.monotonic()
+        traces = {i: _ShardTrace(t0) for i in planner.remaining}
 
         async def slot() -> None:
             while not planner.finished:
@@ -299,10 +301,13 @@ class Fetcher:
                     holders = {i: self._holders(step, i, h) for i in planner.remaining}
                     pick = planner.take(time.monotonic(), holders)
                     if not isinstance(pick, Wait):
+                        trace = traces[pick.index]
+                        trace.picked(time.monotonic())
                         try:
                             self.requests += 1
-                            await self._fetch_shard(m, pick)
+                            await self._fetch_shard(m, pick, trace)
                         except ShardDeferred as e:  # the origin or every holding peer said "not now"
+                            trace.ready = time.monotonic()
                             planner.deferred(pick, time.monotonic())
                             if e.holder is not None:  # the origin named who got the first copy: ask it now
                                 for src in self.sources:
@@ -327,6 +332,9 @@ class Fetcher:
                     tg.create_task(slot())
         finally:
             bar.close()
+        if traces:  # one line a step: where its shards' seconds went (bench/wan.py --scale reads it)
+            log.info("shards of step %d in %.3f s: %s", step, time.monotonic() - t0,
+                     " | ".join(f"{i} {traces[i]}" for i in sorted(traces)))
 
     async def _commit(self, m: Manifest) -> None:
         """Rebuild the payload of a downloaded step (on its base, for a delta) and make it visible."""
@@ -377,8 +385,9 @@ class Fetcher:
             p.unlink(missing_ok=True)
             return False
 
-    async def _fetch_shard(self, m: Manifest, pick: Pick) -> None:
+    async def _fetch_shard(self, m: Manifest, pick: Pick, trace: _ShardTrace | None = None) -> None:
         i, entry, h = pick.index, m.shards[pick.index], m.canonical_hash()
+        trace = trace or _ShardTrace(time.monotonic())
         final = self.store.partial_shard_path(m.step, i)
         part = final.with_name(final.name + ".part")
         attempts = 0
@@ -397,8 +406,10 @@ class Fetcher:
             try:
                 data = await src.shard(m.step, i, entry.zsize, offset, manifest_hash=h)
             except ShardDeferred:
+                trace.tried(src.kind, "defer", time.monotonic() - t0)
                 raise
             except BadAnswer as e:  # e.g. more bytes than signed: as bad as a shard that fails its hash
+                trace.tried(src.kind, "bad", time.monotonic() - t0)
                 part.unlink(missing_ok=True)
                 if not src.report_bad(m.step, i):
                     self._ban(src, f"shard {i} of step {m.step}: {e}")
@@ -406,6 +417,7 @@ class Fetcher:
                     raise FetchError(f"shard {i} of step {m.step}: {e}") from None
                 continue
             except SourceError as e:
+                trace.tried(src.kind, "err", time.monotonic() - t0)
                 self.book.failed(src.name)
                 if e.data and src.kind != "peer":  # keep what arrived; the next try asks for the rest
                     with open(part, "ab") as f:
@@ -414,6 +426,7 @@ class Fetcher:
                     raise FetchError(f"shard {i} of step {m.step}: {e}") from None
                 await asyncio.sleep(min(0.2 * attempts, 2.0))
                 continue
+            trace.tried(src.kind, "ok", time.monotonic() - t0, len(data))
             self.book.served(src.name, len(data), time.monotonic() - t0)
             self.bytes_by_kind[src.kind] += len(data)
             whole = (part.read_bytes() + data) if offset else data
@@ -429,6 +442,27 @@ class Fetcher:
             os.replace(tmp, final)
             part.unlink(missing_ok=True)
             return
+
+
+class _ShardTrace:
+    """Where one shard's seconds went, for the per-step log line: each request (source kind, outcome, seconds,
+    bytes) and the time it waited unpicked (for a free slot at first, then for a deferral to run out or a peer
+    to announce it). Printed as e.g. `wait 0.00 coordinator defer 0.081 wait 1.92 peer ok 0.153 118KB`."""
+
+    __slots__ = ("ready", "parts")
+
+    def __init__(self, ready: float):
+        self.ready = ready  # since when it could have been picked
+        self.parts: list[str] = []
+
+    def picked(self, now: float) -> None:
+        self.parts.append(f"wait {now - self.ready:.2f}")
+
+    def tried(self, kind: str, outcome: str, seconds: float, n_bytes: int = 0) -> None:
+        self.parts.append(f"{kind} {outcome} {seconds:.3f}" + (f" {n_bytes // 1000}KB" if n_bytes else ""))
+
+    def __str__(self) -> str:
+        return " ".join(self.parts)
 
 
 def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
