@@ -26,7 +26,7 @@ from node.coordinator.scheduler import PromptSlot, Scheduler
 from node.coordinator.verification import VerdictQueue
 from node.envs.episode import check_episode, episode_of, max_turns_of, model_texts, score_episode
 from protocol import messages as M
-from verify.commitment import CommitmentError, chunk_bounds, parse_commitment
+from verify.commitment import CommitmentError, chunk_bounds, commitment_chunks
 
 log = logging.getLogger("prime_node.intake")
 
@@ -41,7 +41,7 @@ def structural_problem(r: M.RolloutSubmission, *, vocab_size: int, max_tokens: i
     if len(r.turns) + 1 > max_turns:
         return "too_many_turns"
     for t in r.turns:
-        if any(i >= vocab_size for i in t.env_ids):
+        if max(t.env_ids, default=0) >= vocab_size:
             return "token_out_of_vocab"
     for turn in [r, *r.turns]:
         problem = _turn_problem(turn, vocab_size=vocab_size, max_tokens=max_tokens, eos=eos)
@@ -52,7 +52,7 @@ def structural_problem(r: M.RolloutSubmission, *, vocab_size: int, max_tokens: i
 
 def _turn_problem(r: M.ModelTurnWire, *, vocab_size: int, max_tokens: int, eos: int) -> str | None:
     ids = r.completion_ids
-    if any(t >= vocab_size for t in ids):
+    if max(ids, default=0) >= vocab_size:  # max() in C: a generator over 512 tokens x 128 rollouts was ~10 ms
         return "token_out_of_vocab"
     if len(ids) > max_tokens:
         return "too_long"
@@ -62,11 +62,11 @@ def _turn_problem(r: M.ModelTurnWire, *, vocab_size: int, max_tokens: int, eos: 
         return "stop_without_eos"
     if r.finish_reason == "length" and (len(ids) != max_tokens or ids[-1] == eos):
         return "length_not_reached"
-    try:  # the commitment is always parsed, whether or not this submission will be replayed
-        proofs = parse_commitment(r.commitment)
+    try:  # the commitment is always checked, whether or not this submission will be replayed
+        chunks = commitment_chunks(r.commitment)
     except CommitmentError:
         return "bad_commitment"
-    if len(proofs) != len(chunk_bounds(len(ids))):
+    if chunks != len(chunk_bounds(len(ids))):
         return "bad_commitment"
     return None
 
@@ -138,6 +138,7 @@ class Intake:
         G = cfg.run.group_size
         t = Triage()
         by_prompt: dict[str, dict[int, M.RolloutSubmission]] = defaultdict(dict)
+        max_turns = max_turns_of(self.model.task)
         for r in req.rollouts:
             key = (r.prompt_id, r.sample_index)
             if r.prompt_id not in slots:
@@ -148,8 +149,8 @@ class Intake:
                 t.reasons[key] = "duplicate_rollout"
             else:
                 problem = structural_problem(r, vocab_size=self.model.vocab_size, max_tokens=cfg.sampling.max_tokens,
-                                             eos=self.model.eos_token_id, max_turns=max_turns_of(self.model.task))
-                if not problem and max_turns_of(self.model.task) > 1:
+                                             eos=self.model.eos_token_id, max_turns=max_turns)
+                if not problem and max_turns > 1:
                     problem = self.episode_problem(slots[r.prompt_id], r)
                 if problem:
                     t.reasons[key] = problem

@@ -21,14 +21,26 @@ class ReverseTextKwargs(TaskKwargs):
 
 
 def lcs_length(a: str, b: str) -> int:
-    """Classic O(len(a)·len(b)) dynamic programme, one row at a time."""
-    prev = [0] * (len(b) + 1)
-    for ca in a:
-        cur = [0]
-        for j, cb in enumerate(b):
-            cur.append(prev[j] + 1 if ca == cb else max(prev[j + 1], cur[j]))
-        prev = cur
-    return prev[-1]
+    """Length of the longest common subsequence, bit-parallel (Hyyrö 2004; Crochemore et al. 2001): one bit per
+    character of the shorter string in a Python int, one addition and a few bit operations per character of the
+    other. The same answer as the O(len(a)·len(b)) dynamic programme (tests/unit/test_envs.py compares them) for
+    a fraction of the CPU: the coordinator's intake scores every rollout of a submission while holding the GIL."""
+    if len(a) > len(b):
+        a, b = b, a
+    if not a:
+        return 0
+    match: dict[str, int] = {}
+    for i, c in enumerate(a):
+        match[c] = match.get(c, 0) | (1 << i)
+    full = (1 << len(a)) - 1
+    v = full  # a 0 bit: that position of `a` is in the longest common subsequence so far
+    get = match.get
+    for c in b:
+        m = get(c)
+        if m:  # a character that is not in `a` leaves v as it is (u = 0)
+            u = v & m
+            v = ((v + u) | (v - u)) & full
+    return len(a) - v.bit_count()
 
 
 class ReverseText(Task):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from verify.commitment import (CHUNK_TOKENS, FIELD_MAX, TOPK, CommitmentError, ChunkProof, bf16_bits,
-                               build_proofs, choose_modulus, decode_proofs, encode_proofs, evaluate, interpolate,
-                               is_prime, make_commitment, parse_commitment, score_commitment)
+                               build_proofs, choose_modulus, chunk_bounds, commitment_chunks, decode_proofs,
+                               encode_proofs, evaluate, interpolate, is_prime, make_commitment, parse_commitment,
+                               score_commitment)
 from verify.commitment import _topk_by_magnitude
 
 
@@ -120,8 +121,17 @@ def _valid_bytes():
     (lambda b: b"", "truncated"),
 ])
 def test_malformed_commitments_rejected(mutate, message):
+    bad = mutate(_valid_bytes())
     with pytest.raises(CommitmentError, match=message):
-        decode_proofs(mutate(_valid_bytes()))
+        decode_proofs(bad)
+    with pytest.raises(CommitmentError, match=message):  # the intake's check, which builds no proofs
+        commitment_chunks(base64.b64encode(bad).decode())
+
+
+def test_commitment_chunks_counts_what_parse_commitment_builds():
+    for n in (1, 31, 32, 33, 100, 512):
+        text = make_commitment(torch.randn(n, 96))
+        assert commitment_chunks(text) == len(parse_commitment(text)) == len(chunk_bounds(n))
 
 
 def test_bad_base64_and_oversize_rejected():

@@ -33,6 +33,27 @@ def test_reverse_text_knobs_and_lcs_ratio_score():
     assert lcs_length("abcbdab", "bdcaba") == 4
 
 
+def _lcs_reference(a: str, b: str) -> int:
+    """The classic dynamic programme, which lcs_length replaced by its bit-parallel form."""
+    prev = [0] * (len(b) + 1)
+    for ca in a:
+        cur = [0]
+        for j, cb in enumerate(b):
+            cur.append(prev[j] + 1 if ca == cb else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def test_lcs_length_is_the_dynamic_programmes_answer():
+    rng = random.Random(5)
+    for _ in range(500):
+        alphabet = rng.choice(["ab", "abc", "abcdefgh", "ab \n\u00e9\u4e2d"])
+        a = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 70)))
+        b = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+        assert lcs_length(a, b) == lcs_length(b, a) == _lcs_reference(a, b), (a, b)
+    assert lcs_length("x" * 256, "x" * 6) == 6 and lcs_length("", "abc") == 0
+
+
 def test_arithmetic_exact_match():
     task = load_task("arithmetic", {"max_value": 5, "ops": "*"})
     p = task.sample(1, 2)
