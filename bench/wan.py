@@ -461,9 +461,15 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
     bsrc = st.get("checkpoint_bytes_by_source") or {}
     # phases (bench/wan.py --loopback's) when the run's logs are JSON lines (--set server.log_format=json); the
     # namespaces share the host's clock
-    phases = step_phases(st, [logs[nd.name] for nd in nodes])[0] if "server.log_format=json" in " ".join(extra) else None
+    phases = breakdown = None
+    if "server.log_format=json" in " ".join(extra):
+        phases = step_phases(st, [logs[nd.name] for nd in nodes])[0]
+        deltas = {x["step"] for x in steps_out if x["encoding"] != "full"}
+        breakdown = shard_breakdown(logs, {name: DOWNLINK_MBIT[k] for name, _, k in sites},
+                                    {name: 2 * p.one_way_ms / 1e3 for name, p, _ in sites}, deltas,
+                                    {name: k for name, _, k in sites})
     return {"n": n, "steps": steps, "trainer_steps": st.get("step"), "wall_s": round(wall, 1), "tail_s": round(tail, 1),
-            "phases_s": phases,
+            "phases_s": phases, "shard_breakdown": breakdown,
             "origin_mbit": origin_mbit, "bytes_by_source": bsrc, "origin_bytes": st.get("bytes_served"),
             "served_by_kind": by_kind, "natted_served_bytes": by_kind.get("home", {}).get("served_bytes", 0),
             "full": {"t_all_s": med("full", "t_all_s"), "lower_bound_s": med("full", "lower_bound_s"),
@@ -619,6 +625,122 @@ def _node_events(log_text: str) -> dict:
     return ev
 
 
+_SHARDS_LINE = re.compile(r"shards of step (\d+) in ([\d.]+) s: (.*)")
+_TRY = re.compile(r"(coordinator|relay|peer) (ok|defer|err|bad) ([\d.]+)(?: (\d+)KB)?(?: \[([^\]]*)\])?")
+
+
+def shard_breakdown(logs: dict[str, str], down_mbit: dict[str, float], rtt_s: dict[str, float],
+                    deltas: set[int], kinds: dict[str, str] | None = None) -> dict:
+    """Where a delta shard's seconds go, from the fetcher's per-step line ("shards of step N in X s: ...", one
+    entry per shard: each request's source kind, outcome, seconds, bytes, and the waits between). Per shard
+    fetched: `wait` (unpicked: for a free slot, then for a deferral to run out or a peer to announce it),
+    `deferred` (the requests answered "not now": the origin's 429 or every holding peer busy), `failed`
+    (errors, e.g. a hinted holder that did not hold it yet), `ok` (the request that brought it) cut into
+    `transfer` (its bytes at the node's downlink) and `rtt` (the rest: round trips, queueing, the sender's
+    CPU). Also per step: `before` (sync start to the first shard request: listing and manifests), `download`,
+    `commit` (rebuild until "holding step"). `logs`: node name -> its JSON log; `kinds`: node name -> home,
+    public or dc (a peer-served shard is grouped by its server's kind)."""
+    kinds = kinds or {}
+    rows: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    peers = {}  # the last 6 characters of a node's peer id -> its name
+    for name, text in logs.items():
+        if m := re.search(r"p2p node (\S+) listening", text):
+            peers[m.group(1)[-6:]] = name
+    for name, text in logs.items():
+        recs = [r for r in (_json(x) for x in text.splitlines() if x.startswith("{")) if r]
+        syncs = [(r["ts"] - float(m.group(3)), int(m.group(1)), int(m.group(2) or m.group(1)))
+                 for r in recs if (m := re.match(r"fetched steps (\d+)(?:\.\.(\d+))? in ([\d.]+) s", r["msg"]))]
+        held = {int(m.group(1)): r["ts"] for r in recs if (m := re.match(r"holding step (\d+)", r["msg"]))}
+        for r in recs:
+            m = _SHARDS_LINE.match(r["msg"])
+            if not m or int(m.group(1)) not in deltas:
+                continue
+            step, dl = int(m.group(1)), float(m.group(2))
+            start = next((t0 for t0, a, b in syncs if a <= step <= b), None)
+            steps.append({"node": name, "step": step, "download": dl,
+                          "before": r["ts"] - dl - start if start is not None else None,
+                          "commit": held[step] - r["ts"] if step in held else None})
+            for entry in m.group(3).split(" | "):
+                idx, _, rest = entry.partition(" ")
+                row: dict[str, Any] = {"node": name, "step": step, "shard": int(idx), "wait": 0.0, "waits": 0, "deferred": 0.0,
+                       "deferrals": 0, "failed": 0.0, "failures": 0, "ok": None, "source": None, "bytes": 0}
+                for w in re.findall(r"wait ([\d.]+)", rest):
+                    row["wait"] += float(w)
+                    row["waits"] += 1
+                for kind, outcome, sec, kb, via in _TRY.findall(rest):
+                    if outcome == "ok":
+                        row.update(ok=float(sec), source=kind, bytes=int(kb or 0) * 1000)
+                        who = [t.split("/")[0] for t in via.split(",") if "=ok/" in t]
+                        if who:  # which node served it: "peer:<its kind>"
+                            row["from"] = peers.get(who[0], "?")
+                            row["source"] = f"peer:{kinds.get(row['from'], '?')}"
+                    elif outcome == "defer":
+                        row["deferred"] += float(sec)
+                        row["deferrals"] += 1
+                    else:
+                        row["failed"] += float(sec)
+                        row["failures"] += 1
+                if row["ok"] is None:
+                    continue
+                row["transfer"] = row["bytes"] * 8 / (down_mbit[name] * 1e6)
+                row["rtt"] = max(0.0, row["ok"] - row["transfer"])
+                row["node_rtt_s"] = rtt_s[name]
+                row["total"] = row["wait"] + row["deferred"] + row["failed"] + row["ok"]
+                rows.append(row)
+    keys = ("total", "wait", "deferred", "failed", "ok", "transfer", "rtt")
+
+    def summary(rs: list[dict]) -> dict:
+        out: dict = {"shards": len(rs)}
+        for k in keys:
+            xs = [x[k] for x in rs]
+            out[k] = {"median": _r(statistics.median(xs)) if xs else None, "mean": _r(statistics.mean(xs)) if xs else None,
+                      "sum": _r(sum(xs))}
+        out["deferrals"] = sum(x["deferrals"] for x in rs)
+        out["failures"] = sum(x["failures"] for x in rs)
+        out["rtts_in_ok"] = _r(statistics.median(x["rtt"] / x["node_rtt_s"] for x in rs)) if rs else None
+        return out
+
+    by = {"all": summary(rows)}
+    for src in sorted({x["source"] for x in rows}):
+        by[src] = summary([x for x in rows if x["source"] == src])
+    by["deferred_first"] = summary([x for x in rows if x["deferrals"]])
+    for k in sorted(set(kinds.values())):
+        by[f"to {k}"] = summary([x for x in rows if kinds.get(x["node"]) == k])
+    # each node-step's slowest shard: what the step waited for
+    slowest: dict[tuple, dict] = {}
+    for x in rows:
+        key = (x["node"], x["step"])
+        if key not in slowest or x["total"] > slowest[key]["total"]:
+            slowest[key] = x
+    by["slowest of a step"] = summary(list(slowest.values()))
+    per_step = {}
+    for k in ("before", "download", "commit"):
+        xs = [x[k] for x in steps if x[k] is not None]
+        per_step[k] = {"median": _r(statistics.median(xs)) if xs else None, "p90": _r(_pct(xs, 0.9))}
+    return {"by_source": by, "step_parts": per_step, "node_steps": len(steps)}
+
+
+def _json(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("msg"), str) else None
+
+
+def print_breakdown(b: dict) -> None:
+    """The table of `shard_breakdown`: seconds per delta shard (mean / median) by the source that served it."""
+    print(f"delta shards: where a shard's seconds go (mean/median s), {b['node_steps']} node-steps; step parts "
+          + ", ".join(f"{k} {_f(v['median'])}/{_f(v['p90'])}" for k, v in b["step_parts"].items()) + " (median/p90)")
+    print(f"{'shards':18} {'shards':>6} {'defers':>6} {'fails':>5} " + " ".join(
+        f"{k:>11}" for k in ("total", "wait", "deferred", "failed", "ok", "transfer", "rtt")) + f" {'RTTs in ok':>10}")
+    for src, v in b["by_source"].items():
+        cells = " ".join(f"{_f(v[k]['mean']):>5}/{_f(v[k]['median']):<5}" for k in
+                         ("total", "wait", "deferred", "failed", "ok", "transfer", "rtt"))
+        print(f"{src:18} {v['shards']:>6} {v['deferrals']:>6} {v['failures']:>5} {cells} {_f(v['rtts_in_ok']):>10}")
+
+
 def _pid_rss_mb(pid: int) -> float | None:
     try:
         m = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
@@ -717,6 +839,9 @@ def main() -> None:
         rows = [run_swarm(REPO, int(n), args.steps, args.workdir / f"n{n}", origin_mbit=args.origin_mbit, extra=extra)
                 for n in args.scale.split(",")]
         print_scale(rows)
+        for r in rows:
+            if r.get("shard_breakdown"):
+                print_breakdown(r["shard_breakdown"])
         old = json.loads(res.read_text()) if res.is_file() else {}
         prev = {r["n"]: r for r in old.get(args.key or "scale", {}).get("rows", [])}
         prev.update({r["n"]: r for r in rows})

@@ -403,13 +403,14 @@ class Fetcher:
                 part.unlink(missing_ok=True)
                 offset = 0
             t0 = time.monotonic()
+            tries = getattr(src, "tries", None)  # a swarm source says which holders it tried
             try:
                 data = await src.shard(m.step, i, entry.zsize, offset, manifest_hash=h)
             except ShardDeferred:
-                trace.tried(src.kind, "defer", time.monotonic() - t0)
+                trace.tried(src.kind, "defer", time.monotonic() - t0, via=tries(m.step, i) if tries else "")
                 raise
             except BadAnswer as e:  # e.g. more bytes than signed: as bad as a shard that fails its hash
-                trace.tried(src.kind, "bad", time.monotonic() - t0)
+                trace.tried(src.kind, "bad", time.monotonic() - t0, via=tries(m.step, i) if tries else "")
                 part.unlink(missing_ok=True)
                 if not src.report_bad(m.step, i):
                     self._ban(src, f"shard {i} of step {m.step}: {e}")
@@ -417,7 +418,7 @@ class Fetcher:
                     raise FetchError(f"shard {i} of step {m.step}: {e}") from None
                 continue
             except SourceError as e:
-                trace.tried(src.kind, "err", time.monotonic() - t0)
+                trace.tried(src.kind, "err", time.monotonic() - t0, via=tries(m.step, i) if tries else "")
                 self.book.failed(src.name)
                 if e.data and src.kind != "peer":  # keep what arrived; the next try asks for the rest
                     with open(part, "ab") as f:
@@ -426,7 +427,7 @@ class Fetcher:
                     raise FetchError(f"shard {i} of step {m.step}: {e}") from None
                 await asyncio.sleep(min(0.2 * attempts, 2.0))
                 continue
-            trace.tried(src.kind, "ok", time.monotonic() - t0, len(data))
+            trace.tried(src.kind, "ok", time.monotonic() - t0, len(data), via=tries(m.step, i) if tries else "")
             self.book.served(src.name, len(data), time.monotonic() - t0)
             self.bytes_by_kind[src.kind] += len(data)
             whole = (part.read_bytes() + data) if offset else data
@@ -447,7 +448,8 @@ class Fetcher:
 class _ShardTrace:
     """Where one shard's seconds went, for the per-step log line: each request (source kind, outcome, seconds,
     bytes) and the time it waited unpicked (for a free slot at first, then for a deferral to run out or a peer
-    to announce it). Printed as e.g. `wait 0.00 coordinator defer 0.081 wait 1.92 peer ok 0.153 118KB`."""
+    to announce it). Printed as e.g. `wait 0.00 coordinator defer 0.081 wait 1.92 peer ok 0.153 118KB [pYq3Xa/0=ok/0.150]`
+    (a swarm request's holders in brackets: peers.py PeerSource.tries)."""
 
     __slots__ = ("ready", "parts")
 
@@ -458,8 +460,9 @@ class _ShardTrace:
     def picked(self, now: float) -> None:
         self.parts.append(f"wait {now - self.ready:.2f}")
 
-    def tried(self, kind: str, outcome: str, seconds: float, n_bytes: int = 0) -> None:
-        self.parts.append(f"{kind} {outcome} {seconds:.3f}" + (f" {n_bytes // 1000}KB" if n_bytes else ""))
+    def tried(self, kind: str, outcome: str, seconds: float, n_bytes: int = 0, via: str = "") -> None:
+        self.parts.append(f"{kind} {outcome} {seconds:.3f}" + (f" {n_bytes // 1000}KB" if n_bytes else "")
+                          + (f" [{via}]" if via else ""))
 
     def __str__(self) -> str:
         return " ".join(self.parts)

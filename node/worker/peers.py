@@ -10,7 +10,8 @@ import ipaddress
 import logging
 import random
 import re
-from collections import defaultdict
+import time
+from collections import OrderedDict, defaultdict
 
 from node.p2p.errors import ShardBusy, ShardNotFound
 from node.worker.sources import ShardDeferred, SourceError
@@ -31,6 +32,10 @@ def _literal_ip(proto: str, text: str) -> bool:
         return False
 
 
+def _try(peer: str, rank: int, outcome: str, t0: float) -> str:
+    return f"{peer[-6:]}/{rank}={outcome}/{time.monotonic() - t0:.3f}"
+
+
 class PeerSource:
     kind = "peer"
     name = "peer:swarm"
@@ -39,6 +44,8 @@ class PeerSource:
         self.p2p = p2p
         self.banned: set[str] = set()
         self._last: dict[tuple[int, int], str] = {}
+        # the holders the last request for a shard tried, for the fetcher's per-step log line (`tries`)
+        self._tries: OrderedDict[tuple[int, int], list[str]] = OrderedDict()
 
     def _holders(self, step: int, index: int, manifest_hash: str) -> list[str]:
         return [p for p in self.p2p.peers_with(step, index, manifest_hash)
@@ -65,21 +72,36 @@ class PeerSource:
         # uplink and a second Noise layer) before those we cannot dial (node/p2p/host.py holder_rank)
         holders.sort(key=self.p2p.holder_rank)
         errors, busy = [], 0
+        tries = self._tries[(step, index)] = []
         for peer in holders[:4]:
             self._last[(step, index)] = peer
+            t0, rank = time.monotonic(), self.p2p.holder_rank(peer)
             try:
-                return await self.p2p.fetch_shard(peer, step, index, max_bytes, manifest_hash=manifest_hash)
+                data = await self.p2p.fetch_shard(peer, step, index, max_bytes, manifest_hash=manifest_hash)
+                tries.append(_try(peer, rank, "ok", t0))
+                return data
             except ShardBusy as e:
                 busy += 1
                 errors.append(f"{peer[:12]}: {e}")
+                tries.append(_try(peer, rank, "busy", t0))
             except ShardNotFound as e:  # its claim (gossip, or its server's bitfield) was wrong or stale
                 self.p2p.table.drop_shard(peer, step, index)
                 errors.append(f"{peer[:12]}: {e}")
+                tries.append(_try(peer, rank, "notheld", t0))
             except PrimeNodeError as e:
                 errors.append(f"{peer[:12]}: {e}")
+                tries.append(_try(peer, rank, type(e).__name__, t0))
         if busy == len(errors):  # every holder is saturated: try another shard, come back shortly
             raise ShardDeferred(f"every holder of shard {index} of step {step} is busy")
         raise SourceError("; ".join(errors))
+
+    def tries(self, step: int, index: int) -> str:
+        """The holders the last request for this shard tried, each as `<peer id's last 6>/<rank>=<outcome>/<s>`
+        (rank: node/p2p/host.py holder_rank, 0 direct, 1 relayed, 2 no address, 3 failed lately); forgotten
+        once read, and kept for at most 256 shards."""
+        while len(self._tries) > 256:
+            self._tries.popitem(last=False)
+        return ",".join(self._tries.pop((step, index), ()))
 
     def hint(self, step: int, manifest_hash: str, index: int, node_id: str, addr: str) -> None:
         """The origin says `node_id` got shard `index` from it and serves it at `addr`: its HTTP shard server
