@@ -23,8 +23,9 @@ Ticket = TypeVar("Ticket")  # whatever a gate's `before` hands its own `after`
 
 
 class ShardGate(Protocol[Ticket]):
-    def before(self, request: web.Request, step: int, index: int) -> Ticket:
-        """Raise ApiError to refuse; return a ticket for `after`."""
+    async def before(self, request: web.Request, step: int, index: int) -> Ticket:
+        """Raise ApiError to refuse; return a ticket for `after`. May wait (the seeding gate holds a deferred
+        request while the first copy is in flight)."""
 
     def after(self, ticket: Ticket, sent: bool) -> None:
         """The copy was sent whole (True) or not (False)."""
@@ -64,7 +65,7 @@ class CheckpointRoutes:
     async def shard(self, request: web.Request) -> web.StreamResponse:
         step = self._servable_step(request)
         index = int_param(request, "index", 100_000)
-        ticket = self.gate.before(request, step, index) if self.gate is not None else None
+        ticket = await self.gate.before(request, step, index) if self.gate is not None else None
         try:
             resp = await file_response(request, self.store.shard_path(step, index), self.throttle, self.on_bytes)
         except BaseException:

@@ -29,6 +29,7 @@ than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` window
 """
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
 import time
@@ -40,6 +41,11 @@ from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
 from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
+# How long a deferred request may be held for a first copy in flight (SeedingGate._hold): the node's own deferral is
+# 2 s (node/worker/planner.py origin_defer_s), and a copy still in flight after 1 s is a slow one, whose holder may
+# have its next copy out through gossip just as soon
+HOLD_S = 1.0
+MAX_HOLDS = 10_000  # requests held at once (each is one open request): beyond, deferred at once as before
 # X-Prime-Shard-Addr values read per request: a node's HTTP shard server and its libp2p address
 MAX_SHARD_ADDRS = 2
 # a libp2p TCP address as a node tells it (its announced /ip4/<ip>/tcp/<port>/p2p/<peer id>), or as we repeat it
@@ -153,6 +159,11 @@ class SuperSeeder:
         # O(askers) only for a node holding 2 or more, and it stops at the first asker holding fewer than mine - 1
         return mine >= 2 and any(held.get(n, 0) < mine - 1 for n in self._askers if n != node_id)
 
+    def in_flight(self, key: Hashable) -> str | None:
+        """The node whose first copy of `key` the origin is still sending (live, not finished), if any."""
+        claim = self._claim(key)
+        return claim.node_id if claim is not None and claim.finished is None else None
+
     def holder(self, key: Hashable) -> str | None:
         """The node whose first copy of `key` is complete and still spreading, if any."""
         claim = self._claim(key)
@@ -210,8 +221,16 @@ class SeedingGate:
     is served like any HTTP client's and never holds a first copy; a signature that does not verify is a 401."""
 
     def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000,
-                 allow_private_addrs: bool = False, verified: Callable[[str, str], bool] | None = None):
+                 allow_private_addrs: bool = False, verified: Callable[[str, str], bool] | None = None,
+                 hold_s: float = HOLD_S, max_holds: int = MAX_HOLDS):
         self.seeder, self.verifier, self.is_member = seeder, verifier, is_member
+        # A node deferred while the first copy is still in flight is held (at most `hold_s`) until that copy is
+        # out, then told its holder (X-Prime-Holder), instead of being told "not now" with no one to ask: it then
+        # waited for the holder's `have` gossip (batched every max(0.3 s, peers / 8 s)) or its 2 s deferral, ~0.7 s
+        # of a delta's slowest shard in the WAN lab (docs/BENCHMARKS.md, "Where a delta's fetch goes").
+        self.hold_s, self.max_holds = hold_s, max_holds
+        self._copies: dict[Hashable, asyncio.Event] = {}  # a shard with held requests -> set when a copy ends
+        self.holds = 0  # requests held now
         # node id -> where it serves shards, as it told us (X-Prime-Shard-Addr on its signed requests): its HTTP
         # shard server (/ip4/<ip>/tcp/<port>/http) and its libp2p address (/ip4/<ip>/tcp/<port>), so a deferred node
         # learns where the first copy went (X-Prime-Holder) instead of waiting for gossip
@@ -290,21 +309,49 @@ class SeedingGate:
             raise ApiError(401, e.code, e.detail) from None
         return signer if self.is_member(signer) else None
 
-    def before(self, request, step: int, index: int) -> tuple | None:
+    async def before(self, request, step: int, index: int) -> tuple | None:
         key, node_id = (step, index), self._node(request)
         told = request.headers.getall(SHARD_ADDR_HEADER, [])
         if node_id is not None:
             self._remember_addrs(node_id, told)
         if not self.seeder.admit(key, node_id):
             over_http = any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS])  # it runs the HTTP data plane
-            raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer",
-                           headers=self._holder_header(key, over_http))
+            await self._hold(key, over_http)
+            if self.seeder.holder(key) is not None or self.seeder.in_flight(key) is not None:
+                raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a "
+                               "peer", headers=self._holder_header(key, over_http))
+            # else the first copy failed while this request was held: this node may take it
         # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
         if request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-"):
             self.seeder.started(key, node_id)
             return key, node_id
         return None
 
+    async def _hold(self, key: Hashable, over_http: bool) -> None:
+        """Wait (at most `hold_s`) while the first copy of `key` is in flight to a node we can name to others (an
+        unnamed holder is learnt only from its gossip: holding would only delay the answer). The wait ends when
+        any copy of the shard ends (`after`) and the first one is no longer in flight."""
+        holder = self.seeder.in_flight(key)
+        if (holder is None or self.hold_s <= 0 or self.holds >= self.max_holds
+                or (holder not in self.libp2p_addrs and holder not in self.shard_addrs)):
+            return
+        deadline = asyncio.get_running_loop().time() + self.hold_s
+        self.holds += 1
+        try:
+            while self.seeder.in_flight(key) is not None:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return
+                event = self._copies.setdefault(key, asyncio.Event())
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    return
+        finally:
+            self.holds -= 1
+
     def after(self, ticket: tuple | None, sent: bool) -> None:
         if ticket is not None:
             (self.seeder.finished if sent else self.seeder.failed)(*ticket)
+            if (event := self._copies.pop(ticket[0], None)) is not None:
+                event.set()  # the requests held for this shard look again

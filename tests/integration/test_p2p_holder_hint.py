@@ -69,6 +69,36 @@ async def test_a_libp2p_node_the_origin_defers_fetches_from_the_holder_it_names(
     assert took < 4.0, took
 
 
+async def test_a_node_deferred_while_the_first_copy_is_in_flight_is_told_its_holder_when_it_lands(tmp_path):
+    """The origin's upload capped so that the first copies take ~0.4 s: node b asks while they are in flight to a. Its
+    requests are held until a's copies are out, then answered 429 with a named as the holder, and b takes every
+    shard from a at once. Before, the 429 came at once with no holder (the copy was not finished); b, hearing no
+    gossip, waited out its 2 s deferral before asking the origin again (in the WAN lab, ~0.7 s of a delta's slowest
+    shard went to that wait: docs/BENCHMARKS.md, "Where a delta's fetch goes")."""
+    import asyncio
+
+    rate = 2_000_000  # bytes/s: step 0 (0.83 MB in 5 shards) takes ~0.4 s to send
+    async with running_coordinator(tmp_path, "distribution.super_seed_seconds=10.0",
+                                   f"distribution.origin_upload_limit={rate}") as (coord, base):
+        m = coord.checkpoints.manifest(0)
+        assert m is not None and 0.2 < m.compressed_size / rate < 0.8, m.compressed_size  # else retune the rate
+        async with aiohttp.ClientSession() as session, contextlib.AsyncExitStack() as stack:
+            _, first = await _joined_node(tmp_path, "a", base, coord, session, stack)
+            _, deferred = await _joined_node(tmp_path, "b", base, coord, session, stack)
+            a = asyncio.create_task(first.sync_once())
+            t_end = time.monotonic() + 5
+            while not any(c.finished is None for c in coord.seeder._claims.values()):  # a first copy under way
+                assert time.monotonic() < t_end and not a.done(), "a's first copies never started"
+                await asyncio.sleep(0.002)
+            t0 = time.monotonic()
+            assert await deferred.sync_once() == 0
+            took = time.monotonic() - t0
+            assert await a == 0
+    assert first.bytes_by_kind["coordinator"] == m.compressed_size
+    assert deferred.bytes_by_kind["peer"] == m.compressed_size, deferred.bytes_by_kind
+    assert took < 1.9, took  # before: >= 2 s (the node's own deferral), for every shard
+
+
 def test_the_origin_repeats_only_libp2p_addresses_its_dial_back_reached():
     """The gate keeps a node's libp2p address only in the form `/ip4/<ip>/tcp/<port>` (its /p2p/ suffix dropped:
     the deferred node derives the peer id from the node id), only if the address policy allows the IP and only if

@@ -148,3 +148,40 @@ def test_spreading_needs_another_servable_asker_and_ignores_unservable_ones():
     for i in range(5):
         assert s.admit((5, i), "only")
         s.started((5, i), "only")
+
+
+async def test_a_deferred_request_is_held_while_the_first_copy_is_in_flight_and_no_longer():
+    """SeedingGate._hold (real clock, no server): it returns when the first copy lands or fails, at `hold_s` if it
+    is still in flight, and at once where there is nothing to wait for (no copy in flight, or a holder we could not
+    name to anyone)."""
+    import asyncio
+    import time
+
+    from node.coordinator.seeding import SeedingGate
+
+    def gate(hold_s=3.0):
+        g = SeedingGate(SuperSeeder(10.0), verifier=None, is_member=lambda n: True, hold_s=hold_s)
+        g.libp2p_addrs["a"] = "/ip4/8.8.8.8/tcp/4001"
+        g.seeder.started(S, "a")
+        return g
+
+    async def held(g, after=None):
+        t0 = time.monotonic()
+        task = asyncio.create_task(g._hold(S, over_http=False))
+        await asyncio.sleep(0.05)
+        if after is not None:
+            after()
+        await task
+        return time.monotonic() - t0
+
+    g = gate()
+    assert await held(g, lambda: g.after((S, "a"), sent=True)) < 1.0  # landed: the holder is named
+    assert g.seeder.holder(S) == "a" and g.holds == 0 and not g._copies
+    g = gate()
+    assert await held(g, lambda: g.after((S, "a"), sent=False)) < 1.0  # failed: the shard reopens
+    assert g.seeder.in_flight(S) is None
+    g = gate(hold_s=0.3)  # bounded, and another node's copy ending does not end it: the first is still out
+    assert 0.29 < await held(g, lambda: g.after((S, "b"), sent=True)) < 1.0
+    g = gate()
+    del g.libp2p_addrs["a"]  # a holder nobody could be told of
+    assert await held(g) < 0.1
