@@ -277,9 +277,9 @@ def record_submission_sizes(coord) -> list[int]:
     sizes: list[int] = []
     receive = coord.submit
 
-    async def submit(node_id, req):
+    async def submit(node_id, req, body=None):
         sizes.append(len(json.dumps(req.model_dump()).encode()))
-        return await receive(node_id, req)
+        return await receive(node_id, req, body)
 
     coord.submit = submit
     return sizes
