@@ -795,7 +795,8 @@ def main() -> None:
     ap.add_argument("--no-p2p", action="store_true",
                     help="p2p.enabled=false: only the origin, no super-seeding deferrals (the fetcher's own round trips)")
     ap.add_argument("--key", default=None, help="the key of wan.json to write (default: no_p2p or p2p)")
-    ap.add_argument("--scale", default=None, help="N values (e.g. 6,12,24): time until every node holds a step")
+    ap.add_argument("--scale", default=None, help="N values (e.g. 6,12,24): time until every node holds a step; with "
+                    "--set server.log_format=json also each delta's phases and where its shards' seconds go")
     ap.add_argument("--origin-mbit", type=float, default=20.0, help="--scale: the origin's upload cap, Mbit/s")
     ap.add_argument("--loopback", default=None,
                     help="N values (e.g. 1,6): no lab, no root; where a step's time goes from publication to held")
