@@ -72,11 +72,6 @@ class ServerConfig(_Section):
     # On a box with fewer cores than runnable threads, an engine at the API's priority made p99 no better than one
     # process (bench/load.py --layout, docs/ARCHITECTURE.md "Processes").
     engine_nice: int = Field(10, ge=0, le=19)
-    # With engine_process: how many processes assess submissions (triage, rewards, the groups' encoding,
-    # node/coordinator/intake_pool.py), started at the first submission; 0: threads of the API process. In a
-    # thread a 1.4 MB submission's ~23 ms of Python holds the GIL every request waits on: at 1,000 simulated nodes
-    # with a batch's submissions arriving, p99 <NUMBERS> (docs/BENCHMARKS.md, "The intake's GIL stalls").
-    intake_processes: int = Field(1, ge=0, le=64)
     # How often all idle nodes together ask for work: a 204 from POST /v1/work tells a node to wait
     # (idle nodes / this) seconds, 0.25-60 s (node/coordinator/pacing.py); a new step wakes it at once.
     idle_work_requests_per_s: float = Field(200.0, ge=1.0, le=1_000_000.0)

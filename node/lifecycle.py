@@ -184,24 +184,17 @@ def run_async(role: str, main: Callable[[], Awaitable[int | None]], stop: Callab
 
 
 def die_with_parent_from_env() -> None:
-    """In a process started with DIE_WITH_ENV=<parent pid> (the demo's): die_with_parent(that pid). The variable is
-    removed so that this process's own children do not inherit it."""
+    """In a process started with DIE_WITH_ENV=<parent pid> (the demo's): ask Linux for SIGTERM when that
+    parent dies. The variable is removed so that this process's own children do not inherit it. If the
+    parent is gone already (it died before the request), exit now."""
     parent = os.environ.pop(DIE_WITH_ENV, None)
-    if parent:
-        die_with_parent(int(parent))
-
-
-def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> None:
-    """Ask Linux for `sig` when the parent (`parent`, default this process's) dies; if it is gone already (it
-    died before the request), exit now. A process that ignores SIGTERM asks for SIGKILL."""
-    parent = os.getppid() if parent is None else parent
-    if not sys.platform.startswith("linux"):
+    if not parent or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
         _say(f"warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}); "
              "this process will outlive its parent")
         return
-    if os.getppid() != parent:
+    if os.getppid() != int(parent):
         _say(f"prime-node: parent process {parent} is gone; exiting")
         raise SystemExit(128 + signal.SIGTERM)

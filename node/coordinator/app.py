@@ -130,17 +130,13 @@ def build_app(coord) -> web.Application:
         if node is not None and node.banned:
             raise ApiError(403, "banned", "this node is banned after repeated failed verification")
 
-    async def signed_body(request: web.Request, model, check_key=coord._known_node):
-        """A signed request's signer, body and the body validated; `check_key` refuses a key from the headers
-        alone, before its body is read (default: a joined node that is not banned)."""
+    async def signed(request: web.Request, model, check_key=coord._known_node):
+        """A signed request's signer and validated body; `check_key` refuses a key from the headers alone,
+        before its body is read (default: a joined node that is not banned)."""
         signer, body = await read_signed(request, verifier, limiter, check_key)
         if len(body) > LARGE_BODY_BYTES:  # a full submission takes ~5 ms (8 MiB: ~30 ms): not on the loop
-            return signer, body, await asyncio.to_thread(parse_wire, model, body)
-        return signer, body, parse_wire(model, body)
-
-    async def signed(request: web.Request, model, check_key=coord._known_node):
-        signer, _, req = await signed_body(request, model, check_key)
-        return signer, req
+            return signer, await asyncio.to_thread(parse_wire, model, body)
+        return signer, parse_wire(model, body)
 
     async def join(request):
         if not join_limiter.allow(request.remote or "unknown"):
@@ -163,8 +159,8 @@ def build_app(coord) -> web.Application:
         return _json(answer)
 
     async def submit(request):
-        signer, body, req = await signed_body(request, M.SubmitRequest)
-        return _json(await coord.submit(signer, req, body))
+        signer, req = await signed(request, M.SubmitRequest)
+        return _json(await coord.submit(signer, req))
 
     async def verify_jobs(request):
         signer, req = await signed(request, M.VerifyJobsRequest, coord._board)

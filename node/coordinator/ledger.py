@@ -19,8 +19,8 @@ from typing import Any, Iterable
 
 import pydantic_core
 
-from node.coordinator.records import (AssignmentRow, AssignmentState, DropReason, EncodedGroup, GroupRow, Liveness,
-                                      Rejection, StoredRollout, StoredTurn, SubmittedGroup, Verdict)
+from node.coordinator.records import (AssignmentRow, AssignmentState, DropReason, GroupRow, Liveness, Rejection,
+                                      StoredRollout, StoredTurn, SubmittedGroup, Verdict)
 from node.coordinator.scheduler import PromptSlot
 
 log = logging.getLogger(__name__)
@@ -426,21 +426,21 @@ class Ledger:
         self._exec("UPDATE assignments SET state=? WHERE assignment_id=?", (state, assignment_id))
 
     # -- submissions -----------------------------------------------------------------------------
-    def record_submission(self, assignment_id: str, node_id: str, groups: list[EncodedGroup], rejections: list[Rejection],
+    def record_submission(self, assignment_id: str, node_id: str, groups: list[SubmittedGroup], rejections: list[Rejection],
                           requeue: list[PromptSlot], *, reputation_delta: float, reputation_cap: float,
                           ban_below: float) -> bool:
         """One transaction: the groups (waiting for their verdict), rejections, node counters and
         reputation, the prompts to hand out again, the assignment closed. Returns whether the node is
         now banned."""
         t = now_ms()
-        n_acc = sum(len(g.sample_indexes) for g in groups)
+        n_acc = sum(len(g.rollouts) for g in groups)
         with self.transaction(durable=True) as db:
             for g in groups:
                 db.execute(
                     "INSERT INTO groups(assignment_id, node_id, prompt_id, problem_index, batch_step, "
                     "policy_step, received_ms, data, reward_mean, verdict) VALUES(?,?,?,?,?,?,?,?,?,NULL)",
                     (assignment_id, node_id, g.prompt_id, g.problem_index, g.batch_step, g.policy_step, t,
-                     g.data, g.reward_mean),
+                     _group_data(g), g.reward_mean),
                 )
             self._insert_rejections(db, node_id, assignment_id, rejections, t)
             db.execute(
@@ -700,12 +700,6 @@ def _rollout(d: dict) -> StoredRollout:
                          d.get("commitment") or "",
                          tuple(StoredTurn(t["env_ids"], t["completion_ids"], t["logprobs"], t["finish_reason"],
                                           t.get("commitment") or "") for t in d.get("turns") or ()))
-
-
-def encode_group(g: SubmittedGroup) -> EncodedGroup:
-    """The group as record_submission stores it (see _group_data)."""
-    return EncodedGroup(g.prompt_id, g.problem_index, g.batch_step, g.policy_step, g.reward_mean,
-                        tuple(r.sample_index for r in g.rollouts), _group_data(g))
 
 
 def _group_data(g: SubmittedGroup) -> str:

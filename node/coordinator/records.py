@@ -73,19 +73,6 @@ class SubmittedGroup:
 
 
 @dataclass(frozen=True)
-class EncodedGroup:
-    """A SubmittedGroup as the ledger stores it: its prompt and rollouts already encoded (ledger.encode_group), so
-    that an intake process (intake_pool.py) hands the API process one string per group, not its rollouts."""
-    prompt_id: str
-    problem_index: int
-    batch_step: int
-    policy_step: int
-    reward_mean: float
-    sample_indexes: tuple[int, ...]
-    data: str  # the groups row's `data` column
-
-
-@dataclass(frozen=True)
 class GroupRow:
     """A stored group: waits for its verdict, then for the trainer (consumed at a step, or dropped)."""
     group_id: int

@@ -25,7 +25,6 @@ from node.checkpoint_dir import CheckpointDir
 from node.config import Config
 from node.coordinator.faults import fault_point
 from node.coordinator.intake import Intake
-from node.coordinator.intake_pool import IntakePool
 from node.coordinator.ledger import Ledger, NodeStanding, now_ms
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator import pacing
@@ -149,11 +148,8 @@ class Coordinator:
                                      board=self.verifier_board,
                                      remote_judge=self.engine.verify if self.engine is not None else None,
                                      holds=self.engine.holds if self.engine is not None else None)
-        self.intake_pool = (IntakePool(cfg, self.root, cfg.server.intake_processes)
-                            if cfg.server.engine_process and cfg.server.intake_processes else None)
         self.intake = Intake(cfg=cfg, ledger=self.ledger, scheduler=self.scheduler, verdicts=self.verdicts,
-                             metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness,
-                             pool=self.intake_pool)
+                             metrics=self.metrics, model=self.model, recent_staleness=self.recent_staleness)
 
     def _on_loop(self, fn):
         """`fn`, callable from another thread: it runs on the event loop (dropped before the loop started)."""
@@ -209,8 +205,6 @@ class Coordinator:
         self._flush_liveness()
         if self.p2p is not None:
             await self.p2p.stop()
-        if self.intake_pool is not None:
-            await asyncio.to_thread(self.intake_pool.close)
         self.verdicts.close()
         if self.engine is None and self.training.running:  # left behind, stuck: the process exits under it (crash safety redoes its step)
             log.warning("the ledger is left open: the training thread may still write to it")
@@ -530,8 +524,7 @@ class Coordinator:
         if banned:
             log.info("node %s banned after declining work (reputation below %s)", node_id[:12], vc.ban_below)
 
-    async def submit(self, node_id: str, req: M.SubmitRequest, body: bytes | None = None) -> M.SubmitResponse:
-        """`body`: the request as the node sent it, for an intake process to read (intake_pool.py)."""
+    async def submit(self, node_id: str, req: M.SubmitRequest) -> M.SubmitResponse:
         node = self._known_node(node_id)
 
         aid = req.assignment_id
@@ -554,7 +547,7 @@ class Coordinator:
                           f"policy step {m} is outside the window [{oldest_usable}, {self.published_step}]")
         self._submitting.add(aid)
         try:
-            result = await self.intake.process(node.node_id, a, req, body)
+            result = await self.intake.process(node.node_id, a, req)
         finally:
             self._submitting.discard(aid)
         return result

@@ -277,9 +277,9 @@ def record_submission_sizes(coord) -> list[int]:
     sizes: list[int] = []
     receive = coord.submit
 
-    async def submit(node_id, req, body=None):
+    async def submit(node_id, req):
         sizes.append(len(json.dumps(req.model_dump()).encode()))
-        return await receive(node_id, req, body)
+        return await receive(node_id, req)
 
     coord.submit = submit
     return sizes

@@ -93,7 +93,7 @@ async def test_verdict_queue_bans_the_stale_node_and_verifies_the_honest_one(tmp
     `stale_audit_fraction` 1. The honest node's submissions are all verified; the stale node is banned with
     `verify_stale_step`, every rollout of it voided. Without the audit its submissions pass their replays."""
     from node.config import SamplingConfig
-    from node.coordinator.ledger import Ledger, encode_group
+    from node.coordinator.ledger import Ledger
     from node.coordinator.metrics import CoordinatorMetrics
     from node.coordinator.records import AssignmentRow, StoredRollout, SubmittedGroup
     from node.coordinator.scheduler import PromptSlot, Scheduler
@@ -127,8 +127,8 @@ async def test_verdict_queue_bans_the_stale_node_and_verifies_the_honest_one(tmp
             groups = [SubmittedGroup(f"{i}:{name}", i, 1, STEPS, 0.0, ps[i], tuple(
                 StoredRollout(j, r.completion_ids, r.logprobs, 0.0, r.finish_reason, r.commitment)
                 for j, r in enumerate(res[2 * i:2 * i + 2]))) for i in idx]
-            ledger.record_submission(aid, node_id, [encode_group(g) for g in groups], [], [], reputation_delta=0.0,
-                                     reputation_cap=1.0, ban_below=0.0)
+            ledger.record_submission(aid, node_id, groups, [], [], reputation_delta=0.0, reputation_cap=1.0,
+                                     ban_below=0.0)
             await vq.decide(aid)
     honest, stale = ledger.node(nodes["honest"][0]), ledger.node(nodes["stale"][0])
     verdicts = {name: [g.verdict for a in range(N // PER_SUBMISSION) for g in ledger.submission_groups(f"{name}-{a}")]

@@ -11,7 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-from node.coordinator.ledger import Ledger, encode_group
+from node.coordinator.ledger import Ledger
 from node.coordinator.records import (AssignmentRow, GroupRow, Liveness, Rejection, StoredRollout, StoredTurn,
                                       SubmittedGroup)
 from node.coordinator.scheduler import PromptSlot
@@ -94,8 +94,8 @@ def test_group_round_trip_and_stored_shape(tmp_path: Path) -> None:
     ledger.upsert_node("n" * 64, 1.0, {})
     ledger.add_assignment(assignment(), next_problem_index=2)
     g, h = group(turns=True), group("1:p1")
-    ledger.record_submission("a1", "n" * 64, [encode_group(g), encode_group(h)], [Rejection("too_long", "1:p1", 2)],
-                             [], reputation_delta=0.0, reputation_cap=1.0, ban_below=-10)
+    ledger.record_submission("a1", "n" * 64, [g, h], [Rejection("too_long", "1:p1", 2)], [], reputation_delta=0.0,
+                             reputation_cap=1.0, ban_below=-10)
     stored = ledger.submission_groups("a1")
     assert [(x.prompt_id, x.prompt_ids, x.rollouts, x.reward_mean, x.verdict) for x in stored] == \
         [(y.prompt_id, y.prompt_ids, y.rollouts, y.reward_mean, None) for y in (g, h)]
