@@ -30,8 +30,6 @@ than the window itself); a copy still in flight after `IN_FLIGHT_WINDOWS` window
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,8 +46,6 @@ HOLD_S = 1.0
 MAX_HOLDS = 10_000  # requests held at once (each is one open request): beyond, deferred at once as before
 # X-Prime-Shard-Addr values read per request: a node's HTTP shard server and its libp2p address
 MAX_SHARD_ADDRS = 2
-# a libp2p TCP address as a node tells it (its announced /ip4/<ip>/tcp/<port>/p2p/<peer id>), or as we repeat it
-_LIBP2P_TCP = re.compile(r"/(ip4|ip6)/([0-9a-fA-F.:]{2,45})/tcp/([0-9]{1,5})(?:/p2p/[1-9A-HJ-NP-Za-km-z]{1,128})?")
 
 
 def step_of(key: Hashable) -> Hashable:
@@ -249,21 +245,17 @@ class SeedingGate:
         a literal-IP /http address, or a libp2p TCP address (/ip4/<ip>/tcp/<port>, a /p2p/<id> suffix dropped:
         the deferred node derives the peer id from the node id), that passes the address policy and that the
         join's dial-back reached."""
-        from node.p2p.addrs import ip_allowed
+        from node.p2p.addrs import ip_allowed, tcp_endpoint
         from node.p2p.http_shards import url_of
 
         if url_of(addr, allow_private=self.allow_private_addrs) is not None:
             kind, named = "http", addr
         else:
-            m = _LIBP2P_TCP.fullmatch(addr)
-            try:
-                ip = ipaddress.ip_address(m.group(2)) if m is not None else None
-            except ValueError:
+            endpoint = tcp_endpoint(addr, "[/p2p/<id>]")
+            if endpoint is None or not ip_allowed(str(endpoint[0]), self.allow_private_addrs):
                 return None
-            if (m is None or ip is None or m.group(1) != f"ip{ip.version}" or not 0 < int(m.group(3)) < 65536
-                    or not ip_allowed(str(ip), self.allow_private_addrs)):
-                return None
-            kind, named = "libp2p", f"/ip{ip.version}/{ip}/tcp/{int(m.group(3))}"
+            ip, port = endpoint
+            kind, named = "libp2p", f"/ip{ip.version}/{ip}/tcp/{port}"
         if self.verified is not None and not self.verified(node_id, named):
             return None
         return kind, named

@@ -14,9 +14,31 @@ Pure functions (ipaddress only, no I/O, no libp2p): cheap enough to run on every
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Iterable
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# /ip4|ip6/<literal ip>/tcp/<port>, then what a caller allows after it (tcp_endpoint's `suffix`)
+_TCP = r"/(ip4|ip6)/([0-9A-Fa-f.:]{2,45})/tcp/([0-9]{1,5})"
+_TCP_SUFFIXES = {"": re.compile(_TCP), "/http": re.compile(_TCP + "/http"),
+                 "[/p2p/<id>]": re.compile(_TCP + r"(?:/p2p/[1-9A-HJ-NP-Za-km-z]{1,128})?")}
+
+
+def tcp_endpoint(addr: object, suffix: str = "") -> tuple[IPAddress, int] | None:
+    """(ip, port) of an address of exactly the form /ip4|ip6/<IP literal of that version>/tcp/<port 1-65535>
+    followed by `suffix`: "" (nothing), "/http" (a node's HTTP shard server), or "[/p2p/<id>]" (a libp2p address,
+    its peer id optional); else None. Form only: whether the IP may be dialled is ip_allowed's or
+    multiaddr_allowed's to say."""
+    m = _TCP_SUFFIXES[suffix].fullmatch(addr) if isinstance(addr, str) else None
+    if m is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(m.group(2))
+    except ValueError:
+        return None
+    port = int(m.group(3))
+    return (ip, port) if m.group(1) == f"ip{ip.version}" and 0 < port < 65536 else None
 
 # Multiaddr protocols that take a value, and those that do not, that an allowed address may contain.
 # Anything else (dns*, unix, onion, ...) names something we cannot check before dialling.

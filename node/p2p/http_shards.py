@@ -40,7 +40,7 @@ from node.http import HAVE_HEADER, ApiError, ConnectionLimits, HardenedAppRunner
 from node.rate_limit import AsyncRateLimiter, SharedBucket
 
 from .announce import MAX_INDICES, MAX_SHARD_INDEX, MAX_STEP
-from .addrs import ip_allowed
+from .addrs import ip_allowed, tcp_endpoint
 from .errors import ShardBusy, ShardFetchError, ShardFetchTimeout, ShardNotFound, ShardPeerGone, ShardProtocolError, ShardTooLarge
 from .shard_store import ShardStore
 from .stats import P2PStats
@@ -51,7 +51,6 @@ PATH = "/v1/p2p/shards/{step}/{index}"
 CHUNK_BYTES = 256 * 1024
 FLOOR_RATE = 32 * 1024  # bytes/s below which a transfer counts as stalled overall (as over libp2p)
 _HASH = re.compile(r"[0-9a-f]{64}")
-_HTTP_ADDR = re.compile(r"/(ip4|ip6)/([0-9A-Fa-f.:]{2,45})/tcp/([0-9]{1,5})/http")
 
 
 HAVE_BITS = MAX_INDICES  # X-Prime-Have covers shards 0..4095 (684 base64 characters at most)
@@ -89,16 +88,10 @@ def url_of(addr: str, *, allow_private: bool = False) -> str | None:
     """http://host:port for an address of exactly that form with a literal IP and a real port, else None.
     The IP must be public (addrs.py: never loopback, private, link-local, ...) unless `allow_private`:
     these addresses come from strangers, and the coordinator repeats them to every node."""
-    m = _HTTP_ADDR.fullmatch(addr) if isinstance(addr, str) else None
-    if m is None:
+    endpoint = tcp_endpoint(addr, "/http")
+    if endpoint is None or not ip_allowed(str(endpoint[0]), allow_private):
         return None
-    try:
-        ip = ipaddress.ip_address(m.group(2))
-    except ValueError:
-        return None
-    port = int(m.group(3))
-    if f"ip{ip.version}" != m.group(1) or not 0 < port < 65536 or not ip_allowed(str(ip), allow_private):
-        return None
+    ip, port = endpoint
     return f"http://{ip}:{port}" if ip.version == 4 else f"http://[{ip}]:{port}"
 
 

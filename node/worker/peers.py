@@ -6,10 +6,8 @@ and reports a bad one here, which drops that peer (not the whole swarm) for the 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import random
-import re
 import time
 from collections import OrderedDict, defaultdict
 
@@ -19,17 +17,6 @@ from protocol.errors import PrimeNodeError
 from protocol.messages import CheckpointList
 
 log = logging.getLogger("prime_node.peers")
-
-# a first holder's libp2p address as the origin names it (X-Prime-Holder): /ip4/<ip>/tcp/<port>, no peer id
-_LIBP2P_TCP = re.compile(r"/ip[46]/([0-9a-fA-F.:]{2,45})/tcp/([0-9]{1,5})")
-
-
-def _literal_ip(proto: str, text: str) -> bool:
-    """`text` is an IP literal of the version `proto` (ip4 / ip6) names."""
-    try:
-        return proto == f"ip{ipaddress.ip_address(text).version}"
-    except ValueError:
-        return False
 
 
 def _try(peer: str, rank: int, outcome: str, t0: float) -> str:
@@ -109,7 +96,7 @@ class PeerSource:
         from the node id, is appended so that libp2p can dial it; before, a libp2p-only node dropped the hint and
         waited for gossip that reached few nodes in time). Untrusted like any announcement (the shard is verified
         whoever serves it); only a literal-IP address our address policy allows is kept."""
-        from node.p2p.addrs import multiaddr_allowed
+        from node.p2p.addrs import multiaddr_allowed, tcp_endpoint
         from node.p2p.http_shards import is_http_addr, url_of
         from node.p2p.keys import peer_id_for_node
 
@@ -124,11 +111,10 @@ class PeerSource:
             if url_of(addr, allow_private=allow) is None:
                 return
         else:
-            m = _LIBP2P_TCP.fullmatch(addr)
-            if m is None or not 0 < int(m.group(2)) < 65536:
+            if tcp_endpoint(addr) is None:  # /ip4|ip6/<literal IP>/tcp/<port>, nothing after it
                 return
             addr = f"{addr}/p2p/{peer}"
-            if not multiaddr_allowed(addr, allow) or not _literal_ip(addr.split("/")[1], m.group(1)):
+            if not multiaddr_allowed(addr, allow):
                 return
         self.p2p.table.record_hint(peer, step, manifest_hash, (index,), addr)
 

@@ -14,7 +14,7 @@ import pytest
 
 from node.coordinator.node_bytes import NodeBytes
 from node.coordinator.seeding import SeedingGate, SuperSeeder
-from node.p2p.addrs import multiaddr_allowed
+from node.p2p.addrs import multiaddr_allowed, tcp_endpoint
 from node.p2p.announce import MAX_STEP, decode_announcement, encode_have_announcement
 from node.p2p.errors import PeerUnavailable
 from node.p2p.host import P2PNode
@@ -143,6 +143,26 @@ def test_internal_addresses_are_refused_unless_allowed():
     t.record_have("E", _have(Identity.generate(), 3, addrs=[f"/ip4/{ip}/tcp/80/http" for ip in INTERNAL]))
     t.record_hint("F", 3, H, (0,), "/ip4/169.254.169.254/tcp/80/http")
     assert t.peers_with(3, 0, H) == ["F", "E"] and t.addrs_of("E") == () and t.addrs_of("F") == ()
+
+
+def test_tcp_endpoint_reads_only_the_exact_forms():
+    """node/p2p/addrs.py's one parser of /ip4|ip6/<IP>/tcp/<port>[suffix], which the origin's holder hints
+    (seeding.py), a node's hint reader (peers.py) and the HTTP data plane (http_shards.url_of) share."""
+    import ipaddress
+
+    assert tcp_endpoint("/ip4/8.8.8.8/tcp/4001") == (ipaddress.ip_address("8.8.8.8"), 4001)
+    assert tcp_endpoint("/ip6/2001:4860::8888/tcp/443/http", "/http") == (ipaddress.ip_address("2001:4860::8888"), 443)
+    assert tcp_endpoint("/ip4/8.8.8.8/tcp/4001/p2p/12D3KooWx", "[/p2p/<id>]") is not None
+    assert tcp_endpoint("/ip4/8.8.8.8/tcp/4001", "[/p2p/<id>]") is not None  # the peer id is optional there
+    for bad, suffix in [("/ip4/8.8.8.8/tcp/4001/p2p/12D3KooWx", ""),  # a suffix the caller does not take
+                        ("/ip4/8.8.8.8/tcp/80", "/http"), ("/ip4/8.8.8.8/tcp/80/http/x", "/http"),
+                        ("/ip4/::1/tcp/80", ""), ("/ip6/8.8.8.8/tcp/80", ""),  # the version must match the IP
+                        ("/ip4/8.8.8.800/tcp/80", ""), ("/ip4/8.8.8.8/tcp/0", ""), ("/ip4/8.8.8.8/tcp/65536", ""),
+                        ("/dns4/example.com/tcp/80", ""), ("/ip4/8.8.8.8/udp/80", ""), (None, ""), (42, "")]:
+        assert tcp_endpoint(bad, suffix) is None, (bad, suffix)
+    # the form says nothing of who may be dialled: a loopback endpoint parses, the callers' policies refuse it
+    loopback = "/ip4/127.0.0.1/tcp/80/http"
+    assert tcp_endpoint(loopback, "/http") is not None and url_of(loopback) is None
 
 
 @pytest.mark.p2p
