@@ -97,8 +97,11 @@ async def test_every_reward_one_says_the_task_is_too_easy(tmp_path, caplog, capf
 
 
 async def test_normal_run_fills_its_batches_without_warning(tmp_path, caplog, capfd):
+    """With the default threshold (run.stall_warn_groups = 0: four batches' worth, 32 groups here). At the
+    stalled runs' 8 a random tiny model's reverse-text answers scored 0 in 8 groups in a row once on a loaded CI
+    box, and that run warned, rightly, though it went on to fill its batches."""
     caplog.set_level(logging.INFO, logger="prime_node.training")
-    async with running_coordinator(tmp_path, "run.max_steps=2", *FAST) as (coord, url):
+    async with running_coordinator(tmp_path, "run.max_steps=2", *FAST, "run.stall_warn_groups=0") as (coord, url):
         worker = start_worker(tmp_path, "w", coord, url)
         try:
             await wait_for(lambda: coord.published_step >= 2, 180, "2 training steps", coord)
@@ -106,7 +109,7 @@ async def test_normal_run_fills_its_batches_without_warning(tmp_path, caplog, ca
             await stop_workers(worker)
         bh = coord.status()["batch_health"]
         assert bh["run_usable"] >= 2 * 8 and bh["warning"] is None, bh
-        assert bh["unusable_in_a_row"] < WARN_AFTER, bh
+        assert bh["warn_after"] == 4 * 8 and bh["unusable_in_a_row"] < bh["warn_after"], bh
         assert await metric(url, "prime_groups_usable_total") >= 2 * 8
         assert stall_warnings(caplog, capfd) == []
 
