@@ -403,14 +403,13 @@ class Fetcher:
                 part.unlink(missing_ok=True)
                 offset = 0
             t0 = time.monotonic()
-            tries = getattr(src, "tries", None)  # a swarm source says which holders it tried
             try:
                 data = await src.shard(m.step, i, entry.zsize, offset, manifest_hash=h)
             except ShardDeferred:
-                trace.tried(src.kind, "defer", time.monotonic() - t0, via=tries(m.step, i) if tries else "")
+                trace.tried(src, m.step, i, "defer", t0)
                 raise
             except BadAnswer as e:  # e.g. more bytes than signed: as bad as a shard that fails its hash
-                trace.tried(src.kind, "bad", time.monotonic() - t0, via=tries(m.step, i) if tries else "")
+                trace.tried(src, m.step, i, "bad", t0)
                 part.unlink(missing_ok=True)
                 if not src.report_bad(m.step, i):
                     self._ban(src, f"shard {i} of step {m.step}: {e}")
@@ -418,7 +417,7 @@ class Fetcher:
                     raise FetchError(f"shard {i} of step {m.step}: {e}") from None
                 continue
             except SourceError as e:
-                trace.tried(src.kind, "err", time.monotonic() - t0, via=tries(m.step, i) if tries else "")
+                trace.tried(src, m.step, i, "err", t0)
                 self.book.failed(src.name)
                 if e.data and src.kind != "peer":  # keep what arrived; the next try asks for the rest
                     with open(part, "ab") as f:
@@ -427,7 +426,7 @@ class Fetcher:
                     raise FetchError(f"shard {i} of step {m.step}: {e}") from None
                 await asyncio.sleep(min(0.2 * attempts, 2.0))
                 continue
-            trace.tried(src.kind, "ok", time.monotonic() - t0, len(data), via=tries(m.step, i) if tries else "")
+            trace.tried(src, m.step, i, "ok", t0, len(data))
             self.book.served(src.name, len(data), time.monotonic() - t0)
             self.bytes_by_kind[src.kind] += len(data)
             whole = (part.read_bytes() + data) if offset else data
@@ -460,9 +459,12 @@ class _ShardTrace:
     def picked(self, now: float) -> None:
         self.parts.append(f"wait {now - self.ready:.2f}")
 
-    def tried(self, kind: str, outcome: str, seconds: float, n_bytes: int = 0, via: str = "") -> None:
-        self.parts.append(f"{kind} {outcome} {seconds:.3f}" + (f" {n_bytes // 1000}KB" if n_bytes else "")
-                          + (f" [{via}]" if via else ""))
+    def tried(self, src, step: int, index: int, outcome: str, t0: float, n_bytes: int = 0) -> None:
+        """A request to `src` that began at `t0` ended with `outcome`."""
+        tries = getattr(src, "tries", None)  # a swarm source says which holders it tried
+        via = tries(step, index) if tries else ""
+        self.parts.append(f"{src.kind} {outcome} {time.monotonic() - t0:.3f}"
+                          + (f" {n_bytes // 1000}KB" if n_bytes else "") + (f" [{via}]" if via else ""))
 
     def __str__(self) -> str:
         return " ".join(self.parts)

@@ -59,6 +59,8 @@ class PeerSource:
         # uplink and a second Noise layer) before those we cannot dial (node/p2p/host.py holder_rank)
         holders.sort(key=self.p2p.holder_rank)
         errors, busy = [], 0
+        while len(self._tries) >= 256:  # a source nobody reads `tries` of keeps no more
+            self._tries.popitem(last=False)
         tries = self._tries[(step, index)] = []
         for peer in holders[:4]:
             self._last[(step, index)] = peer
@@ -86,8 +88,6 @@ class PeerSource:
         """The holders the last request for this shard tried, each as `<peer id's last 6>/<rank>=<outcome>/<s>`
         (rank: node/p2p/host.py holder_rank, 0 direct, 1 relayed, 2 no address, 3 failed lately); forgotten
         once read, and kept for at most 256 shards."""
-        while len(self._tries) > 256:
-            self._tries.popitem(last=False)
         return ",".join(self._tries.pop((step, index), ()))
 
     def hint(self, step: int, manifest_hash: str, index: int, node_id: str, addr: str) -> None:
