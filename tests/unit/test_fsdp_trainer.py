@@ -139,3 +139,45 @@ def test_launch_starts_its_own_follower_rank(model_dir, straight):
     a, b = load_file(str(out / "straight.safetensors")), load_file(str(out / "launched.safetensors"))
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
+
+
+def _one_rank_job(model_dir: str, out_dir: str, device: str = "cuda"):
+    """One rank on CUDA over NCCL: 2 steps, a sharded save, a resume into a fresh runner, step 3 (the save and
+    load go through torch.distributed.checkpoint with the shards on the GPU)."""
+    from node.trainer.distributed import FSDPRunner, destroy_process_group, init_process_group
+
+    init_process_group(device=device, threads=1)
+    try:
+        out = Path(out_dir)
+        batches = _batches()
+        t = Trainer(model_dir, CFG, batch_prompts=3, state_dir=out / "cuda-state", device=device, runner=FSDPRunner)
+        metrics = train_batches(t, batches[:2])
+        t.save_state()
+        del t  # not closed: close() leaves the process group, which the resumed runner needs
+        t = Trainer.resume(out / "cuda-state", CFG, batch_prompts=3, device=device, runner=FSDPRunner)
+        assert t.step_count == 2
+        metrics += train_batches(t, batches[2:])
+        save_file(t.weights_for_broadcast(), str(out / "cuda-fsdp.safetensors"))
+        t.close()
+        return [{k: m[k] for k in ("loss", "grad_norm", "loss_tokens", "step")} for m in metrics]
+    finally:
+        destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_fsdp_runner_on_cuda_over_nccl_equals_the_local_runner(model_dir, tmp_path):
+    """The FSDP runner on a GPU (NCCL, one rank: the device lane lends one GPU), saved and resumed halfway,
+    gives the weights and losses of the local runner on the same GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    metrics = run_ranks(1, _one_rank_job, str(model_dir), str(tmp_path), timeout=300)[0]
+    single = Trainer(model_dir, CFG, batch_prompts=3, device="cuda")
+    ref_metrics = train_batches(single, _batches())
+    ref = single.weights_for_broadcast()
+    got = load_file(str(tmp_path / "cuda-fsdp.safetensors"))
+    assert set(got) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-4, rtol=0, msg=name)
+    for m, r in zip(metrics, ref_metrics):
+        assert m["loss_tokens"] == r["loss_tokens"] and m["step"] == r["step"]
+        assert m["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6)
