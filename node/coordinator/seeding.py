@@ -308,11 +308,17 @@ class SeedingGate:
             self._remember_addrs(node_id, told)
         if not self.seeder.admit(key, node_id):
             over_http = any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS])  # it runs the HTTP data plane
-            await self._hold(key, over_http)
-            if self.seeder.holder(key) is not None or self.seeder.in_flight(key) is not None:
-                raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a "
-                               "peer", headers=self._holder_header(key, over_http))
-            # else the first copy failed while this request was held: this node may take it
+            # Deferred to a first copy in flight (held until it lands), to one spreading, or, with nobody holding
+            # one, to leave it to a node that holds fewer (SuperSeeder.admit's spreading: answered at once)
+            if self.seeder.in_flight(key) is not None:
+                await self._hold(key, over_http)
+                if self.seeder.holder(key) is None and self.seeder.in_flight(key) is None:
+                    return self._copy(request, key, node_id)  # the first copy failed while held: this node's
+            raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer",
+                           headers=self._holder_header(key, over_http))
+        return self._copy(request, key, node_id)
+
+    def _copy(self, request, key: Hashable, node_id: str | None) -> tuple | None:
         # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
         if request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-"):
             self.seeder.started(key, node_id)

@@ -185,3 +185,41 @@ async def test_a_deferred_request_is_held_while_the_first_copy_is_in_flight_and_
     g = gate()
     del g.libp2p_addrs["a"]  # a holder nobody could be told of
     assert await held(g) < 0.1
+
+
+async def test_the_gate_answers_a_spreading_deferral_at_once_and_never_serves_it():
+    """The shard route's gate in front of the spreading rule (a real aiohttp request; the signature check is not
+    what is tested here, so the gate's signer is given): a node holding more first copies of a step than another
+    asker is answered 429 for a shard nobody holds, at once, and takes no first copy. With the hold of a copy in
+    flight (a625229), such a request found no copy to wait for and was served as if a first copy had failed while
+    it was held: the node asking first took every first copy again, and NATed homes served 9-13 % of what a
+    forwarded home served (docs/P2P.md, "Relaying and hole punching")."""
+    import time
+
+    import pytest
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.coordinator.seeding import SeedingGate
+    from node.http import ApiError
+
+    g = SeedingGate(SuperSeeder(10.0), verifier=None, is_member=lambda n: True, hold_s=3.0)
+    asker = {"id": "fwd"}
+    g._node = lambda request: asker["id"]
+
+    def get(step, index):
+        return g.before(make_mocked_request("GET", f"/v1/checkpoints/{step}/shards/{index}"), step, index)
+
+    asker["id"] = "home"
+    assert await get(2, 0) == ((2, 0), "home")  # the other servable node asked lately
+    asker["id"] = "fwd"
+    for i in range(2):
+        ticket = await get(3, i)
+        assert ticket == ((3, i), "fwd")
+        g.after(ticket, sent=True)
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as refused:
+        await get(3, 2)  # fwd holds 2, home 0: this first copy is left to home
+    assert refused.value.status == 429 and time.monotonic() - t0 < 0.5
+    assert g.seeder.in_flight((3, 2)) is None and g.seeder.holder((3, 2)) is None
+    asker["id"] = "home"
+    assert await get(3, 2) == ((3, 2), "home")
