@@ -104,7 +104,7 @@ class Coordinator:
         # First copies go to nodes that others can dial (a NATed holder cannot serve those deferred to it), and
         # to NATed nodes holding a reservation on our relay hop: every peer reaches them through it.
         self.relay_reserved: frozenset[str] = frozenset()  # refreshed every second by _relay_loop
-        self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds, reachable=self.can_serve)
+        self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds, reachable=self.can_serve, relayed=self.relayed)
         # The run's model, then every collaborator, built here and handed what it uses (by keyword).
         self.model = load_run_model(cfg, self.root)
         self.model_dir, self.tokenizer, self.task = self.model.model_dir, self.model.tokenizer, self.model.task
@@ -406,6 +406,10 @@ class Coordinator:
         holds a reservation on our relay hop (node/p2p/nat.py). None: unknown (no dial-back tried)."""
         reach = self.dialback.reachable(node_id)
         return True if reach is False and node_id in self.relay_reserved else reach
+
+    def relayed(self, node_id: str) -> bool:
+        """Peers reach `node_id` only through our relay hop: NATed, holding a reservation."""
+        return self.dialback.reachable(node_id) is False and node_id in self.relay_reserved
 
     async def _relay_loop(self) -> None:
         """Which NATed nodes hold a reservation on our hop, every second (at most p2p.relay_max_reservations)."""

@@ -223,3 +223,32 @@ async def test_the_gate_answers_a_spreading_deferral_at_once_and_never_serves_it
     assert g.seeder.in_flight((3, 2)) is None and g.seeder.holder((3, 2)) is None
     asker["id"] = "home"
     assert await get(3, 2) == ((3, 2), "home")
+
+
+def test_relayed_nodes_hold_first_copies_only_beside_fewer_than_two_direct_askers():
+    """A NATed node on a relay reservation serves over a circuit, ~2x a direct fetch (WAN lab: 1.39 vs 0.74 s a
+    shard): beside two direct askers it is served without holding a first copy, and the direct nodes share them;
+    beside one (a forwarded home and NATed homes) it takes its share, as the spreading rule gives it."""
+    relayed = {"home1", "home2"}
+
+    def run(direct: list[str]) -> dict[str, list[int]]:
+        s, _ = seeder(relayed=lambda n: n in relayed)
+        nodes = [*direct, "home1", "home2"]
+        for node in nodes:
+            assert s.admit((2, 0), node)
+        got: dict[str, list[int]] = {}
+        for node in ["home1", *direct, "home2"]:  # a home asks first
+            for i in range(6):
+                if s.admit((3, i), node):
+                    s.started((3, i), node)
+                    s.finished((3, i), node)
+                    s.announced(node, [(3, i)])
+        for i in range(6):
+            if (holder := s.holder((3, i))) is not None:
+                got.setdefault(holder, []).append(i)
+        return got
+
+    two = run(["pub1", "pub2"])
+    assert set(two) == {"pub1", "pub2"} and sum(map(len, two.values())) == 6, two
+    one = run(["fwd"])
+    assert {"home1", "home2"} <= set(one) and len(one["fwd"]) <= 3, one
