@@ -131,9 +131,15 @@ class SuperSeeder:
         if claim is not None and claim.node_id == node_id:
             return True
         if claim is None:
-            if not servable or (key, node_id) in self._deferred or not self._has_more(node_id, key):
+            if (key, node_id) in self._deferred:
                 return True
-            self._defer(key, node_id, 1)  # leave this first copy to a node holding fewer (once)
+            if not servable:
+                if not self.leaves_to_direct(node_id):
+                    return True
+            elif not self._has_more(node_id, key):
+                return True
+            # leave this first copy to a node holding fewer, or to a direct node (once)
+            self._defer(key, node_id, 1)
             return False
         n = self._deferred.get((key, node_id), 0) + 1
         if n > self.max_deferrals:
@@ -145,6 +151,10 @@ class SuperSeeder:
         if len(self._deferred) >= self.max_keys:
             self._deferred.clear()
         self._deferred[(key, node_id)] = n
+
+    def leaves_to_direct(self, node_id: str) -> bool:
+        """`node_id` is relayed and, with direct nodes asking, holds no first copy: one of them should."""
+        return self.relayed(node_id) and self.reachable(node_id) is not False and not self._servable(node_id)
 
     def _servable(self, node_id: str) -> bool:
         """May `node_id` hold a first copy: reachable or unknown, or relayed while few direct nodes ask."""
@@ -338,11 +348,14 @@ class SeedingGate:
         if not self.seeder.admit(key, node_id):
             over_http = any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS])  # it runs the HTTP data plane
             # Deferred to a first copy in flight (held until it lands), to one spreading, or, with nobody holding
-            # one, to leave it to a node that holds fewer (SuperSeeder.admit's spreading: answered at once)
-            if self.seeder.in_flight(key) is not None:
-                await self._hold(key, over_http)
+            # one, to leave it to a node that holds fewer (SuperSeeder.admit's spreading: answered at once: a node
+            # that is behind needs the planner's 2 s deferral to ask) or, for a relayed node, to a direct node (held
+            # until a direct node's copy starts and lands, so that this node learns its holder)
+            waits_for_start = node_id is not None and self.seeder.leaves_to_direct(node_id)
+            if waits_for_start or self.seeder.in_flight(key) is not None:
+                await self._hold(key, over_http, for_start=waits_for_start)
                 if self.seeder.holder(key) is None and self.seeder.in_flight(key) is None:
-                    return self._copy(request, key, node_id)  # the first copy failed while held: this node's
+                    return self._copy(request, key, node_id)  # no first copy got out meanwhile: this node's
             raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer",
                            headers=self._holder_header(key, over_http))
         return self._copy(request, key, node_id)
@@ -351,21 +364,32 @@ class SeedingGate:
         # a copy: a GET of the whole shard, or a resumption to its end ("bytes=N-"); not a HEAD or a slice
         if request.method == "GET" and request.headers.get("Range", "-").rstrip().endswith("-"):
             self.seeder.started(key, node_id)
+            if self.seeder.in_flight(key) is not None and (event := self._copies.pop(key, None)) is not None:
+                event.set()  # requests held for a first copy to start look again
             return key, node_id
         return None
 
-    async def _hold(self, key: Hashable, over_http: bool) -> None:
-        """Wait (at most `hold_s`) while the first copy of `key` is in flight to a node we can name to others (an
-        unnamed holder is learnt only from its gossip: holding would only delay the answer). The wait ends when
-        any copy of the shard ends (`after`) and the first one is no longer in flight."""
+    def _nameable(self, node_id: str) -> bool:
+        return node_id in self.libp2p_addrs or node_id in self.shard_addrs
+
+    def _waiting(self, key: Hashable, for_start: bool) -> bool:
+        """Whether a held request should wait on: the first copy is in flight to a node we can name to others (an
+        unnamed holder is learnt only from its gossip: holding would only delay the answer), or, `for_start`,
+        nobody holds one yet."""
         holder = self.seeder.in_flight(key)
-        if (holder is None or self.hold_s <= 0 or self.holds >= self.max_holds
-                or (holder not in self.libp2p_addrs and holder not in self.shard_addrs)):
+        if holder is not None:
+            return self._nameable(holder)
+        return for_start and self.seeder.holder(key) is None
+
+    async def _hold(self, key: Hashable, over_http: bool, *, for_start: bool = False) -> None:
+        """Wait (at most `hold_s`) while `_waiting`. The wait is looked at again when a first copy of `key` starts
+        (`_copy`) and when any copy of it ends (`after`)."""
+        if self.hold_s <= 0 or self.holds >= self.max_holds or not self._waiting(key, for_start):
             return
         deadline = asyncio.get_running_loop().time() + self.hold_s
         self.holds += 1
         try:
-            while self.seeder.in_flight(key) is not None:
+            while self._waiting(key, for_start):
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     return

@@ -233,9 +233,8 @@ def test_relayed_nodes_hold_first_copies_only_beside_fewer_than_two_direct_asker
 
     def run(direct: list[str]) -> dict[str, list[int]]:
         s, _ = seeder(relayed=lambda n: n in relayed)
-        nodes = [*direct, "home1", "home2"]
-        for node in nodes:
-            assert s.admit((2, 0), node)
+        for node in [*direct, "home1", "home2"]:  # they asked for the previous step
+            s.admit((2, 0), node)
         got: dict[str, list[int]] = {}
         for node in ["home1", *direct, "home2"]:  # a home asks first
             for i in range(6):
@@ -243,6 +242,8 @@ def test_relayed_nodes_hold_first_copies_only_beside_fewer_than_two_direct_asker
                     s.started((3, i), node)
                     s.finished((3, i), node)
                     s.announced(node, [(3, i)])
+                elif len(direct) >= 2 and node == "home1":  # left to a direct node, once (the gate holds it)
+                    assert s.leaves_to_direct(node) and s.holder((3, i)) is None
         for i in range(6):
             if (holder := s.holder((3, i))) is not None:
                 got.setdefault(holder, []).append(i)
@@ -250,5 +251,55 @@ def test_relayed_nodes_hold_first_copies_only_beside_fewer_than_two_direct_asker
 
     two = run(["pub1", "pub2"])
     assert set(two) == {"pub1", "pub2"} and sum(map(len, two.values())) == 6, two
+    s, _ = seeder(relayed=lambda n: n in relayed)
+    for node in ("pub1", "pub2"):
+        s.admit((2, 0), node)
+    assert not s.admit((3, 0), "home1") and s.admit((3, 0), "home1")  # nobody took it: served on asking again
+    s.started((3, 0), "home1")
+    assert s.holder((3, 0)) is None and s.in_flight((3, 0)) is None  # ... without a first copy
     one = run(["fwd"])
     assert {"home1", "home2"} <= set(one) and len(one["fwd"]) <= 3, one
+
+
+async def test_a_relayed_node_is_held_until_a_direct_node_takes_the_first_copy_then_told_its_holder():
+    """The gate (a real aiohttp request; the signer is given): beside two direct askers, a relayed node asking
+    for a shard nobody holds is held until a direct node's first copy starts and lands, then answered 429 naming
+    that holder; if no direct node takes it within the hold, it is served (from the origin, with no first copy)."""
+    import asyncio
+    import time
+
+    import pytest
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.coordinator.seeding import SeedingGate
+    from node.http import HOLDER_HEADER, ApiError
+
+    g = SeedingGate(SuperSeeder(10.0, relayed=lambda n: n == "home"), verifier=None, is_member=lambda n: True,
+                    hold_s=0.5)
+    g.libp2p_addrs["pub1"] = "/ip4/8.8.8.8/tcp/4001"
+    asker = {}
+
+    async def get(node, step, index):
+        asker[id(asyncio.current_task())] = node
+        return await g.before(make_mocked_request("GET", f"/v1/checkpoints/{step}/shards/{index}"), step, index)
+
+    g._node = lambda request: asker[id(asyncio.current_task())]
+    for i, node in enumerate(("pub1", "pub2")):  # the direct nodes asked for the previous step
+        g.after(await get(node, 2, i), sent=True)
+
+    async def direct_takes_it():
+        await asyncio.sleep(0.1)
+        ticket = await get("pub1", 3, 0)
+        await asyncio.sleep(0.1)
+        g.after(ticket, sent=True)
+
+    t0 = time.monotonic()
+    taker = asyncio.create_task(direct_takes_it())
+    with pytest.raises(ApiError) as told:
+        await get("home", 3, 0)
+    await taker
+    assert told.value.status == 429 and told.value.headers[HOLDER_HEADER] == "pub1 /ip4/8.8.8.8/tcp/4001"
+    assert 0.15 < time.monotonic() - t0 < 0.45
+    t0 = time.monotonic()
+    assert await get("home", 3, 1) == ((3, 1), "home")  # nobody took it within the hold: served
+    assert 0.45 < time.monotonic() - t0 < 1.0 and g.seeder.holder((3, 1)) is None and g.seeder.in_flight((3, 1)) is None
