@@ -102,7 +102,8 @@ class Coordinator:
                                  per_minute=2 * cfg.admission.joins_per_address_per_minute,
                                  allow_private=cfg.p2p.allow_private_addrs)
         # First copies go to nodes that others can dial (a NATed holder cannot serve those deferred to it), and
-        # to NATed nodes holding a reservation on our relay hop: every peer reaches them through it.
+        # to NATed nodes holding a reservation on our relay hop (every peer reaches them through it) while fewer than
+        # two direct nodes ask: a circuit fetch costs about twice a direct one (seeding.py).
         self.relay_reserved: frozenset[str] = frozenset()  # refreshed every second by _relay_loop
         self.seeder = SuperSeeder(cfg.distribution.super_seed_seconds, reachable=self.can_serve, relayed=self.relayed)
         # The run's model, then every collaborator, built here and handed what it uses (by keyword).

@@ -66,17 +66,25 @@ def straight(model_dir, tmp_path_factory):
 @pytest.mark.slow  # spawns ranks: 20-60 s on 2 idle cores, minutes on a loaded machine
 def test_two_ranks_equal_one_rank(model_dir, straight):
     out, metrics = straight
-    single = Trainer(model_dir, CFG, batch_prompts=3)
+    ref_metrics = _equals_the_local_runner(model_dir, out / "straight.safetensors", metrics, "cpu", atol=1e-5, rel=1e-5)
+    for m, r in zip(metrics, ref_metrics):
+        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+
+
+def _equals_the_local_runner(model_dir, weights: Path, metrics: list[dict], device: str, *, atol: float,
+                             rel: float) -> list[dict]:
+    """The FSDP run's weights and per-step metrics against the local runner's on `device`; its metrics."""
+    single = Trainer(model_dir, CFG, batch_prompts=3, device=device)
     ref_metrics = train_batches(single, _batches())
     ref = single.weights_for_broadcast()
-    got = load_file(str(out / "straight.safetensors"))
+    got = load_file(str(weights))
     assert set(got) == set(ref)
     for name in ref:
-        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(got[name], ref[name], atol=atol, rtol=0, msg=name)
     for m, r in zip(metrics, ref_metrics):
         assert m["loss_tokens"] == r["loss_tokens"] and m["step"] == r["step"]
-        assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
-        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+        assert m["loss"] == pytest.approx(r["loss"], rel=rel, abs=rel / 100)
+    return ref_metrics
 
 
 @pytest.mark.slow  # spawns ranks: 20-60 s on 2 idle cores, minutes on a loaded machine
@@ -171,13 +179,4 @@ def test_fsdp_runner_on_cuda_over_nccl_equals_the_local_runner(model_dir, tmp_pa
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     metrics = run_ranks(1, _one_rank_job, str(model_dir), str(tmp_path), timeout=300)[0]
-    single = Trainer(model_dir, CFG, batch_prompts=3, device="cuda")
-    ref_metrics = train_batches(single, _batches())
-    ref = single.weights_for_broadcast()
-    got = load_file(str(tmp_path / "cuda-fsdp.safetensors"))
-    assert set(got) == set(ref)
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], atol=1e-4, rtol=0, msg=name)
-    for m, r in zip(metrics, ref_metrics):
-        assert m["loss_tokens"] == r["loss_tokens"] and m["step"] == r["step"]
-        assert m["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6)
+    _equals_the_local_runner(model_dir, tmp_path / "cuda-fsdp.safetensors", metrics, "cuda", atol=1e-4, rel=1e-4)
