@@ -35,6 +35,7 @@ from typing import Literal
 
 DELAY_LINE = Path(__file__).with_name("delay_line.py")
 PREFIX = "pnl"
+LAB_SYSCTLS_ENV = "PRIME_WAN_LAB_SYSCTLS"  # space-separated KEY=VALUE sysctls for every namespace (Lab._netns)
 
 Kind = Literal["dc", "public", "home"]
 
@@ -141,6 +142,10 @@ class Lab:
         _sh("ip", "netns", "add", name)
         self._namespaces.append(name)
         _sh("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        # Kernel settings every namespace of the lab gets, for experiments (e.g. bench/wan.py with
+        # PRIME_WAN_LAB_SYSCTLS="net.ipv4.tcp_slow_start_after_idle=0"): the lab's own defaults are the kernel's
+        for setting in os.environ.get(LAB_SYSCTLS_ENV, "").split():
+            _sh("ip", "netns", "exec", name, "sysctl", "-qw", setting)
         return name
 
     @staticmethod
