@@ -405,8 +405,7 @@ class Coordinator:
     def can_serve(self, node_id: str) -> bool | None:
         """Whether peers can connect to `node_id`: its libp2p port was dialled back at join, or it is NATed and
         holds a reservation on our relay hop (node/p2p/nat.py). None: unknown (no dial-back tried)."""
-        reach = self.dialback.reachable(node_id)
-        return True if reach is False and node_id in self.relay_reserved else reach
+        return True if self.relayed(node_id) else self.dialback.reachable(node_id)
 
     def relayed(self, node_id: str) -> bool:
         """Peers reach `node_id` only through our relay hop: NATed, holding a reservation."""
