@@ -27,6 +27,12 @@ def client_session(*, sock_connect: float = 10, sock_read: float = 60) -> aiohtt
     read waits, and idle connections kept alive (a node fetches every step over the same few connections),
     but dropped before the server drops them. No cap per host beyond the connector's 100: the fetcher
     bounds what it has in flight itself."""
+    return counted_session(timeout=aiohttp.ClientTimeout(total=None, sock_connect=sock_connect, sock_read=sock_read),
+                           connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S))
+
+
+def counted_session(**kwargs) -> aiohttp.ClientSession:
+    """An aiohttp.ClientSession(**kwargs) whose requests and new connections `client_counts` reads."""
     counts: Counter[str] = Counter()
     trace = aiohttp.TraceConfig()
 
@@ -38,15 +44,13 @@ def client_session(*, sock_connect: float = 10, sock_read: float = 60) -> aiohtt
 
     trace.on_request_start.append(_request)
     trace.on_connection_create_end.append(_connect)
-    session = aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=sock_connect, sock_read=sock_read),
-        connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S), trace_configs=[trace])
+    session = aiohttp.ClientSession(trace_configs=[trace], **kwargs)
     _COUNTS[session] = counts
     return session
 
 
 def client_counts(session) -> Counter[str]:
-    """Requests sent and connections opened so far by a session made by `client_session` (empty otherwise)."""
+    """Requests sent and connections opened so far by a session made by `counted_session` (empty otherwise)."""
     return _COUNTS.get(session, Counter())
 
 

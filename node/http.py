@@ -17,7 +17,7 @@ import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -54,12 +54,12 @@ class ApiError(Exception):
     """An error meant for the client: status + short code + one human sentence (docs/PROTOCOL.md,
     "HTTP API")."""
 
-    def __init__(self, status: int, code: str, detail: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, code: str, detail: str, headers: Mapping[str, str] | None = None):
         super().__init__(detail)
         self.status, self.code, self.detail, self.headers = status, code, detail, headers
 
 
-def json_error(status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> web.Response:
+def json_error(status: int, code: str, detail: str, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.json_response(ErrorBody.of(code, detail).model_dump(), status=status, headers=headers)
 
 

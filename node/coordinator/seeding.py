@@ -43,6 +43,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
+from multidict import CIMultiDict
+
 from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
 from protocol.errors import SignatureError
 
@@ -321,15 +323,22 @@ class SeedingGate:
             while len(table) > self.max_addrs:
                 table.popitem(last=False)
 
-    def _holder_header(self, key, over_http: bool) -> dict[str, str] | None:
-        """X-Prime-Holder for a 429: the first holder's HTTP shard server to a node that fetches over HTTP itself
-        (it told us its own /http address), else the holder's libp2p address (every swarm node dials libp2p)."""
+    def _holder_header(self, key, over_http: bool) -> CIMultiDict[str] | None:
+        """X-Prime-Holder for a 429, once per address the first holder has: first the one an older node reads
+        (it reads only the first value): the holder's HTTP shard server to a node that serves over HTTP itself
+        (it told us its own /http address), else its libp2p address (every swarm node dials libp2p); then the
+        other one. A node behind NAT tells us no /http address (it serves none) but does fetch over HTTP: named
+        only the libp2p address, it took a delta's shards over py-libp2p at 0.6-0.9 s each instead of two round
+        trips over HTTP (docs/BENCHMARKS.md, "A NATed node's peer shards over HTTP")."""
         holder = self.seeder.holder(key)
         if holder is None:
             return None
         http, libp2p = self.shard_addrs.get(holder), self.libp2p_addrs.get(holder)
-        addr = (http if over_http else None) or libp2p or http
-        return {HOLDER_HEADER: f"{holder} {addr}"} if addr is not None else None
+        first = (http if over_http else None) or libp2p or http
+        if first is None:
+            return None
+        return CIMultiDict((HOLDER_HEADER, f"{holder} {addr}") for addr in dict.fromkeys((first, http, libp2p))
+                           if addr is not None)
 
     def _node(self, request) -> str | None:
         if request.headers.get(SWARM_HEADER) != "1" or not request.headers.get("X-Prime-Signature"):

@@ -269,10 +269,11 @@ class P2PNode:
         or (apply_reachability) the address the coordinator dialled it back at."""
         import aiohttp
 
+        from ..aio import counted_session
         from .http_shards import HttpShardServer, http_addr
 
-        self._http_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
-                                                   auto_decompress=False)
+        self._http_session = counted_session(connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
+                                             auto_decompress=False)
         host = next((h for h in map(_ip_of, self.announce_addrs) if h and h not in WILDCARD_IPS), None)
         listen_host = next((_ip_of(a) for a in self.listen_multiaddrs), None)
         if self.store is None or not self.listen_addrs or listen_host is None:

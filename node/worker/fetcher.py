@@ -122,7 +122,7 @@ class Fetcher:
         """Bring the store up to the newest published step (and, for a verifier, fill its window) in one go:
         the listing, then every needed manifest at once, then the shards of every needed step in flight
         together, each step rebuilt in order. Returns the newest step fetched, or None."""
-        t0, sent0, conns0 = time.monotonic(), self.requests, self._connects()
+        t0, sent0, conns0, peer0 = time.monotonic(), self.requests, self._connects(), self._peer_counts()
         early = None
         # The next step's manifest is asked for together with the listing, so a node one step behind spends
         # one round trip less (a guess that misses costs one small request, a 404, never a wait).
@@ -153,14 +153,24 @@ class Fetcher:
             raise
         self.prune()
         self.steps_fetched += len(steps)
-        log.info("fetched steps %s in %.3f s: %d requests, %d new connections", _span(steps),
-                 time.monotonic() - t0, self.requests - sent0, self._connects() - conns0)
+        peer1 = self._peer_counts()
+        log.info("fetched steps %s in %.3f s: %d requests, %d new connections; peers over HTTP %d requests, "
+                 "%d new connections", _span(steps), time.monotonic() - t0, self.requests - sent0,
+                 self._connects() - conns0, peer1["requests"] - peer0["requests"], peer1["connects"] - peer0["connects"])
         return steps[-1]
 
     def _connects(self) -> int:
-        """TCP connections opened so far by the HTTP sources' sessions."""
-        sessions = {id(x): x for x in (getattr(s, "session", None) for s in self.sources) if x is not None}
+        """TCP connections opened so far by the HTTP sources' sessions (the origin's, relays')."""
+        sessions = {id(x): x for x in (getattr(s, "session", None) for s in self.sources if s.kind != "peer")
+                    if x is not None}
         return sum(client_counts(x)["connects"] for x in sessions.values())
+
+    def _peer_counts(self) -> Counter[str]:
+        """Requests sent and connections opened so far by the peers' HTTP client (a round trip each: a peer's
+        shard on a kept-alive connection costs one, on a new one at least one more and TCP's slow start)."""
+        peer = next((s for s in self.sources if s.kind == "peer"), None)
+        session = getattr(peer, "session", None)
+        return Counter(client_counts(session)) if session is not None else Counter()
 
     async def fetch_steps(self, steps: list[int], early: tuple[ShardSource, int, bytes] | None = None) -> None:
         """Fetch `steps` (oldest first, each after its base) together: their manifests asked for at once, their
@@ -309,9 +319,10 @@ class Fetcher:
                         except ShardDeferred as e:  # the origin or every holding peer said "not now"
                             trace.ready = time.monotonic()
                             planner.deferred(pick, time.monotonic())
-                            if e.holder is not None:  # the origin named who got the first copy: ask it now
+                            if e.holders:  # the origin named who got the first copy: ask it now
                                 for src in self.sources:
-                                    src.hint(step, h, pick.index, *e.holder)
+                                    for node_id, addr in e.holders:
+                                        src.hint(step, h, pick.index, node_id, addr)
                                 self.announce_change()
                             continue
                         except BaseException:

@@ -34,6 +34,11 @@ class PeerSource:
         # the holders the last request for a shard tried, for the fetcher's per-step log line (`tries`)
         self._tries: OrderedDict[tuple[int, int], list[str]] = OrderedDict()
 
+    @property
+    def session(self):
+        """The p2p node's HTTP client (None without `p2p.http`): the fetcher counts its new connections."""
+        return getattr(self.p2p, "_http_session", None)
+
     def _holders(self, step: int, index: int, manifest_hash: str) -> list[str]:
         return [p for p in self.p2p.peers_with(step, index, manifest_hash)
                 if p not in self.banned and p != self.p2p.peer_id]

@@ -35,13 +35,13 @@ class BadAnswer(SourceError):
 
 
 class ShardDeferred(SourceError):
-    """The origin asks us to get this shard from peers for now (super-seeding); `holder`: (node id, address) of
-    the node it sent the first copy to, when it says: its HTTP shard server (/ip4/<ip>/tcp/<port>/http) or its
-    libp2p address (/ip4/<ip>/tcp/<port>)."""
+    """The origin asks us to get this shard from peers for now (super-seeding); `holders`: (node id, address) of
+    the node it sent the first copy to, once per address it says: its HTTP shard server
+    (/ip4/<ip>/tcp/<port>/http) and its libp2p address (/ip4/<ip>/tcp/<port>)."""
 
-    def __init__(self, msg: str, holder: tuple[str, str] | None = None):
+    def __init__(self, msg: str, holders: list[tuple[str, str]] | None = None):
         super().__init__(msg)
-        self.holder = holder
+        self.holders = holders or []
 
 
 class ShardSource(Protocol):
@@ -76,10 +76,9 @@ class ShardSource(Protocol):
 _HOLDER = re.compile(r"([0-9a-f]{64}) (/\S{1,200})")
 
 
-def _holder(value: str | None) -> tuple[str, str] | None:
-    """(node id, address) from an X-Prime-Holder header, or None if it is not exactly that."""
-    m = _HOLDER.fullmatch(value) if value else None
-    return (m.group(1), m.group(2)) if m else None
+def _holders(values: list[str]) -> list[tuple[str, str]]:
+    """(node id, address) of each of the first two X-Prime-Holder values that is exactly that."""
+    return [(m.group(1), m.group(2)) for v in values[:2] if (m := _HOLDER.fullmatch(v))]
 
 
 class HttpSource:
@@ -152,7 +151,7 @@ class HttpSource:
                 if resp.status == 429 and getattr(ErrorBody.parse(await read_bounded(resp.content, 4096) or b""),
                                                   "error", None) == "seeded":
                     raise ShardDeferred(f"{self.name}: shard {index} of step {step} is spreading via peers",
-                                        holder=_holder(resp.headers.get(HOLDER_HEADER)))
+                                        holders=_holders(resp.headers.getall(HOLDER_HEADER, [])))
                 if resp.status not in (200, 206) or (offset and resp.status != 206):
                     raise SourceError(f"{self.name}: shard {index} of step {step} answered {resp.status}")
                 async for chunk in resp.content.iter_chunked(256 * 1024):

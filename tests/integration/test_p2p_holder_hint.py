@@ -27,20 +27,24 @@ from protocol.signing import sign_request
 from tests.integration.coordinator_harness import running_coordinator
 
 
-async def _joined_node(tmp, name: str, base: str, coord, session, stack) -> tuple[P2PNode, Fetcher]:
+async def _joined_node(tmp, name: str, base: str, coord, session, stack, *, http: bool = False,
+                       serves_http: bool = True) -> tuple[P2PNode, Fetcher]:
     """A worker's fetch side, joined as node/worker/node.py joins: its listen ports dialled back, then announcing
-    what the coordinator reached; libp2p only (`p2p.http = false`), not connected to anyone."""
+    what the coordinator reached; libp2p only (`p2p.http = false`) unless `http`, not connected to anyone.
+    `serves_http=False`: its HTTP shard server was not reached (as behind NAT): it announces none, and tells the
+    origin none, but fetches over HTTP."""
     key, run_id = coord.identity.public_hex, coord.cfg.run.run_id
     identity = Identity.generate()
     store = CheckpointDir(tmp / name)
-    p2p = P2PNode(identity, P2PConfig(listen_host="127.0.0.1", http=False, allow_private_addrs=True), run_id=run_id,
+    p2p = P2PNode(identity, P2PConfig(listen_host="127.0.0.1", http=http, allow_private_addrs=True), run_id=run_id,
                   coordinator_key=key, shard_source=CheckpointShards(store.ckpt_dir))
     await p2p.start()
     stack.push_async_callback(p2p.stop)
-    spec = await CoordinatorClient(base, identity, session).join(
-        M.NodeInfo(listen_ports=M.ListenPorts(**p2p.listen_ports())))
+    ports = p2p.listen_ports() if serves_http else {**p2p.listen_ports(), "http": None}
+    spec = await CoordinatorClient(base, identity, session).join(M.NodeInfo(listen_ports=M.ListenPorts(**ports)))
     assert spec.reachability is not None and spec.reachability.libp2p, spec.reachability
-    p2p.apply_reachability(spec.reachability.observed_ip, spec.reachability.libp2p, spec.reachability.http)
+    p2p.apply_reachability(spec.reachability.observed_ip, spec.reachability.libp2p,
+                           spec.reachability.http if serves_http else False)
     origin = HttpSource(base, "coordinator", session, swarm=True,
                         signer=lambda m, path: sign_request(identity, m, path, b"", run_id=run_id),
                         shard_addr=lambda: p2p.origin_shard_addrs)
@@ -67,6 +71,28 @@ async def test_a_libp2p_node_the_origin_defers_fetches_from_the_holder_it_names(
     assert deferred.bytes_by_kind["peer"] == m.compressed_size, deferred.bytes_by_kind
     assert deferred.bytes_by_kind["coordinator"] == 0
     assert took < 4.0, took
+
+
+async def test_a_node_that_serves_no_http_fetches_from_the_named_holder_over_http(tmp_path):
+    """Behind NAT a node's HTTP shard server is not reached, so it tells the origin no /http address of its own, but
+    it fetches over HTTP. The origin named it only the holder's libp2p address, and it took every shard over
+    py-libp2p: in the WAN lab 0.6-0.9 s a shard, against two round trips over HTTP (docs/BENCHMARKS.md, "A NATed
+    node's peer shards over HTTP"). Now the 429 names both addresses and the shards come over HTTP."""
+    from node.aio import client_counts
+
+    async with running_coordinator(tmp_path, "distribution.super_seed_seconds=10.0") as (coord, base):
+        m = coord.checkpoints.manifest(0)
+        assert m is not None
+        async with aiohttp.ClientSession() as session, contextlib.AsyncExitStack() as stack:
+            _, first = await _joined_node(tmp_path, "a", base, coord, session, stack, http=True)
+            p2p, deferred = await _joined_node(tmp_path, "b", base, coord, session, stack, http=True,
+                                               serves_http=False)
+            assert not any(a.endswith("/http") for a in p2p.origin_shard_addrs)
+            assert await first.sync_once() == 0
+            assert await deferred.sync_once() == 0
+            over_http = client_counts(p2p._http_session)["requests"]
+    assert deferred.bytes_by_kind["peer"] == m.compressed_size, deferred.bytes_by_kind
+    assert over_http == m.num_shards, over_http  # before: 0 (every shard over libp2p)
 
 
 async def test_a_node_deferred_while_the_first_copy_is_in_flight_is_told_its_holder_when_it_lands(tmp_path):
@@ -113,8 +139,11 @@ def test_the_origin_repeats_only_libp2p_addresses_its_dial_back_reached():
     assert gate.shard_addrs["n"] == "/ip4/8.8.8.8/tcp/8080/http" and gate.libp2p_addrs["n"] == "/ip4/8.8.8.8/tcp/4001"
     gate.seeder.started((0, 0), "n")
     gate.seeder.finished((0, 0), "n")
-    assert gate._holder_header((0, 0), over_http=False) == {"X-Prime-Holder": "n /ip4/8.8.8.8/tcp/4001"}
-    assert gate._holder_header((0, 0), over_http=True) == {"X-Prime-Holder": "n /ip4/8.8.8.8/tcp/8080/http"}
+    # both addresses, the one an older node reads (the first value) chosen as before
+    assert gate._holder_header((0, 0), over_http=False).getall("X-Prime-Holder") == [
+        "n /ip4/8.8.8.8/tcp/4001", "n /ip4/8.8.8.8/tcp/8080/http"]
+    assert gate._holder_header((0, 0), over_http=True).getall("X-Prime-Holder") == [
+        "n /ip4/8.8.8.8/tcp/8080/http", "n /ip4/8.8.8.8/tcp/4001"]
     for bad in ("/ip4/8.8.8.8/tcp/4002", "/ip4/1.1.1.1/tcp/4001", "/ip6/8.8.8.8/tcp/4001", "/dns4/x.example/tcp/4001",
                 "/ip4/8.8.8.8/tcp/4001/ws"):
         gate._remember_addrs("n", [bad])
