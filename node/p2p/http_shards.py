@@ -55,6 +55,13 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 
 HAVE_BITS = MAX_INDICES  # X-Prime-Have covers shards 0..4095 (684 base64 characters at most)
 HAVE_TTL_S = 0.1  # how stale the holdings a server tells may be
+# A request for a shard of a step this node is downloading right now, not here yet, waits this long for it before
+# "not here" (polled every ARRIVAL_POLL_S). The origin names a first copy's holder once it has sent the last byte,
+# while the holder has yet to receive and verify it: in the WAN lab 9-10 of a run's 270 delta shards were asked of
+# their named holder too early, went back to the origin and came ~0.3 s later (docs/BENCHMARKS.md, "A NATed
+# node's peer shards over HTTP"). At most `max_concurrent` requests wait at once; more are answered at once.
+ARRIVAL_WAIT_S = 1.0
+ARRIVAL_POLL_S = 0.02
 
 
 def encode_have(indices: Iterable[int]) -> str:
@@ -119,6 +126,7 @@ class HttpShardServer:
         self.limiter = AsyncRateLimiter(upload_limit, shared=upload_bucket if upload_limit > 0 else None)
         self.chunk_bytes = int(min(CHUNK_BYTES, max(1024, upload_limit // 20))) if upload_limit > 0 else CHUNK_BYTES
         self.active = 0
+        self.waiting = 0  # requests waiting for a shard that is arriving (ARRIVAL_WAIT_S)
         self._runner: web.AppRunner | None = None
         self._have_cache: dict[tuple[int, str], tuple[float, dict[str, str]]] = {}
 
@@ -150,6 +158,26 @@ class HttpShardServer:
             cached = self._have_cache[(step, manifest_hash)] = (now, {HAVE_HEADER: encode_have(held(step, manifest_hash))})
         return cached[1]
 
+    async def _open(self, step: int, index: int, manifest_hash: str) -> Any:
+        """The shard's body, waiting up to ARRIVAL_WAIT_S for it if its step is downloading here (the store says
+        so: a partial step of that manifest), else None at once."""
+        if self.store is None:
+            return None
+        body = self.store.open(step, index, manifest_hash)
+        arriving = getattr(self.store, "arriving", None)
+        if body is not None or arriving is None or self.waiting >= self.max_concurrent:
+            return body
+        self.waiting += 1
+        try:
+            deadline = time.monotonic() + ARRIVAL_WAIT_S
+            while time.monotonic() < deadline and arriving(step, manifest_hash):
+                await asyncio.sleep(ARRIVAL_POLL_S)
+                if (body := self.store.open(step, index, manifest_hash)) is not None:
+                    return body
+            return self.store.open(step, index, manifest_hash)  # the step may have been completed meanwhile
+        finally:
+            self.waiting -= 1
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         step = int_param(request, "step", MAX_STEP + 1)
         index = int_param(request, "index", MAX_SHARD_INDEX + 1)
@@ -164,7 +192,7 @@ class HttpShardServer:
             self.stats.count_refused("busy")
             raise ApiError(429, "busy", f"serving {self.active} shards already ({mine} to you); try another peer",
                            headers=have)
-        body = self.store.open(step, index, manifest_hash) if self.store is not None else None
+        body = await self._open(step, index, manifest_hash)
         if body is None:
             self.stats.count_refused("not_found")
             raise ApiError(404, "not_found", f"no shard {index} of step {step} here", headers=have)

@@ -185,6 +185,11 @@ class CheckpointShards:
     def held(self, step: int, manifest_hash: str) -> set[int]:
         return set().union(*(store.held(step, manifest_hash) for store in self._stores))
 
+    def arriving(self, step: int, manifest_hash: str) -> bool:
+        """Whether this node is downloading `step` of `manifest_hash` now (its partial step has that manifest):
+        a shard of it not here yet may be a moment away."""
+        return self._stores[1]._manifest_hash(step) == manifest_hash
+
 
 def as_store(source: ShardStore | ShardGetter | str | os.PathLike | None) -> ShardStore | None:
     """Accept a ShardStore, a `(step, index) -> bytes | None` callable, or a directory."""

@@ -152,6 +152,65 @@ async def test_shards_travel_over_http_between_nodes_and_libp2p_takes_over_from_
         assert server.stats.snapshot()["bytes_served_by_peer"].get(client.peer_id) == len(shards[4])  # libp2p
 
 
+async def test_a_request_for_a_shard_on_its_way_here_waits_for_it(tmp_path, monkeypatch):
+    """The origin names a first copy's holder once it has sent the last byte; the holder has yet to receive and verify
+    it. Asked in that moment, the holder's server used to answer "not here" at once, and the asker went back to the
+    origin (~0.3 s in the WAN lab). Now a request for a shard of a step being downloaded here (a partial step of that
+    manifest) waits for it, at most ARRIVAL_WAIT_S; a step not downloading here is answered at once, and at most
+    `max_concurrent` requests wait (hostile: a flood of requests for shards that never come holds nothing more)."""
+    import node.p2p.http_shards as hs
+
+    ckpt = tmp_path / "checkpoints"
+    manifest, shards = write_checkpoint(ckpt, 3, n_shards=2, raw_size=64 * KIB)
+    partial = ckpt / ".partial-3"
+    (ckpt / "3").rename(partial)
+    for f in (partial / "shards").iterdir():
+        f.unlink()
+    h = manifest_hash(manifest)
+    monkeypatch.setattr(hs, "ARRIVAL_WAIT_S", 0.6, raising=False)
+    server = HttpShardServer(CheckpointShards(ckpt), stats=P2PStats(), max_concurrent=2, max_bytes=1 << 20,
+                             read_timeout_s=2)
+    port = await server.start("127.0.0.1")
+    base = f"http://127.0.0.1:{port}"
+
+    async def get(path: str) -> tuple[int, bytes, float]:
+        t0 = time.monotonic()
+        async with s.get(base + path) as r:
+            return r.status, await r.read(), time.monotonic() - t0
+
+    async def lands(i: int, after_s: float) -> None:  # as the fetcher commits a verified shard: a rename
+        await asyncio.sleep(after_s)
+        (partial / "shards" / f"{i:05d}.tmp").write_bytes(shards[i])
+        (partial / "shards" / f"{i:05d}.tmp").rename(partial / "shards" / f"{i:05d}.zst")
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            landing = asyncio.create_task(lands(1, 0.2))
+            status, body, took = await get(f"/v1/p2p/shards/3/1?manifest={h}")
+            await landing
+            assert status == 200 and body == shards[1] and 0.15 < took < 0.55, (status, took)  # before: 404 at once
+            status, _, took = await get(f"/v1/p2p/shards/3/0?manifest={h}")  # never comes: "not here" after the wait
+            assert status == 404 and 0.55 < took < 1.5, (status, took)
+            status, _, took = await get(f"/v1/p2p/shards/4/0?manifest={h}")  # a step not downloading here: at once
+            assert status == 404 and took < 0.3, took
+            status, _, took = await get(f"/v1/p2p/shards/3/0?manifest={'cd' * 32}")  # another manifest: at once
+            assert status == 404 and took < 0.3, took
+            flood = await asyncio.gather(*(get(f"/v1/p2p/shards/3/0?manifest={h}") for _ in range(6)))
+            quick = [t for st, _, t in flood if st == 404 and t < 0.3]
+            assert len(quick) == 4 and all(st == 404 for st, _, _ in flood), flood  # 2 waited, 4 answered at once
+            # the step completes while a request waits (its last shard lands and the partial directory becomes the
+            # step at once): the request is answered from the complete step
+            waiting = asyncio.create_task(get(f"/v1/p2p/shards/3/0?manifest={h}"))
+            await asyncio.sleep(0.15)
+            (partial / "shards" / "00000.zst").write_bytes(shards[0])
+            partial.rename(ckpt / "3")
+            status, body, took = await waiting
+            assert status == 200 and body == shards[0] and took < 0.5, (status, took)
+            assert server.waiting == 0
+    finally:
+        await server.stop()
+
+
 async def test_the_http_shard_server_refuses_bad_requests_without_a_500(tmp_path):
     manifest, shards = write_checkpoint(tmp_path, 3, n_shards=2, raw_size=64 * KIB)
     h = manifest_hash(manifest)
