@@ -28,6 +28,11 @@ STATUS_MAX_AGE_S = 1.0
 # GIL with the loop): parsed on the loop it blocks the loop ~5 ms instead. 8 MiB (~30 ms) still goes to a thread.
 LARGE_BODY_BYTES = 2 * 1024 * 1024
 FAILED_RETRY_AFTER_S = 60  # a failed coordinator exits and is restarted, or an operator looks: not soon
+# A request body's read buffer (aiohttp's `read_bufsize`, 64 KiB by default): aiohttp stops reading the socket once
+# twice this is buffered and goes on only after the handler has taken it, so a 1.4 MB submission came in ~11 turns
+# of a busy event loop, each waiting for the handler's task (up to 460 ms under load: docs/BENCHMARKS.md, "The
+# intake's CPU cut"). Bodies are still bounded by server.max_body_bytes and the body budget.
+READ_BUFSIZE = 512 * 1024
 
 
 def parse_wire(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -225,7 +230,8 @@ async def start_server(coord, host: str, port: int) -> tuple[web.AppRunner, int]
     cfg = coord.cfg.server
     limits = ConnectionLimits(max_per_address=cfg.max_connections_per_address, min_send_rate=cfg.min_send_rate,
                               send_grace_s=cfg.send_grace_s)
-    runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=cfg.header_timeout_s, limits=limits)
+    runner = HardenedAppRunner(app, access_log=None, keepalive_timeout=cfg.header_timeout_s, limits=limits,
+                               read_bufsize=READ_BUFSIZE)
     await runner.setup()
     # the backlog bounds the sockets a connection flood holds beyond the serving budget (node/fdlimits.py)
     site = web.TCPSite(runner, host, port, backlog=listen_backlog())
