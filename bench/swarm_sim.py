@@ -59,9 +59,15 @@ Model (every number is a parameter of `Case`):
   before relayed ones (P2PNode.peers_with). `relay_first_copies = False` (a what-if, not what the coordinator
   does): circuits as above, but the seeder still gives first copies to reachable nodes only.
 
+* The current code (2026-11-27; `hold_s`, `direct_first_copies`, `libp2p_request_s`): the origin holds a request
+  it defers while a first copy is in flight (at most 1 s) and answers 429 naming the holder; a relayed node holds
+  no first copy beside 2 direct askers and is held until a direct node's copy lands; a node fetches over HTTP from
+  a reachable holder and over py-libp2p from a NATed one (its kept connections or a circuit).
+
 Not modelled: TCP dynamics (slow start, loss, RTT-limited windows), CPU contention as such (the costs are
 the medians measured on the loaded 2-core box, not derived from a load), libp2p streams that time out (the lab's
-scale_rewake run), the hop's limits other than bandwidth
+scale_rewake run), new connections (~6 round trips in the lab against 2 kept alive) and the lab's warm-up over a run's
+first steps, the hop's limits other than bandwidth
 (relay_max_reservations = 128 per hop, circuits per peer, a circuit's byte and time caps: every NATed node
 is taken to hold a reservation, as with enough `p2p.relay_addrs` hops), the network core (only
 the edges are bottlenecks), gossip loss, stale "have" views after a peer leaves, the X-Prime-Have bitfields
@@ -194,6 +200,25 @@ class Case:
     # 20 CPU-s per GB per side for 1-8 MiB shards, i.e. ~50 MB/s on one core (bench/results/transport_cost.json:
     # 39-57 CPU-s per GB, client and server together). 0: no cap (the HTTP plane: 2-5 CPU-s per GB).
     peer_cpu_rate: float = 0.0
+    # ---- the HTTP data plane beside py-libp2p (2176ab7: every node fetches over HTTP from a holder with an HTTP
+    # address; a NATed holder serves none, only py-libp2p over its kept connections or a circuit) ----
+    # A request to a NATed holder costs this (py-libp2p); None: `peer_request_s` for every holder (one plane).
+    libp2p_request_s: float | None = None
+    libp2p_sigma: float | None = None  # its lognormal spread (None: request_sigma)
+    # The code before 2176ab7: a NATed node, named only the holder's libp2p address, fetched every peer shard over
+    # py-libp2p (`libp2p_request_s`); reachable nodes fetched over HTTP (`peer_request_s`).
+    nat_fetch_libp2p: bool = False
+    # Round trips a peer request costs beyond the one every transfer starts after: a bare aiohttp GET of 140 KB in
+    # the lab took 2.0 round trips on a kept-alive connection, ~6 on a new one (bench/results/wan_floor.json).
+    peer_request_rtts: float = 0.0
+    # The origin's hold (SeedingGate, a625229): a node deferred while the shard's first copy is in flight is held
+    # (at most `hold_s`) until that copy lands, then told its holder; 0: answered at once (the code before).
+    hold_s: float = 0.0
+    # SuperSeeder's `relayed` rule (1b6a688): a NATed node with a reservation holds no first copy while
+    # MIN_DIRECT_ASKERS directly dialable nodes ask, and is held (hold_s) until a direct node's copy lands.
+    direct_first_copies: bool = False
+    # Record each shard's request times (Sim.trace): the lab's per-shard breakdown to compare with.
+    trace: bool = False
 
 
 class OverBudget(RuntimeError):
@@ -201,12 +226,15 @@ class OverBudget(RuntimeError):
 
 
 class Flow:
-    __slots__ = ("s", "r", "pick", "rem", "rate", "last", "ver", "server", "live", "started", "ev_rate", "hop")
+    __slots__ = ("s", "r", "pick", "rem", "rate", "last", "ver", "server", "live", "started", "ev_rate", "hop",
+                 "libp2p", "t_req")
 
-    def __init__(self, s, r, pick, size, server, hop=None):
+    def __init__(self, s, r, pick, size, server, hop=None, libp2p=True, t_req=0.0):
         self.s, self.r, self.pick, self.rem, self.server = s, r, pick, float(size), server
         self.rate, self.last, self.ver, self.live, self.started, self.ev_rate = 0.0, 0.0, 0, True, False, 0.0
         self.hop = hop  # the relay hop this flow goes through (its uplink is shared by every relayed flow)
+        self.libp2p = libp2p  # a peer flow over py-libp2p (its CPU cap applies), not the HTTP plane
+        self.t_req = t_req  # when the request that brought it was sent
 
 
 class Node:
@@ -240,7 +268,7 @@ class Node:
 
 
 # event kinds
-WAKE, FSTART, FEND, DEFER, HAVE, LEAVE, JOIN, RETRY, BUSY = range(9)
+WAKE, FSTART, FEND, DEFER, HAVE, LEAVE, JOIN, RETRY, BUSY, HOLD = range(10)
 BUSY_STREAK = 2  # a slot told "busy" by every holder it tried for this many shards in a row sleeps
 
 
@@ -264,8 +292,10 @@ class Sim:
         self.total = size
         self.swarm = case.mode == "swarm"
         # The coordinator's `can_serve`: a NATed node is servable only through a relay reservation.
-        self.seeder = (SuperSeeder(case.super_seed_s, clock=lambda: self.now, reachable=self.servable)
-                       if self.swarm else None)
+        self.seeder = (SuperSeeder(case.super_seed_s, clock=lambda: self.now, reachable=self.servable,
+                                   relayed=self.relayed) if self.swarm else None)
+        self.held: dict[int, list] = {}  # shard -> requests the origin holds (hold_s): [node, pick, sent, alive]
+        self.trace: list[tuple] = []  # (kind, fetcher NATed, seconds): "origin"/"peer" ok, "defer" (case.trace)
         self.nodes: list[Node] = []
         self.origin = Node(-1, "origin", case.origin_cap, float("inf"), 0.0)
         self.origin.held = self.num_shards
@@ -301,11 +331,12 @@ class Sim:
         self.origin_sends = 0  # shard transfers the origin began
         self.origin_sends_held = 0  # ... of a shard some peer held (in the view) that this node could not use
 
-    def cost(self, median: float) -> float:
-        """One request's own cost: `median`, times a lognormal factor when `request_sigma` is set."""
-        if median <= 0 or not self.c.request_sigma:
+    def cost(self, median: float, sigma: float | None = None) -> float:
+        """One request's own cost: `median`, times a lognormal factor when `request_sigma` (or `sigma`) is set."""
+        sigma = self.c.request_sigma if sigma is None else sigma
+        if median <= 0 or not sigma:
             return median
-        return median * self.rng.lognormvariate(0.0, self.c.request_sigma)
+        return median * self.rng.lognormvariate(0.0, sigma)
 
     def key(self, i: int):
         """The seeder's key of shard i: (step, index) as the coordinator's, so that first copies are spread over the
@@ -318,6 +349,21 @@ class Sim:
         if isinstance(node_id, int) and 0 <= node_id < len(self.nodes) and self.nodes[node_id].natted:
             return None if self.relaying and self.c.relay_first_copies else False
         return None
+
+    def relayed(self, node_id) -> bool:
+        """The super-seeder's `relayed` callback (direct_first_copies): a NATed node with a reservation on the hop."""
+        return (self.c.direct_first_copies and self.relaying and isinstance(node_id, int)
+                and 0 <= node_id < len(self.nodes) and self.nodes[node_id].natted)
+
+    def peer_cost(self, holder: Node, node: Node) -> tuple[float, bool]:
+        """A peer request's own cost (median) and whether it goes over py-libp2p: a NATed holder serves only over
+        py-libp2p; before 2176ab7 a NATed fetcher used it for every peer; else the HTTP plane (`peer_request_s`)."""
+        c = self.c
+        if c.libp2p_request_s is None:
+            return c.peer_request_s, True
+        if holder.natted or (c.nat_fetch_libp2p and node.natted):
+            return c.libp2p_request_s, True
+        return c.peer_request_s, False
 
     # ---- plumbing -------------------------------------------------------------------------------
     def push(self, t, kind, a=None, b=None):
@@ -419,7 +465,7 @@ class Sim:
         pcpu = self.c.peer_cpu_rate
         for f in (node.ups if up else node.downs):
             rate = min(f.s.up / len(f.s.ups), f.r.down / len(f.r.downs))
-            if pcpu and not f.server:  # py-libp2p's CPU at both ends (shared by all of a node's flows: approximate)
+            if pcpu and not f.server and f.libp2p:  # py-libp2p's CPU at both ends (shared by all of a node's flows: approximate)
                 rate = min(rate, pcpu / len(f.s.ups), pcpu / len(f.r.downs))
             if f.hop is not None:
                 rate = min(rate, hop.up / len(hop.ups))
@@ -528,9 +574,12 @@ class Sim:
                     relayed = self.relaying and h.natted and not self.usable(h, node)
                     if relayed:  # a circuit through the hop: CONNECT first (one more round trip)
                         rtt *= 2
-                    rtt += self.cost(self.c.peer_request_s)  # the request's own cost (py-libp2p: CPU, not the link)
+                    median, libp2p = self.peer_cost(h, node)
+                    sigma = self.c.libp2p_sigma if libp2p and self.c.libp2p_request_s is not None else None
+                    rtt += self.cost(median, sigma) + self.c.peer_request_rtts * self.rtt(node, h)  # its own cost
                     if h.reserved < self.c.upload_slots:
-                        self.transfer(h, node, pick, delay + rtt, server=False, hop=self.hop if relayed else None)
+                        self.transfer(h, node, pick, delay + rtt, server=False, hop=self.hop if relayed else None,
+                                      libp2p=libp2p, t_req=self.now + delay)
                         return
                     delay += rtt
                 self.push(self.now + delay, BUSY, node, (pick, streak + 1, tries))  # every holder tried was busy
@@ -540,13 +589,55 @@ class Sim:
             self.transfer(server, node, pick, node.rtt_o, server=True)
             return
         if self.seeder is not None and not self.seeder.admit(self.key(i), node.id):  # 429 seeded
-            self.push(self.now + node.rtt_o + self.cost(self.c.origin_request_s), DEFER, node, pick)
+            key = self.key(i)
+            if self.c.hold_s > 0:  # SeedingGate.before: held while a first copy is in flight (or, relayed, to come)
+                for_start = self.seeder.leaves_to_direct(node.id)
+                # (SeedingGate._waiting: a held request waits only while a copy is in flight, or, relayed, while
+                # nobody holds one)
+                if self.seeder.in_flight(key) is not None or (for_start and self.seeder.holder(key) is None):
+                    held: list = [node, pick, self.now, True, for_start]
+                    self.held.setdefault(i, []).append(held)
+                    self.push(self.now + self.c.hold_s, HOLD, held)
+                    return
+            self.push(self.now + node.rtt_o + self.cost(self.c.origin_request_s), DEFER, node, (pick, self.now))
             return
+        self.serve_origin(node, pick, node.rtt_o + self.cost(self.c.origin_request_s))
+
+    def serve_origin(self, node: Node, pick: Pick, delay: float) -> None:
+        i = pick.index
         if self.seeder is not None:
             self.seeder.started(self.key(i), node.id)
         self.origin_sends += 1
         self.origin_sends_held += self.holders.get(i, 0) > 0
-        self.transfer(self.origin, node, pick, node.rtt_o + self.cost(self.c.origin_request_s), server=True)
+        self.transfer(self.origin, node, pick, delay, server=True, t_req=self.now)
+
+    def unhold(self, i: int, timeout=None) -> None:
+        """The origin looks again at the requests it holds for shard i (a copy of it ended, or `timeout`'s hold
+        ran out): those no longer waiting (SeedingGate._waiting) are answered: 429 naming the holder, or, with no
+        first copy out meanwhile, the shard (SeedingGate.before)."""
+        key, seeder = self.key(i), self.seeder
+        assert seeder is not None  # holds happen only in a swarm
+        for h in ([timeout] if timeout is not None else list(self.held.get(i, ()))):
+            node, pick, sent, alive, for_start = h
+            if not alive:
+                continue
+            holder = seeder.in_flight(key)
+            waiting = holder is not None or (for_start and seeder.holder(key) is None)
+            if waiting and timeout is None:
+                continue
+            h[3] = False
+            lst = self.held.get(i)
+            if lst is not None:
+                lst.remove(h)
+                if not lst:
+                    del self.held[i]
+            if not node.active:
+                continue
+            back = node.rtt_o / 2 + self.cost(self.c.origin_request_s)  # the answer goes back
+            if seeder.holder(key) is None and seeder.in_flight(key) is None:
+                self.serve_origin(node, pick, back)
+                continue
+            self.push(self.now + back, DEFER, node, (pick, sent))
 
     def busy(self, node: Node, pick: Pick, streak: int, tries: list) -> None:
         """Every holder tried was busy: the planner defers the shard (peers_wait) and the slot takes the
@@ -575,18 +666,23 @@ class Sim:
             self.nodes[hid].waiters.append(sl)
         self.shard_waiters.setdefault(pick.index, deque()).append(sl)
 
-    def transfer(self, s: Node, r: Node, pick: Pick, delay: float, server: bool, hop: Node | None = None) -> None:
-        f = Flow(s, r, pick, self.shard_size, server, hop)
+    def transfer(self, s: Node, r: Node, pick: Pick, delay: float, server: bool, hop: Node | None = None,
+                 libp2p: bool = True, t_req: float = 0.0) -> None:
+        f = Flow(s, r, pick, self.shard_size, server, hop, libp2p, t_req)
         s.reserved += 1
         self.push(self.now + delay, FSTART, f)
 
     def flow_end(self, f: Flow) -> None:
         self.flow_stop(f)
         node, pick = f.r, f.pick
+        if self.c.trace:
+            self.trace.append(("origin" if f.s is self.origin else "peer", node.natted, self.now - f.t_req))
         if f.s is self.origin:
             self.origin_bytes += self.shard_size
             if self.seeder is not None:
                 self.seeder.finished(self.key(pick.index), node.id)
+                if pick.index in self.held:
+                    self.unhold(pick.index)
         else:
             self.peer_bytes += self.shard_size if not f.server else 0.0
             if f.s.natted:
@@ -655,6 +751,8 @@ class Sim:
             self.flow_stop(f)
             if f.s is self.origin and self.seeder is not None:
                 self.seeder.failed(self.key(f.pick.index), node.id)
+                if f.pick.index in self.held:
+                    self.unhold(f.pick.index)
         for f in list(node.ups):
             self.flow_stop(f)
             self.fail(f)
@@ -733,6 +831,8 @@ class Sim:
                     self.release(a.s)
                     if a.s is self.origin and self.seeder is not None:
                         self.seeder.failed(self.key(a.pick.index), a.r.id)
+                        if a.pick.index in self.held:
+                            self.unhold(a.pick.index)
                     if a.r.active:
                         self.fail(a)
             elif kind == WAKE:
@@ -745,8 +845,13 @@ class Sim:
             elif kind == BUSY:
                 if a.active:
                     self.busy(a, *b)
+            elif kind == HOLD:
+                self.unhold(a[1].index, timeout=a)
             elif kind == DEFER:
                 if a.active:
+                    b, sent = b
+                    if c.trace:
+                        self.trace.append(("defer", a.natted, self.now - sent))
                     if c.holder_hints:  # the 429 names the node whose first copy is complete
                         hid = self.seeder.holder(self.key(b.index))
                         if hid is not None and hid != a.id and self.usable(self.nodes[hid], a):
@@ -973,6 +1078,81 @@ def calibration_points() -> list[dict]:
                                  notify_p90_s=announced_p90, gossip_hop_s=announced, origin_request_s=LAB,
                                  peer_request_s=LIBP2P_REQUEST_S, poll_miss_share=0.0 if "rewake" in key else 0.5,
                                  prior_askers=True)})
+    pts += holder_points(doc)
+    return pts
+
+
+# The lab's HTTP data plane, current code (2176ab7; wan.json holder_both_a/b/c, N = 6, load 7-10). Set from the runs'
+# per-shard breakdown, not from any run's time to all nodes (those stay held out): `lab_http_costs()` simulates the
+# three runs (9 seeds each) over a grid and keeps the values whose per-shard figures, pooled, come closest to the
+# measured ones, averaged over the runs (least squares of the log ratio of 4 figures; 2026-11-27, 81 combinations):
+#   a shard from the origin ("coordinator": every first copy, to the two public nodes; the origin's 20 Mbit/s is
+#   shared by a step's five first copies): measured median 0.164 s, mean 0.192 s; simulated 0.167 / 0.189 s
+#   a peer shard fetched by a NATed home ("to home", 97 % from a public node over HTTP): measured median 0.268 s,
+#   mean 0.358 s (2.3-2.5 of the home's round trips); simulated 0.295 / 0.326 s
+LAB_HTTP = {
+    "origin_request_s": 0.05,  # fitted (grid 0.03-0.05); the single-home fit of the quiet box was 0.0725
+    "peer_request_s": 0.02,  # fitted (grid 0-0.04), the same as measured per request on loopback (HTTP_REQUEST_S)
+    "request_sigma": 1.2,  # fitted (grid 1.0-1.4): the origin shards' mean over median
+}
+# Round trips an HTTP peer request costs beyond the one the simulator charges every transfer: a bare aiohttp GET of
+# 140 KB on a kept-alive connection in the lab took 2.0 round trips at 50 ms and 1.57 at 210 ms
+# (bench/results/wan_floor.json): measured, ~0.8 more. ~6 on a new connection (not modelled: connections are kept).
+LAB_HTTP_RTTS = 0.8
+# The spread of a py-libp2p request in the same sitting (the code before 2176ab7, wan.json holder_one_a/b/c: NATed
+# homes fetched every peer shard over py-libp2p): "to home" ok, measured median 0.78-1.03 s, mean 0.89-1.15 s;
+# with the loopback's 0.64 s median (LIBP2P_REQUEST_S) σ 0.6 comes closest of 0.3 / 0.45 / 0.6 / 0.8 (simulated
+# 0.95 / 1.04 s against the runs' average 0.89 / 1.03 s). Fitted on those per-shard figures only.
+LAB_LIBP2P_SIGMA = 0.6
+# The step's announcement per gossip hop in the lab, current code: the "announced" phase's median, 0.148-0.155 s in
+# holder_both_a/b/c (one hop at N = 6, its round trip included; taken as the hop's own cost, a slight overestimate)
+LAB_GOSSIP_HOP_S = 0.15
+HOLD_S = 1.0  # node/coordinator/seeding.py HOLD_S
+LAB_SHARDS = 5  # a lab step's shards (270 shards in 54 node-steps: the demo model's 1.25 MiB raw in 256 KiB shards)
+
+
+def holder_points(doc: dict) -> list[dict]:
+    """The N = 6 lab runs of 2026-11-27 (the current code, HTTP for every peer fetch a node can make; and the code
+    before 2176ab7, where NATed homes fetched over py-libp2p), and the N = 12 run of the current code if present."""
+    pts = []
+    runs = [(k, "current code (HTTP plane for NATed fetchers too)", False) for k in
+            ("holder_both_a", "holder_both_b", "holder_both_c", "scale_holder_both") if k in doc]
+    runs += [(k, "code before 2176ab7 (NATed homes fetch over py-libp2p)", True) for k in
+             ("holder_one_a", "holder_one_b", "holder_one_c") if k in doc]
+    def pooled(keys):  # the "announced" phase's median and p90, the median over runs of one configuration
+        phs = [doc[k]["rows"][0]["phases_s"]["announced"] for k in keys]
+        return {q: _median([x[q] for x in phs]) for q in ("median", "p90")}
+
+    for key, note, before in runs:
+        row = doc[key]["rows"][0]
+        # Who learns of a step when: pooled over the three runs of the same code at N = 6 (each run's p90 is the
+        # 5th-6th latest of its 54 announcements, and the warm-up steps 1-3, not the median step, hold most of
+        # them: holder_both_b's 1.03 s against 0.53 and 0.59); the N = 12 run's own
+        same = [k for k, _, b in runs if b == before and k[-2:] in ("_a", "_b", "_c")] if key[-2:] in ("_a", "_b", "_c") else [key]
+        ph = {"announced": pooled(same)}
+        commit = row.get("shard_breakdown", {}).get("step_parts", {}).get("commit", {}).get("median", 0.0)
+        load = row.get("load_avg_max")
+        for kind in ("delta", "full"):
+            steps = [x for x in row["per_step"] if (x["encoding"] == "full") == (kind == "full")]
+            done = [x for x in steps if x["t_all_s"] is not None]
+            if not done or row.get(kind, {}).get("t_all_s") is None:
+                continue
+            size = _median([x["bytes"] for x in steps])
+            pts.append({
+                "name": f"wan.json {key}, N = {row['n']} lab, {kind}", "role": "held-out", "fits": None,
+                "note": f"{note}; load {load}", "plane": "libp2p_homes" if before else "http",
+                "metric": "s to all nodes (median step)" if kind == "delta" else "s to all nodes (the full step)",
+                # the run's own figures (bench/wan.py: the median over its delta steps, its full step)
+                "measured": row[kind]["t_all_s"],
+                "measured_median_node": row[kind].get("t_median_s") or _median([x["t_median_s"] for x in done]),
+                "breakdown": row.get("shard_breakdown", {}).get("by_source") if kind == "delta" else None,
+                "case": dict(nodes=row["n"], checkpoint_bytes=size, shard_bytes=math.ceil(size / LAB_SHARDS),
+                             delta_fraction=1.0, origin_cap=row["origin_mbit"] * MBIT, sites=lab_sites(row["n"]),
+                             step_rtts=1.0, notify_s=ph["announced"]["median"], notify_p90_s=ph["announced"]["p90"],
+                             gossip_hop_s=ph["announced"]["median"], step_cpu_s=commit, prior_askers=True,
+                             holder_hints=True, hold_s=HOLD_S, direct_first_copies=True, relay=True,
+                             peer_request_rtts=LAB_HTTP_RTTS, libp2p_request_s=LIBP2P_REQUEST_S,
+                             libp2p_sigma=LAB_LIBP2P_SIGMA, nat_fetch_libp2p=before, trace=True, **LAB_HTTP)})
     return pts
 
 
@@ -985,13 +1165,17 @@ def point_case(pt: dict, fitted: dict, seed: int) -> Case:
 
 def run_point(pt: dict, fitted: dict, seeds=tuple(range(9))) -> dict:
     """The simulated figure of a calibration point (the median over `seeds`: who learns of a step first is drawn)."""
-    sims, meds = [], []
+    sims, meds, trace = [], [], []
     for seed in seeds:
-        r = simulate(point_case(pt, fitted, seed))
+        sm = Sim(point_case(pt, fitted, seed))
+        r = sm.run()
+        trace += sm.trace
         sims.append(r["seconds"] if pt["case"]["nodes"] > 1 else r["median_node_seconds"])
         meds.append(r["median_node_seconds"])
     sim, med = _median(sims), _median(meds)
-    row = {k: v for k, v in pt.items() if k != "case"}
+    row = {k: v for k, v in pt.items() if k not in ("case", "breakdown")}
+    if trace:
+        row["shards"] = shard_compare(trace, pt.get("breakdown"))
     row.update({"sim": round(sim, 3), "sim_vs_measured": round(sim / pt["measured"] - 1, 3),
                 "within_20pct": abs(sim / pt["measured"] - 1) <= 0.2,
                 "inputs": {k: v for k, v in asdict(point_case(pt, fitted, 0)).items()
@@ -1001,6 +1185,57 @@ def run_point(pt: dict, fitted: dict, seeds=tuple(range(9))) -> dict:
                     "median_node_sim_vs_measured": round(med / pt["measured_median_node"] - 1, 3),
                     "median_node_within_20pct": abs(med / pt["measured_median_node"] - 1) <= 0.2})
     return row
+
+
+def shard_compare(trace: list, breakdown: dict | None) -> dict:
+    """The simulated per-shard figures next to the lab's breakdown (bench/wan.py shard_breakdown): a shard from the
+    origin (the lab's "coordinator": first copies, to public nodes), a peer shard fetched by a NATed home ("to home"),
+    and the seconds a home's shard spent deferred (the origin's 429s, held), per shard."""
+    def stats(xs):
+        return {"median": round(_median(xs), 3), "mean": round(sum(xs) / len(xs), 3)} if xs else None
+
+    home_shards = sum(1 for k, nat, _ in trace if nat and k != "defer")
+    sim = {"origin_ok": stats([x for k, _, x in trace if k == "origin"]),
+           "home_peer_ok": stats([x for k, nat, x in trace if k == "peer" and nat]),
+           "home_deferred_per_shard": round(sum(x for k, nat, x in trace if k == "defer" and nat)
+                                            / max(1, home_shards), 3)}
+    out = {"sim": sim}
+    if breakdown:
+        home = breakdown.get("to home", {})
+        out["measured"] = {"origin_ok": {k: breakdown["coordinator"]["ok"][k] for k in ("median", "mean")},
+                           "home_peer_ok": {k: home["ok"][k] for k in ("median", "mean")},
+                           "home_deferred_per_shard": home["deferred"]["mean"]}
+    return out
+
+
+def lab_http_costs(grid: dict | None = None) -> list[dict]:
+    """How LAB_HTTP was set: the simulated per-shard figures of the three current-code N = 6 runs, pooled, for each
+    combination in `grid`, against the measured ones (their means over the runs). Prints a line per combination."""
+    pts = [p for p in calibration_points() if p.get("plane") == "http" and p.get("breakdown")
+           and p["case"]["nodes"] == 6]
+    grid = grid or {"origin_request_s": [0.04, 0.06, 0.08], "peer_request_s": [0.0, 0.02, 0.05],
+                    "request_sigma": [0.5, 0.8, 1.1]}
+    keys = list(grid)
+    out = []
+    import itertools
+
+    for vals in itertools.product(*(grid[k] for k in keys)):
+        kw = dict(zip(keys, vals))
+        trace, meas = [], []
+        for p in pts:
+            q = {**p, "case": {**p["case"], **kw}}
+            for seed in range(9):
+                sm = Sim(point_case(q, {"step_cpu_s": 0.0, "request_sigma": 0.0, "origin_request_s": 0.0}, seed))
+                sm.run()
+                trace += sm.trace
+            meas.append(shard_compare([], p["breakdown"])["measured"])
+        sim = shard_compare(trace, None)["sim"]
+        m = {k: (round(sum(x[k]["median"] for x in meas) / len(meas), 3), round(sum(x[k]["mean"] for x in meas) / len(meas), 3))
+             for k in ("origin_ok", "home_peer_ok")}
+        d = round(sum(x["home_deferred_per_shard"] for x in meas) / len(meas), 3)
+        print(kw, "sim", sim, "measured", m, d, flush=True)
+        out.append({"params": kw, "sim": sim, "measured": m, "measured_home_deferred": d})
+    return out
 
 
 def calibration() -> dict:
@@ -1024,6 +1259,11 @@ def calibration() -> dict:
     return {"fitted": fitted, "fit_on": {k: [p["name"] for p in pts if p["fits"] == k] for k in fitted},
             "measured_inputs": {"origin_request_s (loopback)": ORIGIN_REQUEST_S,
                                 "libp2p_peer_request_s": LIBP2P_REQUEST_S, "http_peer_request_s": HTTP_REQUEST_S},
+            "lab_http_plane": {**LAB_HTTP, "peer_request_rtts": LAB_HTTP_RTTS, "libp2p_sigma": LAB_LIBP2P_SIGMA,
+                               "gossip_hop_s": LAB_GOSSIP_HOP_S, "hold_s": HOLD_S,
+                               "set_from": "per-shard breakdown of wan.json holder_both_a/b/c (origin, to-home peer "
+                                           "ok: median and mean) and holder_one_a/b/c (libp2p sigma); "
+                                           "wan_floor.json (round trips); no time to all nodes"},
             "held_out_within_20pct": f"{sum(r['within_20pct'] for r in held)} of {len(held)}",
             "held_out_median_node_within_20pct": f"{sum(r['median_node_within_20pct'] for r in meds)} of {len(meds)}",
             "rows": rows}
@@ -1138,12 +1378,19 @@ PEER_CPU_RATE = 50e6  # py-libp2p, ~20 CPU-s per GB per side (bench/results/tran
 
 def internet_case(n: int, kind: str, share: float, relay: bool, fitted: dict, budget_s: float = 0.0,
                   first: bool = True) -> Case:
-    """A 1 GB broadcast on the internet mix with the calibrated node: the costs measured or fitted against the lab
-    (`calibration()`), on the default (libp2p) data plane; the step's announcement takes the gossip's hops."""
+    """A 1 GB broadcast on the internet mix with the node as calibrated against the lab's HTTP plane (LAB_HTTP: the
+    current code, 2026-11-27), the default since p2p.http = true: every node fetches over HTTP from a reachable holder
+    (0.02 s median, sigma 1.2, 0.8 round trip more than the transfer's own); a NATed holder serves only over py-libp2p
+    (its kept connections or a circuit: 0.64 s median, sigma 0.6, ~50 MB/s of CPU per side); the origin's request
+    0.05 s; the origin holds a deferred request until the first copy lands and names its holder (hold_s = 1); relayed
+    nodes hold first copies only beside fewer than 2 direct askers; the step's announcement takes the gossip's hops
+    of (mean RTT + 0.15 s); the step's rebuild as fitted (`calibration()`)."""
     return Case(nodes=n, checkpoint_bytes=1 * GB, kind=kind, nat_share=share, relay=relay, relay_first_copies=first,
-                notify_s=None, gossip_hop_s=GOSSIP_HOP_S, step_rtts=1.0, origin_request_s=fitted["origin_request_s"],
-                peer_request_s=LIBP2P_REQUEST_S, request_sigma=fitted["request_sigma"],
-                step_cpu_s=fitted["step_cpu_s"], peer_cpu_rate=PEER_CPU_RATE, budget_s=budget_s)
+                notify_s=None, gossip_hop_s=LAB_GOSSIP_HOP_S, step_rtts=1.0, step_cpu_s=fitted["step_cpu_s"],
+                peer_cpu_rate=PEER_CPU_RATE, budget_s=budget_s, holder_hints=True, hold_s=HOLD_S,
+                direct_first_copies=True, peer_request_rtts=LAB_HTTP_RTTS, libp2p_request_s=LIBP2P_REQUEST_S,
+                libp2p_sigma=LAB_LIBP2P_SIGMA, origin_request_s=LAB_HTTP["origin_request_s"],
+                peer_request_s=LAB_HTTP["peer_request_s"], request_sigma=LAB_HTTP["request_sigma"])
 
 
 def nat_main(share: float, relay: bool, budget_s: float, sizes: tuple, nfc: bool) -> None:
@@ -1195,7 +1442,13 @@ def main() -> None:
                     help="--nat: also with circuits but first copies to reachable nodes only (a what-if)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="--nat: wall-clock limit of one N >= 1,000 run")
     ap.add_argument("--sizes", default="16,100,1000,4000", help="--nat: node counts, comma-separated")
+    ap.add_argument("--lab-http-grid", action="store_true",
+                    help="only: how LAB_HTTP was set (the lab's per-shard figures over a grid, `lab_http_costs()`)")
     args = ap.parse_args()
+    if args.lab_http_grid:
+        lab_http_costs({"origin_request_s": [0.03, 0.04, 0.05], "peer_request_s": [0.0, 0.02, 0.04],
+                        "request_sigma": [1.0, 1.2, 1.4], "peer_request_rtts": [LAB_HTTP_RTTS]})
+        return
     if args.nat is not None:
         nat_main(args.nat, args.relay, args.budget_s, tuple(int(x) for x in args.sizes.split(",")), args.nfc)
         return

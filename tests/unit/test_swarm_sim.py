@@ -109,10 +109,10 @@ def origin_receivers(case):
     got = set()
     begin = sim.transfer
 
-    def transfer(s, r, pick, delay, server, hop=None):
+    def transfer(s, r, pick, delay, server, hop=None, **kw):
         if s is sim.origin:
             got.add(r.id)
-        begin(s, r, pick, delay, server, hop)
+        begin(s, r, pick, delay, server, hop, **kw)
 
     sim.transfer = transfer
     return sim.run(), got
@@ -228,3 +228,48 @@ def test_a_slot_told_busy_long_ago_does_not_sleep_on_a_holder_that_freed_its_slo
                          origin_request_s=0.09, request_sigma=0.8, notify_s=0.59, notify_p90_s=1.53,
                          gossip_hop_s=0.59, seed=seed)).run()
         assert r["seconds"] >= r["lower_bound_seconds"]
+
+
+LAB6 = ((20 * MBIT, 100 * MBIT, 0.02, True), (200 * MBIT, 200 * MBIT, 0.005, False),
+        (20 * MBIT, 100 * MBIT, 0.047, True), (20 * MBIT, 100 * MBIT, 0.073, True),
+        (200 * MBIT, 200 * MBIT, 0.02, False), (20 * MBIT, 100 * MBIT, 0.1, True))  # the lab's N = 6 (wan.py)
+
+
+def test_the_origin_holds_relayed_homes_until_a_direct_first_copy_lands_and_names_its_holder():
+    """The current seeder (SeedingGate's hold, SuperSeeder's `relayed` rule): beside two public nodes the NATed homes
+    with a reservation get no first copy; each is held until a public node's copy lands and then told its holder, so
+    the origin sends each shard once. The seeder before: homes take first copies and everyone waits on their
+    uplinks and circuits."""
+    kw = dict(sites=LAB6, links="internet", origin_cap=20 * MBIT, relay=True, holder_hints=True, prior_askers=True,
+              checkpoint_bytes=5 * 110_000, shard_bytes=110_000, notify_s=0.15, notify_p90_s=0.5, gossip_hop_s=0.15)
+    for seed in range(4):
+        sim = Sim(loopback(hold_s=1.0, direct_first_copies=True, trace=True, seed=seed, **kw))
+        r = sim.run()
+        assert r["origin_sends"] == sim.num_shards  # one copy of each shard
+        assert all(n.hints for n in sim.nodes if n.natted)  # each home was told a holder
+        assert not any(k == "origin" and nat for k, nat, _ in sim.trace)  # no home got a shard from the origin
+        assert any(k == "defer" and nat and x > 0.1 for k, nat, x in sim.trace)  # held, not answered in one RTT
+    old = Sim(loopback(seed=0, trace=True, **kw))
+    old.run()
+    assert any(k == "origin" and nat for k, nat, _ in old.trace)  # homes held first copies
+
+
+def test_a_natted_holder_serves_over_py_libp2p_and_a_public_one_over_http():
+    """p2p.http = true (2176ab7): a request to a reachable holder costs `peer_request_s` (the HTTP plane) plus
+    `peer_request_rtts` round trips; a NATed holder serves only over py-libp2p (`libp2p_request_s`); before 2176ab7
+    a NATed fetcher used py-libp2p for every peer (`nat_fetch_libp2p`)."""
+    sim = Sim(loopback(sites=LAB6, links="internet", peer_request_s=0.02, libp2p_request_s=0.64))
+    home, public = sim.new_node(True), sim.new_node(True)
+    assert home.natted and not public.natted
+    assert sim.peer_cost(public, home) == (0.02, False) and sim.peer_cost(home, public) == (0.64, True)
+    before = Sim(loopback(sites=LAB6, links="internet", peer_request_s=0.02, libp2p_request_s=0.64,
+                          nat_fetch_libp2p=True))
+    home, public = before.new_node(True), before.new_node(True)
+    assert before.peer_cost(public, home) == (0.64, True) and before.peer_cost(home, public) == (0.64, True)
+    assert Sim(loopback(peer_request_s=0.64)).peer_cost(home, public) == (0.64, True)  # one plane: as before
+    kw = dict(sites=LAB6, links="internet", origin_cap=20 * MBIT, relay=True, holder_hints=True, prior_askers=True,
+              hold_s=1.0, direct_first_copies=True, checkpoint_bytes=5 * 110_000, shard_bytes=110_000,
+              peer_request_s=0.02, libp2p_request_s=0.64, peer_request_rtts=0.8)
+    now = sorted(Sim(loopback(seed=s, **kw)).run()["seconds"] for s in range(5))[2]
+    old = sorted(Sim(loopback(seed=s, nat_fetch_libp2p=True, **kw)).run()["seconds"] for s in range(5))[2]
+    assert old > now + 0.3
