@@ -1085,7 +1085,7 @@ def calibration_points() -> list[dict]:
 # The lab's HTTP data plane, current code (2176ab7; wan.json holder_both_a/b/c, N = 6, load 7-10). Set from the runs'
 # per-shard breakdown, not from any run's time to all nodes (those stay held out): `lab_http_costs()` simulates the
 # three runs (9 seeds each) over a grid and keeps the values whose per-shard figures, pooled, come closest to the
-# measured ones, averaged over the runs (least squares of the log ratio of 4 figures; 2026-11-27, 81 combinations):
+# measured ones, averaged over the runs (least squares of the log ratio of 4 figures; 2026-11-27, 27 combinations at peer_request_rtts 0.8):
 #   a shard from the origin ("coordinator": every first copy, to the two public nodes; the origin's 20 Mbit/s is
 #   shared by a step's five first copies): measured median 0.164 s, mean 0.192 s; simulated 0.167 / 0.189 s
 #   a peer shard fetched by a NATed home ("to home", 97 % from a public node over HTTP): measured median 0.268 s,
