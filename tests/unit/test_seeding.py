@@ -303,3 +303,47 @@ async def test_a_relayed_node_is_held_until_a_direct_node_takes_the_first_copy_t
     t0 = time.monotonic()
     assert await get("home", 3, 1) == ((3, 1), "home")  # nobody took it within the hold: served
     assert 0.45 < time.monotonic() - t0 < 1.0 and g.seeder.holder((3, 1)) is None and g.seeder.in_flight((3, 1)) is None
+
+
+async def test_an_http_fetcher_is_named_an_http_holder_whose_copy_is_still_in_flight_at_once():
+    """A node that fetches over HTTP (X-Prime-Fetch-Http: 1), deferred while a first copy is on its way to a holder
+    with an HTTP shard server, is answered at once, naming that holder (HTTP address first): the holder's server
+    waits for a shard on its way to it, so the request travels while the copy lands. Before, it was held until the
+    copy was out (here the hold's 0.5 s). A node that does not fetch over HTTP, or a holder named only at a libp2p
+    address (whose server does not wait), is held as before."""
+    import asyncio
+    import time
+
+    import pytest
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.coordinator.seeding import SeedingGate
+    from node.http import FETCH_HTTP_HEADER, HOLDER_HEADER, ApiError
+
+    g = SeedingGate(SuperSeeder(10.0), verifier=None, is_member=lambda n: True, hold_s=0.5)
+    g.shard_addrs["pub1"] = "/ip4/8.8.8.8/tcp/8080/http"
+    g.libp2p_addrs["pub1"] = g.libp2p_addrs["pub2"] = "/ip4/8.8.8.8/tcp/4001"
+    asker = {}
+
+    async def get(node, index, headers=None):
+        asker[id(asyncio.current_task())] = node
+        return await g.before(make_mocked_request("GET", f"/v1/checkpoints/3/shards/{index}", headers=headers), 3,
+                              index)
+
+    g._node = lambda request: asker[id(asyncio.current_task())]
+    tickets = {i: await get(holder, i) for i, holder in ((0, "pub1"), (1, "pub2"))}  # first copies under way
+    assert g.seeder.in_flight((3, 0)) == "pub1" and g.seeder.in_flight((3, 1)) == "pub2"
+
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as told:
+        await get("home", 0, {FETCH_HTTP_HEADER: "1"})
+    assert time.monotonic() - t0 < 0.1  # before: held 0.5 s
+    assert told.value.status == 429 and told.value.headers.getall(HOLDER_HEADER) == [
+        "pub1 /ip4/8.8.8.8/tcp/8080/http", "pub1 /ip4/8.8.8.8/tcp/4001"]
+    for node, index, headers in (("home2", 0, None), ("home", 1, {FETCH_HTTP_HEADER: "1"})):
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as told:
+            await get(node, index, headers)  # no HTTP fetcher / no HTTP holder: held until the hold ends
+        assert time.monotonic() - t0 > 0.45 and HOLDER_HEADER not in (told.value.headers or {})
+    for i, ticket in tickets.items():
+        g.after(ticket, sent=True)
