@@ -45,7 +45,7 @@ from typing import Callable, Hashable, Iterable
 
 from multidict import CIMultiDict
 
-from node.http import FETCH_HTTP_HEADER, HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
+from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
 from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
@@ -323,15 +323,14 @@ class SeedingGate:
             while len(table) > self.max_addrs:
                 table.popitem(last=False)
 
-    def _holder_header(self, key, over_http: bool, holder: str | None = None) -> CIMultiDict[str] | None:
-        """X-Prime-Holder for a 429, once per address the first holder (`holder`, else the one whose copy is
-        complete) has: first the one an older node reads (it reads only the first value): the holder's HTTP shard
-        server to a node that fetches over HTTP (it says so, or told us its own /http address), else its libp2p
-        address (every swarm node dials libp2p); then the other one. A node behind NAT tells us no /http address
-        (it serves none) but does fetch over HTTP: named only the libp2p address, it took a delta's shards over
-        py-libp2p at 0.6-0.9 s each instead of two round trips over HTTP (docs/BENCHMARKS.md, "A NATed node's
-        peer shards over HTTP")."""
-        holder = holder or self.seeder.holder(key)
+    def _holder_header(self, key, over_http: bool) -> CIMultiDict[str] | None:
+        """X-Prime-Holder for a 429, once per address the first holder has: first the one an older node reads
+        (it reads only the first value): the holder's HTTP shard server to a node that serves over HTTP itself
+        (it told us its own /http address), else its libp2p address (every swarm node dials libp2p); then the
+        other one. A node behind NAT tells us no /http address (it serves none) but does fetch over HTTP: named
+        only the libp2p address, it took a delta's shards over py-libp2p at 0.6-0.9 s each instead of two round
+        trips over HTTP (docs/BENCHMARKS.md, "A NATed node's peer shards over HTTP")."""
+        holder = self.seeder.holder(key)
         if holder is None:
             return None
         http, libp2p = self.shard_addrs.get(holder), self.libp2p_addrs.get(holder)
@@ -356,22 +355,13 @@ class SeedingGate:
         if node_id is not None:
             self._remember_addrs(node_id, told)
         if not self.seeder.admit(key, node_id):
-            # it fetches over HTTP: it says so, or it serves over HTTP itself
-            over_http = (request.headers.get(FETCH_HTTP_HEADER) == "1"
-                         or any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS]))
+            over_http = any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS])  # it runs the HTTP data plane
             # Deferred to a first copy in flight (held until it lands), to one spreading, or, with nobody holding
             # one, to leave it to a node that holds fewer (SuperSeeder.admit's spreading: answered at once: a node
             # that is behind needs the planner's 2 s deferral to ask) or, for a relayed node, to a direct node (held
             # until a direct node's copy starts and lands, so that this node learns its holder)
             waits_for_start = node_id is not None and self.seeder.leaves_to_direct(node_id)
-            in_flight = self.seeder.in_flight(key)
-            if not waits_for_start and over_http and in_flight is not None and in_flight in self.shard_addrs:
-                # Named at once, the copy still on its way: the holder's HTTP shard server waits for a shard of a
-                # step it is downloading (node/p2p/http_shards.py ARRIVAL_WAIT_S), so this node's request travels
-                # while the copy lands, instead of starting after it (the hold below)
-                raise ApiError(429, "seeded", "this shard is on its way to a peer; fetch it from there",
-                               headers=self._holder_header(key, over_http, holder=in_flight))
-            if waits_for_start or in_flight is not None:
+            if waits_for_start or self.seeder.in_flight(key) is not None:
                 await self._hold(key, over_http, for_start=waits_for_start)
                 if self.seeder.holder(key) is None and self.seeder.in_flight(key) is None:
                     return self._copy(request, key, node_id)  # no first copy got out meanwhile: this node's

@@ -164,8 +164,7 @@ class WorkerNode:
             sources = [HttpSource(self.url, "coordinator", session, swarm=self.cfg.p2p.enabled,
                                   signer=lambda method, path: sign_request(self.identity, method, path, b"",
                                                                            run_id=run_id),
-                                  shard_addr=lambda: self.p2p.origin_shard_addrs if self.p2p is not None else None,
-                                  fetches_http=self.cfg.p2p.enabled and self.cfg.p2p.http)]
+                                  shard_addr=lambda: self.p2p.origin_shard_addrs if self.p2p is not None else None)]
             sources += [HttpSource(r, "relay", session) for r in spec.relays]
             if self.p2p is not None:  # peers become one more shard source, and we serve ours
                 self._reachability(spec.reachability)

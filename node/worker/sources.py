@@ -16,7 +16,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from node.aio import read_bounded
-from node.http import FETCH_HTTP_HEADER, HOLDER_HEADER, SHARD_ADDR_HEADER
+from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER
 from node.worker.client import MAX_MANIFEST_BYTES, Unreachable, read_limited
 from protocol.messages import MAX_LISTING_BYTES, CheckpointList, ErrorBody, WireError, decode
 
@@ -86,7 +86,7 @@ class HttpSource:
 
     def __init__(self, base_url: str, kind: str, session: aiohttp.ClientSession, *, swarm: bool = False,
                  signer: Callable[[str, str], dict[str, str]] | None = None,
-                 shard_addr: Callable[[], str | Sequence[str] | None] = lambda: None, fetches_http: bool = False):
+                 shard_addr: Callable[[], str | Sequence[str] | None] = lambda: None):
         self.base = base_url.rstrip("/")
         self.name = f"{kind}:{self.base}"
         self.kind = kind
@@ -97,9 +97,6 @@ class HttpSource:
         # where we serve shards (our HTTP shard server first: an older origin reads only the first; then our
         # libp2p address), told to the origin so it can name us as a first holder
         self.shard_addr = shard_addr
-        # we fetch peer shards over HTTP (p2p.http), where a holder waits for a shard on its way to it: the origin
-        # may then name a first copy's holder while the copy is still in flight
-        self.fetches_http = fetches_http
 
     async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
         """Status and body (at most `limit` bytes: a longer body is a BadAnswer, read no further)."""
@@ -142,8 +139,6 @@ class HttpSource:
         path = f"/v1/checkpoints/{int(step)}/shards/{int(index)}"
         if self.swarm:
             headers["X-Prime-Swarm"] = "1"
-            if self.fetches_http:
-                headers[FETCH_HTTP_HEADER] = "1"
             if self.signer is not None:
                 headers.update(self.signer("GET", path))
             mine = self.shard_addr()
