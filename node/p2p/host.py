@@ -293,6 +293,11 @@ class P2PNode:
         if host is not None:
             self.announce_addrs = [*self.announce_addrs[:7], http_addr(host, port)]
 
+    @property
+    def http_session(self) -> Any:
+        """The HTTP client for peers' shard servers (None without `p2p.http`, or before start)."""
+        return self._http_session
+
     def listen_ports(self) -> dict[str, int | None]:
         """The TCP ports we accept connections on, for the coordinator's dial-back (messages.ListenPorts)."""
         tcp = next((a.split("/")[4] for a in self.listen_addrs if a.split("/")[3:4] == ["tcp"]), None)

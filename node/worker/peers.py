@@ -37,7 +37,7 @@ class PeerSource:
     @property
     def session(self):
         """The p2p node's HTTP client (None without `p2p.http`): the fetcher counts its new connections."""
-        return getattr(self.p2p, "_http_session", None)
+        return getattr(self.p2p, "http_session", None)
 
     def _holders(self, step: int, index: int, manifest_hash: str) -> list[str]:
         return [p for p in self.p2p.peers_with(step, index, manifest_hash)

@@ -90,7 +90,7 @@ async def test_a_node_that_serves_no_http_fetches_from_the_named_holder_over_htt
             assert not any(a.endswith("/http") for a in p2p.origin_shard_addrs)
             assert await first.sync_once() == 0
             assert await deferred.sync_once() == 0
-            over_http = client_counts(p2p._http_session)["requests"]
+            over_http = client_counts(p2p.http_session)["requests"]
     assert deferred.bytes_by_kind["peer"] == m.compressed_size, deferred.bytes_by_kind
     assert over_http == m.num_shards, over_http  # before: 0 (every shard over libp2p)
 
