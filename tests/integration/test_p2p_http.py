@@ -167,7 +167,7 @@ async def test_a_request_for_a_shard_on_its_way_here_waits_for_it(tmp_path, monk
     for f in (partial / "shards").iterdir():
         f.unlink()
     h = manifest_hash(manifest)
-    monkeypatch.setattr(hs, "ARRIVAL_WAIT_S", 0.6, raising=False)
+    monkeypatch.setattr(hs, "ARRIVAL_WAIT_S", 1.5, raising=False)
     server = HttpShardServer(CheckpointShards(ckpt), stats=P2PStats(), max_concurrent=2, max_bytes=1 << 20,
                              read_timeout_s=2)
     port = await server.start("127.0.0.1")
@@ -188,15 +188,15 @@ async def test_a_request_for_a_shard_on_its_way_here_waits_for_it(tmp_path, monk
             landing = asyncio.create_task(lands(1, 0.2))
             status, body, took = await get(f"/v1/p2p/shards/3/1?manifest={h}")
             await landing
-            assert status == 200 and body == shards[1] and 0.15 < took < 0.55, (status, took)  # before: 404 at once
+            assert status == 200 and body == shards[1] and 0.15 < took < 1.4, (status, took)  # before: 404 at once
             status, _, took = await get(f"/v1/p2p/shards/3/0?manifest={h}")  # never comes: "not here" after the wait
-            assert status == 404 and 0.55 < took < 1.5, (status, took)
+            assert status == 404 and 1.45 < took < 5, (status, took)
             status, _, took = await get(f"/v1/p2p/shards/4/0?manifest={h}")  # a step not downloading here: at once
-            assert status == 404 and took < 0.3, took
+            assert status == 404 and took < 0.75, took
             status, _, took = await get(f"/v1/p2p/shards/3/0?manifest={'cd' * 32}")  # another manifest: at once
-            assert status == 404 and took < 0.3, took
+            assert status == 404 and took < 0.75, took
             flood = await asyncio.gather(*(get(f"/v1/p2p/shards/3/0?manifest={h}") for _ in range(6)))
-            quick = [t for st, _, t in flood if st == 404 and t < 0.3]
+            quick = [t for st, _, t in flood if st == 404 and t < 0.75]
             assert len(quick) == 4 and all(st == 404 for st, _, _ in flood), flood  # 2 waited, 4 answered at once
             # the step completes while a request waits (its last shard lands and the partial directory becomes the
             # step at once): the request is answered from the complete step
@@ -205,7 +205,7 @@ async def test_a_request_for_a_shard_on_its_way_here_waits_for_it(tmp_path, monk
             (partial / "shards" / "00000.zst").write_bytes(shards[0])
             partial.rename(ckpt / "3")
             status, body, took = await waiting
-            assert status == 200 and body == shards[0] and took < 0.5, (status, took)
+            assert status == 200 and body == shards[0] and took < 1.4, (status, took)
             assert server.waiting == 0
     finally:
         await server.stop()
