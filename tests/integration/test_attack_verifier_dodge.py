@@ -34,10 +34,18 @@ async def lease(verifier: RawNode, timeout: float = 30.0) -> dict:
     raise AssertionError("no job was handed out")
 
 
-async def submit(node: RawNode, step: int, rollouts_for) -> str:
-    """Take work at `step` and answer it with `rollouts_for(assignment)`; the assignment id."""
-    st, w = await node.post("/v1/work", {"policy_step": step})
-    assert st == 200, (st, w)
+async def submit(node: RawNode, step: int, rollouts_for, coord=None) -> str:
+    """Take work at `step` and answer it with `rollouts_for(assignment)`; the assignment id. A 204 ("no work right
+    now") is asked again, as a node does, for up to 15 s: in one CI run (engine-process layout) the first ask at
+    step 0 right after step 2 was published got a 204."""
+    t0 = time.monotonic()
+    while True:
+        st, w = await node.post("/v1/work", {"policy_step": step})
+        if st != 204 or time.monotonic() - t0 > 15:
+            break
+        await asyncio.sleep(0.1)
+    assert st == 200, (st, w, None if coord is None else
+                       (coord.published_step, coord.scheduler.published_step, coord.scheduler.demand()))
     st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": step,
                                              "rollouts": rollouts_for(w)})
     assert st == 200 and not res["rejected"], res  # acknowledged like honest work: the replay comes later
@@ -98,7 +106,7 @@ async def test_forger_claiming_a_step_the_verifier_skipped_is_replayed_and_banne
                 for step, forger in forgers.items():  # θ_0's rollouts claimed as step 1 and 2; random ones as 0
                     forge = (lambda w: fake_rollouts(w, coord.eos_token_id, coord.vocab_size, random.Random(7))) \
                         if step == 0 else (lambda w: honest_rollouts(θ0, w, coord.eos_token_id))
-                    ids[step] = await submit(forger, step, forge)
+                    ids[step] = await submit(forger, step, forge, coord)
                 await wait_verdicts(coord, timeout=120)
                 for step, forger in forgers.items():
                     assert verdicts(coord, ids[step]) == {"void"}, (step, verdicts(coord, ids[step]))
