@@ -592,9 +592,7 @@ class Sim:
             key = self.key(i)
             if self.c.hold_s > 0:  # SeedingGate.before: held while a first copy is in flight (or, relayed, to come)
                 for_start = self.seeder.leaves_to_direct(node.id)
-                # (SeedingGate._waiting: a held request waits only while a copy is in flight, or, relayed, while
-                # nobody holds one)
-                if self.seeder.in_flight(key) is not None or (for_start and self.seeder.holder(key) is None):
+                if self.held_waits(key, for_start):
                     held: list = [node, pick, self.now, True, for_start]
                     self.held.setdefault(i, []).append(held)
                     self.push(self.now + self.c.hold_s, HOLD, held)
@@ -611,6 +609,12 @@ class Sim:
         self.origin_sends_held += self.holders.get(i, 0) > 0
         self.transfer(self.origin, node, pick, delay, server=True, t_req=self.now)
 
+    def held_waits(self, key, for_start: bool) -> bool:
+        """SeedingGate._waiting: a held request waits while a first copy is in flight, or, `for_start` (a relayed
+        node left to a direct one), while nobody holds one."""
+        assert self.seeder is not None
+        return self.seeder.in_flight(key) is not None or (for_start and self.seeder.holder(key) is None)
+
     def unhold(self, i: int, timeout=None) -> None:
         """The origin looks again at the requests it holds for shard i (a copy of it ended, or `timeout`'s hold
         ran out): those no longer waiting (SeedingGate._waiting) are answered: 429 naming the holder, or, with no
@@ -621,9 +625,7 @@ class Sim:
             node, pick, sent, alive, for_start = h
             if not alive:
                 continue
-            holder = seeder.in_flight(key)
-            waiting = holder is not None or (for_start and seeder.holder(key) is None)
-            if waiting and timeout is None:
+            if timeout is None and self.held_waits(key, for_start):
                 continue
             h[3] = False
             lst = self.held.get(i)
