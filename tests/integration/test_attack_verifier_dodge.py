@@ -11,6 +11,7 @@ verify.rollouts) and raw signed clients as verifiers that refuse, all on 127.0.0
 import asyncio
 import random
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -22,28 +23,31 @@ from tests.integration.test_verifier_pool import LAYOUTS, check_layout, layouts,
 pytestmark = pytest.mark.timeout(300)  # a safety net: every loop below is bounded by work done or a deadline
 
 
+async def past_204(node: RawNode, path: str, payload: dict, timeout: float, every: float) -> tuple[int, Any]:
+    """POST `payload` to `path` again while the answer is 204 ("nothing right now"), as a node does, for up to
+    `timeout` s; the first other answer, or the last 204."""
+    t0 = time.monotonic()
+    while True:
+        st, body = await node.post(path, payload)
+        if st != 204 or time.monotonic() - t0 > timeout:
+            return st, body
+        await asyncio.sleep(every)
+
+
 async def lease(verifier: RawNode, timeout: float = 30.0) -> dict:
     """The next job the coordinator hands this (raw) verifier; jobs appear within milliseconds of a submit."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st, body = await verifier.post("/v1/verify/jobs", {})
-        if st == 200:
-            return body["job"]
-        assert st == 204, (st, body)
-        await asyncio.sleep(0.05)
-    raise AssertionError("no job was handed out")
+    st, body = await past_204(verifier, "/v1/verify/jobs", {}, timeout, 0.05)
+    assert st in (200, 204), (st, body)
+    if st == 204:
+        raise AssertionError("no job was handed out")
+    return body["job"]
 
 
 async def submit(node: RawNode, step: int, rollouts_for, coord=None) -> str:
     """Take work at `step` and answer it with `rollouts_for(assignment)`; the assignment id. A 204 ("no work right
     now") is asked again, as a node does, for up to 15 s: in one CI run (engine-process layout) the first ask at
     step 0 right after step 2 was published got a 204."""
-    t0 = time.monotonic()
-    while True:
-        st, w = await node.post("/v1/work", {"policy_step": step})
-        if st != 204 or time.monotonic() - t0 > 15:
-            break
-        await asyncio.sleep(0.1)
+    st, w = await past_204(node, "/v1/work", {"policy_step": step}, 15, 0.1)
     assert st == 200, (st, w, None if coord is None else
                        (coord.published_step, coord.scheduler.published_step, coord.scheduler.demand()))
     st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": step,
