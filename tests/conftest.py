@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,23 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return (-seconds.get(path, NEW_FILE_S), first_seen[path])
 
     items.sort(key=key)
+
+
+# Disk. The real-model lane writes ~0.3 GB of checkpoints and trainer snapshots per training test, and pytest keeps
+# every tmp_path of a session until the session ends (then the last 3 sessions'): one CI run piled up >10 GB and a
+# CI box ran out of space mid-lane. A passed test's tmp_path is removed as soon as the test ends; a failed one's is
+# kept for reading (tmp_path_retention_policy = "failed" in pyproject.toml does the same for whole sessions).
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    setattr(item, f"_prime_report_{report.when}", report)
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _drop_tmp_path_when_passed(request: pytest.FixtureRequest) -> Iterator[None]:
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    setup, call = (getattr(request.node, f"_prime_report_{w}", None) for w in ("setup", "call"))
+    if tmp is not None and setup is not None and setup.passed and call is not None and call.passed:
+        shutil.rmtree(tmp, ignore_errors=True)
