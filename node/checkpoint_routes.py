@@ -5,12 +5,12 @@ the coordinator and relays serve exactly the same paths, answers and errors.
     GET /v1/checkpoints/{step}/manifest         the signed manifest's bytes
     GET /v1/checkpoints/{step}/shards/{index}   compressed shard bytes (Range, HEAD, the shared upload cap)
 
-A `ShardGate` (the coordinator's super-seeding) may refuse a shard request before any byte is sent and
-hears whether the copy got out.
+A `ShardGate` (the coordinator's super-seeding) may refuse a shard request before any byte is sent, hears whether
+the copy got out, and may add headers to a manifest (the first copies' holders).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Mapping, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -29,6 +29,9 @@ class ShardGate(Protocol[Ticket]):
 
     def after(self, ticket: Ticket, sent: bool) -> None:
         """The copy was sent whole (True) or not (False)."""
+
+    def manifest_headers(self, request: web.Request, step: int) -> Mapping[str, str] | None:
+        """Headers to add to the manifest of `step` (the seeding gate names first holders), or None."""
 
 
 class CheckpointRoutes:
@@ -57,10 +60,12 @@ class CheckpointRoutes:
                                   "checkpoints": self.store.listing(steps)})
 
     async def manifest(self, request: web.Request) -> web.Response:
-        data = self.store.manifest_bytes(self._servable_step(request))
+        step = self._servable_step(request)
+        data = self.store.manifest_bytes(step)
         if data is None:
             raise ApiError(404, "not_found", "no such manifest")
-        return web.Response(body=data, content_type="application/json")
+        headers = self.gate.manifest_headers(request, step) if self.gate is not None else None
+        return web.Response(body=data, content_type="application/json", headers=headers)
 
     async def shard(self, request: web.Request) -> web.StreamResponse:
         step = self._servable_step(request)

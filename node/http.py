@@ -41,6 +41,8 @@ BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget")
 SWARM_HEADER = "X-Prime-Swarm"  # "1": the requester can also get shards from libp2p peers
 SHARD_ADDR_HEADER = "X-Prime-Shard-Addr"  # a swarm node's HTTP shard server, /ip4/<ip>/tcp/<port>/http
 HOLDER_HEADER = "X-Prime-Holder"  # on a 429 "seeded": "<node id> <its HTTP shard address>"
+# on a manifest answered to a signed swarm request: "<shard index> <node id> <address>", a first copy's holder
+SHARD_HOLDER_HEADER = "X-Prime-Shard-Holder"
 HAVE_HEADER = "X-Prime-Have"  # a node's HTTP shard server: the shards of that step it holds (base64 bitfield)
 RETRY_AFTER_MS_HEADER = "X-Prime-Retry-After-Ms"  # /v1/work's 204, /v1/heartbeat's 200: ask again after n ms
 

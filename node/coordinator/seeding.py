@@ -45,7 +45,7 @@ from typing import Callable, Hashable, Iterable
 
 from multidict import CIMultiDict
 
-from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SWARM_HEADER, ApiError
+from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SHARD_HOLDER_HEADER, SWARM_HEADER, ApiError
 from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
@@ -54,9 +54,17 @@ MIN_DIRECT_ASKERS = 2  # directly dialable askers within the window from which r
 # 2 s (node/worker/planner.py origin_defer_s), and a copy still in flight after 1 s is a slow one, whose holder may
 # have its next copy out through gossip just as soon
 HOLD_S = 1.0
+# How long a request for a shard nobody holds yet may be held for another node's first copy to start and land (the
+# spreading rule's deferral, a relayed node's): the node's own origin deferral (node/worker/planner.py
+# origin_defer_s), after which it would have asked again and been served. Shorter, the node that asks first came
+# back before a far node asked and took the first copy itself (docs/P2P.md: a 1 s Retry-After, NATed share 14 %).
+START_HOLD_S = 2.0
 MAX_HOLDS = 10_000  # requests held at once (each is one open request): beyond, deferred at once as before
 # X-Prime-Shard-Addr values read per request: a node's HTTP shard server and its libp2p address
 MAX_SHARD_ADDRS = 2
+# X-Prime-Shard-Holder values on a manifest (SeedingGate.manifest_headers): ~110 bytes each, two per shard (a holder's
+# HTTP and libp2p addresses); a delta has ~5 shards, a full SmolLM2 checkpoint ~14
+MAX_SHARD_HOLDERS = 64
 
 
 def step_of(key: Hashable) -> Hashable:
@@ -196,6 +204,14 @@ class SuperSeeder:
         # (an asker that was servable when it asked may not be now: relayed, once direct nodes ask)
         return mine >= 2 and any(held.get(n, 0) < mine - 1 and self._servable(n) for n in self._askers if n != node_id)
 
+    def claims(self, group: Hashable) -> list[tuple[Hashable, str, bool]]:
+        """The live first copies of a step: (key, holder, whether its copy is complete)."""
+        out = []
+        for key in list(self._groups.get(group, ())):  # at most the step's shard count
+            if (claim := self._claim(key)) is not None:
+                out.append((key, claim.node_id, claim.finished is not None))
+        return out
+
     def in_flight(self, key: Hashable) -> str | None:
         """The node whose first copy of `key` the origin is still sending (live, not finished), if any."""
         claim = self._claim(key)
@@ -259,13 +275,13 @@ class SeedingGate:
 
     def __init__(self, seeder: SuperSeeder, verifier, is_member: Callable[[str], bool], *, max_addrs: int = 100_000,
                  allow_private_addrs: bool = False, verified: Callable[[str, str], bool] | None = None,
-                 hold_s: float = HOLD_S, max_holds: int = MAX_HOLDS):
+                 hold_s: float = HOLD_S, start_hold_s: float = START_HOLD_S, max_holds: int = MAX_HOLDS):
         self.seeder, self.verifier, self.is_member = seeder, verifier, is_member
         # A node deferred while the first copy is still in flight is held (at most `hold_s`) until that copy is
         # out, then told its holder (X-Prime-Holder), instead of being told "not now" with no one to ask: it then
         # waited for the holder's `have` gossip (batched every max(0.3 s, peers / 8 s)) or its 2 s deferral, ~0.7 s
         # of a delta's slowest shard in the WAN lab (docs/BENCHMARKS.md, "Where a delta's fetch goes").
-        self.hold_s, self.max_holds = hold_s, max_holds
+        self.hold_s, self.start_hold_s, self.max_holds = hold_s, start_hold_s, max_holds
         self._copies: dict[Hashable, asyncio.Event] = {}  # a shard with held requests -> set when a copy ends
         self.holds = 0  # requests held now
         # node id -> where it serves shards, as it told us (X-Prime-Shard-Addr on its signed requests): its HTTP
@@ -340,6 +356,27 @@ class SeedingGate:
         return CIMultiDict((HOLDER_HEADER, f"{holder} {addr}") for addr in dict.fromkeys((first, http, libp2p))
                            if addr is not None)
 
+    def manifest_headers(self, request, step: int) -> CIMultiDict[str] | None:
+        """X-Prime-Shard-Holder for a manifest asked in a signed swarm request: the holders of the step's first copies
+        (in flight or spreading), so that a node that asks after them fetches those shards from peers at once. Before,
+        it asked the origin for every shard first, and a round trip later learnt the holder from a 429 (~0.25 s of a
+        far home's step in the WAN lab: docs/BENCHMARKS.md, "Holders named with the manifest"). A copy still in flight
+        is named only at its holder's HTTP shard server, which waits for a shard of a step it is downloading
+        (node/p2p/http_shards.py ARRIVAL_WAIT_S); a complete one at each address the origin has for it, HTTP first.
+        Anyone else (unsigned, not a member) gets the manifest alone; a signature that does not verify is a 401."""
+        node_id = self._node(request)
+        if node_id is None:
+            return None
+        out: CIMultiDict[str] = CIMultiDict()
+        for key, holder, complete in self.seeder.claims(step):
+            if holder == node_id or not isinstance(key, tuple):
+                continue
+            http, libp2p = self.shard_addrs.get(holder), self.libp2p_addrs.get(holder)
+            for addr in dict.fromkeys((http, libp2p) if complete else (http,)):
+                if addr is not None and len(out) < MAX_SHARD_HOLDERS:
+                    out.add(SHARD_HOLDER_HEADER, f"{key[1]} {holder} {addr}")
+        return out or None
+
     def _node(self, request) -> str | None:
         if request.headers.get(SWARM_HEADER) != "1" or not request.headers.get("X-Prime-Signature"):
             return None
@@ -356,13 +393,15 @@ class SeedingGate:
             self._remember_addrs(node_id, told)
         if not self.seeder.admit(key, node_id):
             over_http = any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS])  # it runs the HTTP data plane
-            # Deferred to a first copy in flight (held until it lands), to one spreading, or, with nobody holding
-            # one, to leave it to a node that holds fewer (SuperSeeder.admit's spreading: answered at once: a node
-            # that is behind needs the planner's 2 s deferral to ask) or, for a relayed node, to a direct node (held
-            # until a direct node's copy starts and lands, so that this node learns its holder)
-            waits_for_start = node_id is not None and self.seeder.leaves_to_direct(node_id)
-            if waits_for_start or self.seeder.in_flight(key) is not None:
-                await self._hold(key, over_http, for_start=waits_for_start)
+            # Deferred to a first copy in flight (held until it lands), to one spreading (told its holder at once),
+            # or, with nobody holding one, to leave it to a node that holds fewer (SuperSeeder.admit's spreading)
+            # or, for a relayed node, to a direct node: held (START_HOLD_S) until another node's first copy starts and
+            # lands, and told that holder; served if none starts within the hold. A spreading deferral used to be answered at
+            # once with no holder: the node that asks first (the nearest) then waited ~0.9 s for the holder's
+            # batched gossip, every step (docs/BENCHMARKS.md, "Holders named with the manifest").
+            unclaimed = self.seeder.in_flight(key) is None and self.seeder.holder(key) is None
+            if unclaimed or self.seeder.in_flight(key) is not None:
+                await self._hold(key, over_http, for_start=unclaimed)
                 if self.seeder.holder(key) is None and self.seeder.in_flight(key) is None:
                     return self._copy(request, key, node_id)  # no first copy got out meanwhile: this node's
             raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer",
@@ -391,11 +430,12 @@ class SeedingGate:
         return for_start and self.seeder.holder(key) is None
 
     async def _hold(self, key: Hashable, over_http: bool, *, for_start: bool = False) -> None:
-        """Wait (at most `hold_s`) while `_waiting`. The wait is looked at again when a first copy of `key` starts
-        (`_copy`) and when any copy of it ends (`after`)."""
-        if self.hold_s <= 0 or self.holds >= self.max_holds or not self._waiting(key, for_start):
+        """Wait (at most `hold_s`, `start_hold_s` for a shard nobody held) while `_waiting`. The wait is looked at again
+        when a first copy of `key` starts (`_copy`) and when any copy of it ends (`after`)."""
+        limit = self.start_hold_s if for_start else self.hold_s
+        if limit <= 0 or self.holds >= self.max_holds or not self._waiting(key, for_start):
             return
-        deadline = asyncio.get_running_loop().time() + self.hold_s
+        deadline = asyncio.get_running_loop().time() + limit
         self.holds += 1
         try:
             while self._waiting(key, for_start):

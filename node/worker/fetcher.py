@@ -293,6 +293,13 @@ class Fetcher:
         self.store.begin(step, m)
         have = [i for i in range(m.num_shards) if await asyncio.to_thread(self._have_shard, m, i)]
         self.on_shards(step, h, have)
+        # the first copies' holders the origin named with its manifest: those shards go to them at once, not to
+        # the origin first (which would answer 429 naming the same holder, a round trip later)
+        named = [x for src in self.sources for x in src.first_holders(step)]
+        for index, node_id, addr in named:
+            if index < m.num_shards and index not in have:
+                for src in self.sources:
+                    src.hint(step, h, index, node_id, addr)
         swarm = any(s.kind == "peer" for s in self.sources)
         # In a swarm a node asks the origin for one shard at a time and trades for the rest; a step of a few
         # shards (a delta) costs more in round trips than in origin bytes, so it is asked for all at once

@@ -123,6 +123,9 @@ class PeerSource:
                 return
         self.p2p.table.record_hint(peer, step, manifest_hash, (index,), addr)
 
+    def first_holders(self, step: int) -> list[tuple[int, str, str]]:
+        return []  # peers name no one: the origin does (HttpSource)
+
     def report_bad(self, step: int, index: int) -> bool:
         peer = self._last.get((step, index))
         if peer:

@@ -16,7 +16,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from node.aio import read_bounded
-from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER
+from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SHARD_HOLDER_HEADER, SWARM_HEADER
 from node.worker.client import MAX_MANIFEST_BYTES, Unreachable, read_limited
 from protocol.messages import MAX_LISTING_BYTES, CheckpointList, ErrorBody, WireError, decode
 
@@ -72,13 +72,27 @@ class ShardSource(Protocol):
         """The origin says `node_id` holds the shard and serves it at `addr`, HTTP or libp2p (the swarm records
         it)."""
 
+    def first_holders(self, step: int) -> list[tuple[int, str, str]]:
+        """(shard index, node id, address) for the first copies of `step` that this source named with its
+        manifest (the origin's X-Prime-Shard-Holder; [] for any other source): fetched from those peers at once."""
+
 
 _HOLDER = re.compile(r"([0-9a-f]{64}) (/\S{1,200})")
+_SHARD_HOLDER = re.compile(r"(\d{1,5}) ([0-9a-f]{64}) (/\S{1,200})")
+MAX_SHARD_HOLDERS = 64  # X-Prime-Shard-Holder values read from one manifest answer (the origin sends at most 64)
+KEEP_HOLDER_STEPS = 8  # steps whose named holders an HttpSource keeps until the fetcher takes them
 
 
 def _holders(values: list[str]) -> list[tuple[str, str]]:
     """(node id, address) of each of the first two X-Prime-Holder values that is exactly that."""
     return [(m.group(1), m.group(2)) for v in values[:2] if (m := _HOLDER.fullmatch(v))]
+
+
+def _shard_holders(values: list[str]) -> list[tuple[int, str, str]]:
+    """(shard index, node id, address) of each of the first MAX_SHARD_HOLDERS X-Prime-Shard-Holder values that is
+    exactly that (the address is checked where it is used: PeerSource.hint)."""
+    return [(int(m.group(1)), m.group(2), m.group(3)) for v in values[:MAX_SHARD_HOLDERS]
+            if (m := _SHARD_HOLDER.fullmatch(v))]
 
 
 class HttpSource:
@@ -97,19 +111,31 @@ class HttpSource:
         # where we serve shards (our HTTP shard server first: an older origin reads only the first; then our
         # libp2p address), told to the origin so it can name us as a first holder
         self.shard_addr = shard_addr
+        self._first_holders: dict[int, list[tuple[int, str, str]]] = {}  # step -> named with its manifest
 
-    async def _get(self, path: str, limit: int) -> tuple[int, bytes]:
-        """Status and body (at most `limit` bytes: a longer body is a BadAnswer, read no further)."""
+    def _swarm_headers(self, path: str) -> CIMultiDict[str]:
+        """A swarm node's request is signed, so that the origin knows a joined node asks (super-seeding)."""
+        headers: CIMultiDict[str] = CIMultiDict()
+        if self.swarm:
+            headers[SWARM_HEADER] = "1"
+            if self.signer is not None:
+                headers.update(self.signer("GET", path))
+        return headers
+
+    async def _get(self, path: str, limit: int, headers: CIMultiDict[str] | None = None
+                   ) -> tuple[int, bytes, list[str]]:
+        """Status, body (at most `limit` bytes: a longer body is a BadAnswer, read no further) and the answer's
+        X-Prime-Shard-Holder values."""
         try:
-            async with self.session.get(self.base + path) as resp:
-                return resp.status, await read_limited(resp, limit)
+            async with self.session.get(self.base + path, headers=headers) as resp:
+                return resp.status, await read_limited(resp, limit), resp.headers.getall(SHARD_HOLDER_HEADER, [])
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise SourceError(f"{self.name}: {e or type(e).__name__}") from None
         except Unreachable:
             raise BadAnswer(f"{self.name}: {path} sent more than the {limit}-byte limit") from None
 
     async def listing(self) -> CheckpointList:
-        status, body = await self._get("/v1/checkpoints", MAX_LISTING_BYTES)
+        status, body, _ = await self._get("/v1/checkpoints", MAX_LISTING_BYTES)
         if status != 200:
             raise SourceError(f"{self.name}: /v1/checkpoints answered {status}")
         try:
@@ -118,10 +144,18 @@ class HttpSource:
             raise BadAnswer(f"{self.name}: /v1/checkpoints: {e}") from None
 
     async def manifest(self, step: int) -> bytes:
-        status, body = await self._get(f"/v1/checkpoints/{int(step)}/manifest", MAX_MANIFEST_BYTES)
+        path = f"/v1/checkpoints/{int(step)}/manifest"
+        status, body, holders = await self._get(path, MAX_MANIFEST_BYTES, self._swarm_headers(path))
         if status != 200:
             raise SourceError(f"{self.name}: manifest of step {step} answered {status}")
+        if holders and self.swarm:
+            self._first_holders[int(step)] = _shard_holders(holders)
+            while len(self._first_holders) > KEEP_HOLDER_STEPS:
+                del self._first_holders[min(self._first_holders)]
         return body
+
+    def first_holders(self, step: int) -> list[tuple[int, str, str]]:
+        return self._first_holders.pop(step, [])
 
     def holders(self, step: int, index: int, manifest_hash: str) -> int:
         return 0
@@ -135,12 +169,11 @@ class HttpSource:
     async def shard(self, step: int, index: int, max_bytes: int, offset: int = 0, *,
                     manifest_hash: str | None = None) -> bytes:
         """Bytes [offset, end) of a compressed shard, read in chunks so a broken transfer keeps what came."""
-        headers = CIMultiDict({"Range": f"bytes={offset}-"} if offset else {})
         path = f"/v1/checkpoints/{int(step)}/shards/{int(index)}"
+        headers = self._swarm_headers(path)
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
         if self.swarm:
-            headers["X-Prime-Swarm"] = "1"
-            if self.signer is not None:
-                headers.update(self.signer("GET", path))
             mine = self.shard_addr()
             for addr in ([mine] if isinstance(mine, str) else list(mine or ()))[:2]:  # one header per address
                 headers.add(SHARD_ADDR_HEADER, addr)

@@ -125,6 +125,29 @@ async def test_a_node_deferred_while_the_first_copy_is_in_flight_is_told_its_hol
     assert took < 1.9, took  # before: >= 2 s (the node's own deferral), for every shard
 
 
+async def test_a_node_asking_after_the_first_copies_went_out_is_named_their_holders_with_the_manifest(tmp_path):
+    """Node b asks for step 0 after a took every first copy. The origin names a with the manifest
+    (X-Prime-Shard-Holder), and b asks the origin for nothing but the listing and the manifest: every shard comes
+    from a. Before, b asked the origin for each shard first and learnt the holder from its 429, a round trip later
+    (in the WAN lab ~0.25 s of the farthest home's step: docs/BENCHMARKS.md, "Holders named with the manifest")."""
+    from node.aio import client_counts, counted_session
+
+    async with running_coordinator(tmp_path, "distribution.super_seed_seconds=10.0") as (coord, base):
+        m = coord.checkpoints.manifest(0)
+        assert m is not None
+        async with aiohttp.ClientSession() as session, counted_session() as b_session, \
+                contextlib.AsyncExitStack() as stack:
+            _, first = await _joined_node(tmp_path, "a", base, coord, session, stack, http=True)
+            _, late = await _joined_node(tmp_path, "b", base, coord, b_session, stack, http=True)
+            assert await first.sync_once() == 0
+            assert first.bytes_by_kind["coordinator"] == m.compressed_size
+            sent0 = client_counts(b_session)["requests"]
+            assert await late.sync_once() == 0
+            to_origin = client_counts(b_session)["requests"] - sent0
+    assert late.bytes_by_kind["peer"] == m.compressed_size, late.bytes_by_kind
+    assert to_origin == 2, to_origin  # the listing and the manifest; before: 2 + one 429 a shard (7)
+
+
 def test_the_origin_repeats_only_libp2p_addresses_its_dial_back_reached():
     """The gate keeps a node's libp2p address only in the form `/ip4/<ip>/tcp/<port>` (its /p2p/ suffix dropped:
     the deferred node derives the peer id from the node id), only if the address policy allows the IP and only if

@@ -187,42 +187,61 @@ async def test_a_deferred_request_is_held_while_the_first_copy_is_in_flight_and_
     assert await held(g) < 0.1
 
 
-async def test_the_gate_answers_a_spreading_deferral_at_once_and_never_serves_it():
+async def test_the_gate_holds_a_spreading_deferral_until_the_other_nodes_first_copy_lands():
     """The shard route's gate in front of the spreading rule (a real aiohttp request; the signature check is not
     what is tested here, so the gate's signer is given): a node holding more first copies of a step than another
-    asker is answered 429 for a shard nobody holds, at once, and takes no first copy. With the hold of a copy in
-    flight (a625229), such a request found no copy to wait for and was served as if a first copy had failed while
-    it was held: the node asking first took every first copy again, and NATed homes served 9-13 % of what a
-    forwarded home served (docs/P2P.md, "Relaying and hole punching")."""
+    asker, asking for a shard nobody holds, takes no first copy. It is held until the other node's first copy
+    starts and lands, and is then told that holder (429 with X-Prime-Holder); before, it was answered at once with
+    no holder and waited ~0.9 s for the holder's gossip, every step (the nearest node asks first). Nobody taking
+    the copy within the hold, it is served.
+
+    History: with the hold of a copy in flight (a625229), such a request found no copy to wait for and was served at
+    once, as if a first copy had failed while it was held: the node asking first took every first copy again, and
+    NATed homes served 9-13 % of what a forwarded home served (docs/P2P.md, "Relaying and hole punching")."""
+    import asyncio
     import time
 
     import pytest
     from aiohttp.test_utils import make_mocked_request
 
     from node.coordinator.seeding import SeedingGate
-    from node.http import ApiError
+    from node.http import HOLDER_HEADER, ApiError
 
-    g = SeedingGate(SuperSeeder(10.0), verifier=None, is_member=lambda n: True, hold_s=3.0)
-    asker = {"id": "fwd"}
-    g._node = lambda request: asker["id"]
+    g = SeedingGate(SuperSeeder(10.0), verifier=None, is_member=lambda n: True, start_hold_s=3.0)
+    g.shard_addrs["home"] = "/ip4/203.0.113.7/tcp/8001/http"  # where home serves (as its signed requests told)
 
-    def get(step, index):
+    def get(who, step, index):
+        g._node = lambda request: who
         return g.before(make_mocked_request("GET", f"/v1/checkpoints/{step}/shards/{index}"), step, index)
 
-    asker["id"] = "home"
-    assert await get(2, 0) == ((2, 0), "home")  # the other servable node asked lately
-    asker["id"] = "fwd"
+    assert await get("home", 2, 0) == ((2, 0), "home")  # the other servable node asked lately
     for i in range(2):
-        ticket = await get(3, i)
+        ticket = await get("fwd", 3, i)
         assert ticket == ((3, i), "fwd")
         g.after(ticket, sent=True)
     t0 = time.monotonic()
-    with pytest.raises(ApiError) as refused:
-        await get(3, 2)  # fwd holds 2, home 0: this first copy is left to home
-    assert refused.value.status == 429 and time.monotonic() - t0 < 0.5
+    held = asyncio.ensure_future(get("fwd", 3, 2))  # fwd holds 2, home 0: this first copy is left to home
+    await asyncio.sleep(0.2)
+    assert not held.done() and g.holds == 1
     assert g.seeder.in_flight((3, 2)) is None and g.seeder.holder((3, 2)) is None
-    asker["id"] = "home"
-    assert await get(3, 2) == ((3, 2), "home")
+    ticket = await get("home", 3, 2)
+    assert ticket == ((3, 2), "home")
+    await asyncio.sleep(0.1)
+    assert not held.done()  # home's copy is still in flight: fwd learns its holder when it lands
+    g.after(ticket, sent=True)
+    with pytest.raises(ApiError) as refused:
+        await held
+    assert refused.value.status == 429 and time.monotonic() - t0 < 2.0
+    assert refused.value.headers.getall(HOLDER_HEADER) == ["home /ip4/203.0.113.7/tcp/8001/http"]
+    assert g.holds == 0
+
+    # nobody takes step 4's shard 2 within the hold: fwd, deferred to leave it to home, is served after it
+    g.start_hold_s = 0.3
+    for i in range(2):
+        g.after(await get("fwd", 4, i), sent=True)
+    t0 = time.monotonic()
+    assert await get("fwd", 4, 2) == ((4, 2), "fwd")
+    assert time.monotonic() - t0 >= 0.29 and g.seeder.in_flight((4, 2)) == "fwd"
 
 
 def test_relayed_nodes_hold_first_copies_only_beside_fewer_than_two_direct_askers():
@@ -275,7 +294,7 @@ async def test_a_relayed_node_is_held_until_a_direct_node_takes_the_first_copy_t
     from node.http import HOLDER_HEADER, ApiError
 
     g = SeedingGate(SuperSeeder(10.0, relayed=lambda n: n == "home"), verifier=None, is_member=lambda n: True,
-                    hold_s=0.5)
+                    start_hold_s=0.5)
     g.libp2p_addrs["pub1"] = "/ip4/8.8.8.8/tcp/4001"
     asker = {}
 
@@ -303,3 +322,39 @@ async def test_a_relayed_node_is_held_until_a_direct_node_takes_the_first_copy_t
     t0 = time.monotonic()
     assert await get("home", 3, 1) == ((3, 1), "home")  # nobody took it within the hold: served
     assert 0.45 < time.monotonic() - t0 < 1.0 and g.seeder.holder((3, 1)) is None and g.seeder.in_flight((3, 1)) is None
+
+
+def test_the_manifest_names_the_first_copies_holders_to_a_signed_member_only():
+    """SeedingGate.manifest_headers: a copy in flight is named at its holder's HTTP shard server only (it waits there
+    for a shard of a step it is downloading; over libp2p it would answer "not held"), a complete one at each address,
+    HTTP first; never a node to itself, never to a request that is not a member's signed swarm request, at most
+    MAX_SHARD_HOLDERS values."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.coordinator.seeding import MAX_SHARD_HOLDERS, SeedingGate
+    from node.http import SHARD_HOLDER_HEADER
+
+    g = SeedingGate(SuperSeeder(10.0), verifier=None, is_member=lambda n: True)
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    g.shard_addrs[a], g.libp2p_addrs[a] = "/ip4/203.0.113.1/tcp/81/http", "/ip4/203.0.113.1/tcp/4001"
+    g.libp2p_addrs[b] = "/ip4/203.0.113.2/tcp/4001"  # b serves no HTTP
+    for i, holder in ((0, a), (1, a), (2, b), (3, b)):
+        g.seeder.started((5, i), holder)
+    g.seeder.finished((5, 0), a)
+    g.seeder.finished((5, 2), b)
+    request = make_mocked_request("GET", "/v1/checkpoints/5/manifest")
+
+    def named(who):
+        g._node = lambda request: who
+        headers = g.manifest_headers(request, 5)
+        return sorted(headers.getall(SHARD_HOLDER_HEADER)) if headers else []
+
+    assert named(c) == [f"0 {a} /ip4/203.0.113.1/tcp/4001", f"0 {a} /ip4/203.0.113.1/tcp/81/http",
+                        f"1 {a} /ip4/203.0.113.1/tcp/81/http", f"2 {b} /ip4/203.0.113.2/tcp/4001"]
+    assert named(a) == [f"2 {b} /ip4/203.0.113.2/tcp/4001"]  # not a's own copies
+    assert named(None) == []  # unsigned, or not a member: the manifest alone
+    assert g.manifest_headers(request, 6) is None  # no first copy of that step
+    for i in range(10, 10 + MAX_SHARD_HOLDERS):
+        g.seeder.started((5, i), a)
+        g.seeder.finished((5, i), a)
+    assert len(named(c)) == MAX_SHARD_HOLDERS
