@@ -62,7 +62,10 @@ Model (every number is a parameter of `Case`):
 * The current code (2026-11-27; `hold_s`, `direct_first_copies`, `libp2p_request_s`): the origin holds a request
   it defers while a first copy is in flight (at most 1 s) and answers 429 naming the holder; a relayed node holds
   no first copy beside 2 direct askers and is held until a direct node's copy lands; a node fetches over HTTP from
-  a reachable holder and over py-libp2p from a NATed one (its kept connections or a circuit).
+  a reachable holder and over py-libp2p from a NATed one (its kept connections or a circuit). Since 293ce92
+  (`manifest_holders`, `spread_hold`): the manifest's answer names the holders of the step's live first copies and
+  the node asks them first (a holder whose copy is still arriving holds the request up to 1 s); a node deferred for
+  a shard nobody holds is held (at most 2 s) until another node's first copy lands and is told its holder.
 
 Not modelled: TCP dynamics (slow start, loss, RTT-limited windows), CPU contention as such (the costs are
 the medians measured on the loaded 2-core box, not derived from a load), libp2p streams that time out (the lab's
@@ -217,6 +220,19 @@ class Case:
     # SuperSeeder's `relayed` rule (1b6a688): a NATed node with a reservation holds no first copy while
     # MIN_DIRECT_ASKERS directly dialable nodes ask, and is held (hold_s) until a direct node's copy lands.
     direct_first_copies: bool = False
+    # Holders named with the manifest (293ce92, SeedingGate.manifest_headers, node/worker/fetcher.py _download): the
+    # origin's answer to a node's signed manifest request names the holders of the step's live first copies, and the
+    # node asks those holders first, never the origin, for those shards. Named: a copy in flight only at its holder's
+    # HTTP address (not NATed: its shard server waits up to ARRIVAL_WAIT_S for a shard that is arriving), a complete
+    # one at any address the origin has (a NATed holder through its kept connections or a circuit). False: the code
+    # before (the node asked the origin for every shard and learnt a holder from a 429 a round trip later).
+    manifest_holders: bool = False
+    # Spreading deferral held (293ce92, SeedingGate.before): a node deferred for a shard nobody holds a claim on (the
+    # spreading rule leaving it to a node holding fewer first copies, or the relayed rule) is held at most
+    # `start_hold_s` until another node's first copy starts and lands, then told that holder; served if none started.
+    # False: the code before (spreading deferrals answered 429 at once with no holder; relayed ones held `hold_s`).
+    spread_hold: bool = False
+    start_hold_s: float = 2.0  # node/coordinator/seeding.py START_HOLD_S (the planner's own 2 s origin deferral)
     # Record each shard's request times (Sim.trace): the lab's per-shard breakdown to compare with.
     trace: bool = False
 
@@ -240,7 +256,7 @@ class Flow:
 class Node:
     __slots__ = ("id", "cls", "up", "down", "rtt_o", "planner", "held", "idle", "ups", "downs", "reserved",
                  "active", "joined", "done_t", "initial", "holds", "server", "sent", "parked", "waiters", "wake_t",
-                 "ow", "natted", "kept", "batch_t", "hints")
+                 "ow", "natted", "kept", "batch_t", "hints", "got")
 
     def __init__(self, nid, cls, up, down, rtt_o):
         self.id, self.cls, self.up, self.down, self.rtt_o = nid, cls, up, down, rtt_o
@@ -265,10 +281,13 @@ class Node:
         self.kept: set = set()  # a NATed node: the reachable nodes it keeps connections to (and serves)
         self.batch_t = -1.0  # when its HaveAnnouncer's open batch goes out
         self.hints: dict = {}  # shard -> the holder the origin named when it deferred this node (holder_hints)
+        self.got: set = set()  # shards whose bytes arrived here (before its `have` gossip goes out)
 
 
 # event kinds
-WAKE, FSTART, FEND, DEFER, HAVE, LEAVE, JOIN, RETRY, BUSY, HOLD = range(10)
+WAKE, FSTART, FEND, DEFER, HAVE, LEAVE, JOIN, RETRY, BUSY, HOLD, ARRIVE = range(11)
+MANIFEST = "manifest"  # a WAKE's mark: the node's listing-and-manifest round trip is done (manifest_holders)
+ARRIVAL_WAIT_S = 1.0  # node/p2p/http_shards.py: a holder's shard server waits this long for a shard arriving there
 BUSY_STREAK = 2  # a slot told "busy" by every holder it tried for this many shards in a row sleeps
 
 
@@ -295,6 +314,7 @@ class Sim:
         self.seeder = (SuperSeeder(case.super_seed_s, clock=lambda: self.now, reachable=self.servable,
                                    relayed=self.relayed) if self.swarm else None)
         self.held: dict[int, list] = {}  # shard -> requests the origin holds (hold_s): [node, pick, sent, alive]
+        self.arrivals: dict[tuple[int, int], list] = {}  # (holder, shard) -> requests waiting for it to land there
         self.trace: list[tuple] = []  # (kind, fetcher NATed, seconds): "origin"/"peer" ok, "defer" (case.trace)
         self.nodes: list[Node] = []
         self.origin = Node(-1, "origin", case.origin_cap, float("inf"), 0.0)
@@ -434,9 +454,25 @@ class Sim:
             start += self.rng.uniform(0, c.poll_s)
         if start > 0 and node.initial:
             node.wake_t = self.now + start
-            self.push(node.wake_t, WAKE, node)
+            self.push(node.wake_t, WAKE, node, MANIFEST)
             return
+        self.manifest_named(node)
         self.wake(node)
+
+    def manifest_named(self, node: Node) -> None:
+        """The manifest's answer names the step's live first copies' holders (SeedingGate.manifest_headers, with
+        `manifest_holders`): the node records each as its hint for that shard (the fetcher's `src.hint`)."""
+        if not self.c.manifest_holders or self.seeder is None or not self.c.spread_first_copies:
+            return  # (plain index keys: the real gate names only (step, index) keys)
+        for key, hid, complete in self.seeder.claims(0):
+            h = self.nodes[int(hid)]  # (the seeder's node ids are this simulator's node indices)
+            if h is node or not h.active or not isinstance(key, tuple):
+                continue
+            # in flight: only its HTTP shard server (a public node); complete: its HTTP or libp2p address too, which
+            # this node reaches if it keeps a connection to it or, with circuits, through the hop
+            if h.natted and not (complete and (self.relaying or self.usable(h, node))):
+                continue
+            node.hints[key[1]] = hid
 
     def usable(self, holder: Node, node: Node) -> bool:
         """Whether `node` can fetch from `holder` over a direct connection: a NATed holder is reached only by
@@ -577,6 +613,9 @@ class Sim:
                     median, libp2p = self.peer_cost(h, node)
                     sigma = self.c.libp2p_sigma if libp2p and self.c.libp2p_request_s is not None else None
                     rtt += self.cost(median, sigma) + self.c.peer_request_rtts * self.rtt(node, h)  # its own cost
+                    if h.reserved < self.c.upload_slots and i not in h.got:  # named with the manifest, in flight
+                        self.await_arrival(h, node, pick, self.now + delay, rtt, libp2p)
+                        return
                     if h.reserved < self.c.upload_slots:
                         self.transfer(h, node, pick, delay + rtt, server=False, hop=self.hop if relayed else None,
                                       libp2p=libp2p, t_req=self.now + delay)
@@ -590,12 +629,16 @@ class Sim:
             return
         if self.seeder is not None and not self.seeder.admit(self.key(i), node.id):  # 429 seeded
             key = self.key(i)
-            if self.c.hold_s > 0:  # SeedingGate.before: held while a first copy is in flight (or, relayed, to come)
-                for_start = self.seeder.leaves_to_direct(node.id)
-                if self.held_waits(key, for_start):
+            if self.c.hold_s > 0 or self.c.spread_hold:  # SeedingGate.before: held while a first copy is in flight
+                if self.c.spread_hold:  # (293ce92) or nobody holds a claim on it (spreading or relayed rule)
+                    for_start = self.seeder.in_flight(key) is None and self.seeder.holder(key) is None
+                else:  # (the code before) or, relayed, until a direct node's copy starts and lands
+                    for_start = self.seeder.leaves_to_direct(node.id)
+                limit = self.c.start_hold_s if for_start and self.c.spread_hold else self.c.hold_s
+                if limit > 0 and self.held_waits(key, for_start):
                     held: list = [node, pick, self.now, True, for_start]
                     self.held.setdefault(i, []).append(held)
-                    self.push(self.now + self.c.hold_s, HOLD, held)
+                    self.push(self.now + limit, HOLD, held)
                     return
             self.push(self.now + node.rtt_o + self.cost(self.c.origin_request_s), DEFER, node, (pick, self.now))
             return
@@ -608,6 +651,34 @@ class Sim:
         self.origin_sends += 1
         self.origin_sends_held += self.holders.get(i, 0) > 0
         self.transfer(self.origin, node, pick, delay, server=True, t_req=self.now)
+
+    def await_arrival(self, h: Node, node: Node, pick: Pick, t_ask: float, rtt: float, libp2p: bool) -> None:
+        """`node` asks `h`, named with the manifest while the origin's first copy to it is in flight, for a shard that
+        has not arrived there: h's shard server holds the request (at most ARRIVAL_WAIT_S, node/p2p/http_shards.py)
+        and sends the shard once it lands (`flow_end`); else "not here" (404) and the node defers the shard."""
+        w: list = [node, pick, t_ask, t_ask + rtt, libp2p, True, h.id]
+        self.arrivals.setdefault((h.id, pick.index), []).append(w)
+        self.push(t_ask + rtt / 2 + ARRIVAL_WAIT_S, ARRIVE, w)
+
+    def arrived(self, h: Node, i: int) -> None:
+        """Shard i landed at `h`: the requests its shard server held for it get it."""
+        for w in self.arrivals.pop((h.id, i), ()):
+            node, pick, t_ask, t_ready, libp2p, alive, _ = w
+            if not alive:
+                continue
+            w[5] = False
+            start = max(t_ready, self.now + self.rtt(node, h) / 2)  # the body follows the request, or its arrival
+            self.transfer(h, node, pick, start - self.now, server=False, libp2p=libp2p, t_req=t_ask)
+
+    def arrival_timeout(self, w: list) -> None:
+        node, pick, t_ask, _, _, alive, hid = w
+        if not alive:
+            return
+        w[5] = False
+        self.arrivals[(hid, pick.index)].remove(w)
+        node.hints.pop(pick.index, None)
+        if node.active:
+            self.push(self.now + self.rtt(node, self.nodes[hid]) / 2, DEFER, node, (pick, t_ask))
 
     def held_waits(self, key, for_start: bool) -> bool:
         """SeedingGate._waiting: a held request waits while a first copy is in flight, or, `for_start` (a relayed
@@ -696,6 +767,9 @@ class Sim:
                 if key not in self.punched:
                     self.punched[key] = self.rng.random() < self.c.punch_fraction
         f.s.sent += self.shard_size
+        node.got.add(pick.index)
+        if self.arrivals:
+            self.arrived(node, pick.index)
         node.planner.done(pick)
         node.held += 1
         if self.swarm:  # HaveAnnouncer: the first shard after a quiet spell opens a batch, announced when it ends
@@ -841,7 +915,11 @@ class Sim:
                 if t == a.wake_t:
                     a.wake_t = -1.0
                 if a.active and a.planner is not None:
+                    if b == MANIFEST:
+                        self.manifest_named(a)
                     self.wake(a)
+            elif kind == ARRIVE:
+                self.arrival_timeout(a)
             elif kind == HAVE:
                 self.have(a, b)
             elif kind == BUSY:
@@ -1110,6 +1188,7 @@ LAB_LIBP2P_SIGMA = 0.6
 # holder_both_a/b/c (one hop at N = 6, its round trip included; taken as the hop's own cost, a slight overestimate)
 LAB_GOSSIP_HOP_S = 0.15
 HOLD_S = 1.0  # node/coordinator/seeding.py HOLD_S
+START_HOLD_S = 2.0  # node/coordinator/seeding.py START_HOLD_S (293ce92)
 LAB_SHARDS = 5  # a lab step's shards (270 shards in 54 node-steps: the demo model's 1.25 MiB raw in 256 KiB shards)
 
 
@@ -1117,20 +1196,29 @@ def holder_points(doc: dict) -> list[dict]:
     """The N = 6 lab runs of 2026-11-27 (the current code, HTTP for every peer fetch a node can make; and the code
     before 2176ab7, where NATed homes fetched over py-libp2p), and the N = 12 run of the current code if present."""
     pts = []
-    runs = [(k, "current code (HTTP plane for NATed fetchers too)", False) for k in
+    # (key, note, the code before 2176ab7, 293ce92's manifest_holders and spread_hold on)
+    runs = [(k, "current code (HTTP plane for NATed fetchers too)", False, False) for k in
             ("holder_both_a", "holder_both_b", "holder_both_c", "scale_holder_both") if k in doc]
-    runs += [(k, "code before 2176ab7 (NATed homes fetch over py-libp2p)", True) for k in
+    runs += [(k, "code before 2176ab7 (NATed homes fetch over py-libp2p)", True, False) for k in
              ("holder_one_a", "holder_one_b", "holder_one_c") if k in doc]
+    # 293ce92's lab A/B (same sitting): the code before it, and with it (holders named with the manifest, spreading
+    # deferrals held): held out, nothing refitted to them
+    runs += [(k, "code before 293ce92 (A/B sitting)", False, False) for k in
+             ("mh_before_a", "mh_before_b", "mh_before_c") if k in doc]
+    runs += [(k, "293ce92: holders named with the manifest, spreading deferral held", False, True) for k in
+             ("mh_after_a", "mh_after_b", "mh_after_c") if k in doc]
+
     def pooled(keys):  # the "announced" phase's median and p90, the median over runs of one configuration
         phs = [doc[k]["rows"][0]["phases_s"]["announced"] for k in keys]
         return {q: _median([x[q] for x in phs]) for q in ("median", "p90")}
 
-    for key, note, before in runs:
+    for key, note, before, mh in runs:
         row = doc[key]["rows"][0]
-        # Who learns of a step when: pooled over the three runs of the same code at N = 6 (each run's p90 is the
-        # 5th-6th latest of its 54 announcements, and the warm-up steps 1-3, not the median step, hold most of
-        # them: holder_both_b's 1.03 s against 0.53 and 0.59); the N = 12 run's own
-        same = [k for k, _, b in runs if b == before and k[-2:] in ("_a", "_b", "_c")] if key[-2:] in ("_a", "_b", "_c") else [key]
+        # Who learns of a step when: pooled over the three runs of the same configuration at N = 6 (each run's p90
+        # is the 5th-6th latest of its 54 announcements, and the warm-up steps 1-3, not the median step, hold most
+        # of them: holder_both_b's 1.03 s against 0.53 and 0.59); the N = 12 run's own
+        triple = key[-2:] in ("_a", "_b", "_c")
+        same = [k for k, _, _, _ in runs if triple and k[:-2] == key[:-2]] or [key]
         ph = {"announced": pooled(same)}
         commit = row.get("shard_breakdown", {}).get("step_parts", {}).get("commit", {}).get("median", 0.0)
         load = row.get("load_avg_max")
@@ -1142,7 +1230,10 @@ def holder_points(doc: dict) -> list[dict]:
             size = _median([x["bytes"] for x in steps])
             pts.append({
                 "name": f"wan.json {key}, N = {row['n']} lab, {kind}", "role": "held-out", "fits": None,
-                "note": f"{note}; load {load}", "plane": "libp2p_homes" if before else "http",
+                "note": f"{note}; load {load}",
+                # "http": the runs LAB_HTTP was set from (lab_http_costs); the A/B sitting's runs are held out of it
+                "plane": "libp2p_homes" if before else "http" if key.startswith(("holder_", "scale_holder"))
+                else "http_mh" if mh else "http_ab",
                 "metric": "s to all nodes (median step)" if kind == "delta" else "s to all nodes (the full step)",
                 # the run's own figures (bench/wan.py: the median over its delta steps, its full step)
                 "measured": row[kind]["t_all_s"],
@@ -1154,7 +1245,8 @@ def holder_points(doc: dict) -> list[dict]:
                              gossip_hop_s=ph["announced"]["median"], step_cpu_s=commit, prior_askers=True,
                              holder_hints=True, hold_s=HOLD_S, direct_first_copies=True, relay=True,
                              peer_request_rtts=LAB_HTTP_RTTS, libp2p_request_s=LIBP2P_REQUEST_S,
-                             libp2p_sigma=LAB_LIBP2P_SIGMA, nat_fetch_libp2p=before, trace=True, **LAB_HTTP)})
+                             libp2p_sigma=LAB_LIBP2P_SIGMA, nat_fetch_libp2p=before, trace=True,
+                             manifest_holders=mh, spread_hold=mh, **LAB_HTTP)})
     return pts
 
 
@@ -1263,6 +1355,7 @@ def calibration() -> dict:
                                 "libp2p_peer_request_s": LIBP2P_REQUEST_S, "http_peer_request_s": HTTP_REQUEST_S},
             "lab_http_plane": {**LAB_HTTP, "peer_request_rtts": LAB_HTTP_RTTS, "libp2p_sigma": LAB_LIBP2P_SIGMA,
                                "gossip_hop_s": LAB_GOSSIP_HOP_S, "hold_s": HOLD_S,
+                               "start_hold_s (mh_after_*, --nat rows)": START_HOLD_S,
                                "set_from": "per-shard breakdown of wan.json holder_both_a/b/c (origin, to-home peer "
                                            "ok: median and mean) and holder_one_a/b/c (libp2p sigma); "
                                            "wan_floor.json (round trips); no time to all nodes"},
@@ -1385,11 +1478,14 @@ def internet_case(n: int, kind: str, share: float, relay: bool, fitted: dict, bu
     (0.02 s median, sigma 1.2, 0.8 round trip more than the transfer's own); a NATed holder serves only over py-libp2p
     (its kept connections or a circuit: 0.64 s median, sigma 0.6, ~50 MB/s of CPU per side); the origin's request
     0.05 s; the origin holds a deferred request until the first copy lands and names its holder (hold_s = 1); relayed
-    nodes hold first copies only beside fewer than 2 direct askers; the step's announcement takes the gossip's hops
+    nodes hold first copies only beside fewer than 2 direct askers; the manifest names the live first copies'
+    holders and a deferral for a shard nobody holds is held until a first copy lands (293ce92, START_HOLD_S = 2);
+    the step's announcement takes the gossip's hops
     of (mean RTT + 0.15 s); the step's rebuild as fitted (`calibration()`)."""
     return Case(nodes=n, checkpoint_bytes=1 * GB, kind=kind, nat_share=share, relay=relay, relay_first_copies=first,
                 notify_s=None, gossip_hop_s=LAB_GOSSIP_HOP_S, step_rtts=1.0, step_cpu_s=fitted["step_cpu_s"],
                 peer_cpu_rate=PEER_CPU_RATE, budget_s=budget_s, holder_hints=True, hold_s=HOLD_S,
+                manifest_holders=True, spread_hold=True, start_hold_s=START_HOLD_S,
                 direct_first_copies=True, peer_request_rtts=LAB_HTTP_RTTS, libp2p_request_s=LIBP2P_REQUEST_S,
                 libp2p_sigma=LAB_LIBP2P_SIGMA, origin_request_s=LAB_HTTP["origin_request_s"],
                 peer_request_s=LAB_HTTP["peer_request_s"], request_sigma=LAB_HTTP["request_sigma"])
