@@ -273,3 +273,80 @@ def test_a_natted_holder_serves_over_py_libp2p_and_a_public_one_over_http():
     now = sorted(Sim(loopback(seed=s, **kw)).run()["seconds"] for s in range(5))[2]
     old = sorted(Sim(loopback(seed=s, nat_fetch_libp2p=True, **kw)).run()["seconds"] for s in range(5))[2]
     assert old > now + 0.3
+
+
+def _refused(sim):
+    """Run `sim`; the nodes the origin refused a shard (a 429 at once or a hold), one entry per refusal, and the
+    nodes whose request a holder's shard server held for an arriving shard."""
+    refused, waited = [], []
+    push = sim.push
+
+    def spy(t, kind, a=None, b=None):
+        if kind in (swarm_sim.DEFER, swarm_sim.HOLD):
+            refused.append((a if kind == swarm_sim.DEFER else a[0]).id)
+        elif kind == swarm_sim.ARRIVE:
+            waited.append(a[0].id)
+        push(t, kind, a, b)
+
+    sim.push = spy
+    sim.run()
+    return refused, waited
+
+
+def test_holders_named_with_the_manifest_take_a_late_nodes_shards_off_the_origin():
+    """293ce92 (`manifest_holders`): the origin's manifest answer names the live first copies' holders, so a node
+    that asks after they started takes those shards from the holders (waiting at a holder whose copy is still
+    arriving) and is never refused by the origin; before, it asked the origin for every shard and was held or
+    deferred, shard by shard."""
+    sites = ((200 * MBIT, 200 * MBIT, 0.005, False), (200 * MBIT, 200 * MBIT, 0.01, False),
+             (200 * MBIT, 200 * MBIT, 0.06, False))  # the far node's manifest comes back after the first copies start
+    kw = dict(nodes=3, sites=sites, links="internet", origin_cap=20 * MBIT, checkpoint_bytes=4 * 110_000,
+              shard_bytes=110_000, notify_s=0.0, prior_askers=True, holder_hints=True, hold_s=1.0, spread_hold=True)
+    on, off = Sim(loopback(manifest_holders=True, **kw)), Sim(loopback(**kw))
+    (refused_on, waited_on), (refused_off, waited_off) = _refused(on), _refused(off)
+    late = 2
+    assert refused_off.count(late) >= on.num_shards and late not in refused_on
+    assert late in waited_on and not waited_off  # a holder's shard server held its request until the shard landed
+    assert len(on.nodes[late].hints) == on.num_shards  # every shard's holder was named
+    assert on.nodes[late].done_t < off.nodes[late].done_t
+    assert on.origin_sends == off.origin_sends == on.num_shards  # one copy of each shard either way
+
+
+def test_the_manifest_names_an_in_flight_copy_only_at_a_public_holder():
+    """SeedingGate.manifest_headers: a copy in flight is named at its holder's HTTP shard server only (a NATed holder
+    has none), a complete one at any address (a NATed holder's through its circuit)."""
+    sim = Sim(loopback(sites=LAB6, links="internet", relay=True, manifest_holders=True, prior_askers=True))
+    home, public, asker = sim.new_node(True), sim.new_node(True), sim.new_node(True)
+    assert home.natted and not public.natted
+    sim.seeder.started((0, 0), home.id)
+    sim.seeder.started((0, 1), public.id)
+    sim.manifest_named(asker)
+    assert asker.hints == {1: public.id}
+    sim.seeder.finished((0, 0), home.id)
+    sim.manifest_named(asker)
+    assert asker.hints == {0: home.id, 1: public.id}
+    sim.manifest_named(home)  # a holder is not named to itself
+    assert home.hints == {1: public.id}
+    plain = Sim(loopback(sites=LAB6, links="internet", relay=True, prior_askers=True))
+    a, b = plain.new_node(True), plain.new_node(True)
+    plain.seeder.started((0, 0), b.id)
+    plain.manifest_named(a)
+    assert not a.hints
+
+
+def test_a_spreading_deferral_is_held_until_another_nodes_first_copy_lands_and_names_it():
+    """293ce92 (`spread_hold`): the first node to ask is deferred on the shards the spreading rule leaves to a node
+    holding fewer first copies; it is held until the other node's copy starts and lands and is told that holder.
+    Before, the 429 came at once with no holder, and the node waited its 2 s deferral."""
+    sites = ((200 * MBIT, 200 * MBIT, 0.005, False), (200 * MBIT, 200 * MBIT, 0.05, False))  # near asks first
+    kw = dict(nodes=2, sites=sites, links="internet", origin_cap=20 * MBIT, checkpoint_bytes=4 * 110_000,
+              shard_bytes=110_000, notify_s=0.0, prior_askers=True, holder_hints=True, hold_s=1.0, trace=True)
+    on, off = Sim(loopback(spread_hold=True, **kw)), Sim(loopback(**kw))
+    on.run()
+    off.run()
+    near, far = 0, 1
+    assert set(on.nodes[near].hints.values()) == {far} and not off.nodes[near].hints  # told the holder
+    held = [x for k, _, x in on.trace if k == "defer" and x > 2 * on.nodes[far].rtt_o]  # longer than any answer
+    assert len(held) == len(on.nodes[near].hints)  # each of its deferrals waited for the far node's copy
+    assert on.nodes[near].done_t < off.nodes[near].done_t - 0.2
+    assert on.origin_sends == off.origin_sends == on.num_shards
