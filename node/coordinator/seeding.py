@@ -395,10 +395,10 @@ class SeedingGate:
             over_http = any(a.endswith("/http") for a in told[:MAX_SHARD_ADDRS])  # it runs the HTTP data plane
             # Deferred to a first copy in flight (held until it lands), to one spreading (told its holder at once),
             # or, with nobody holding one, to leave it to a node that holds fewer (SuperSeeder.admit's spreading)
-            # or, for a relayed node, to a direct node: held (START_HOLD_S) until another node's first copy starts and
-            # lands, and told that holder; served if none starts within the hold. A spreading deferral used to be answered at
-            # once with no holder: the node that asks first (the nearest) then waited ~0.9 s for the holder's
-            # batched gossip, every step (docs/BENCHMARKS.md, "Holders named with the manifest").
+            # or, for a relayed node, to a direct node: held (START_HOLD_S) until another node's first copy starts
+            # and lands, and told that holder; served if none starts within the hold. A spreading deferral used to
+            # be answered at once with no holder: the node that asks first (the nearest) then waited ~0.9 s for the
+            # holder's batched gossip, every step (docs/BENCHMARKS.md, "Holders named with the manifest").
             unclaimed = self.seeder.in_flight(key) is None and self.seeder.holder(key) is None
             if unclaimed or self.seeder.in_flight(key) is not None:
                 await self._hold(key, over_http, for_start=unclaimed)

@@ -295,8 +295,7 @@ class Fetcher:
         self.on_shards(step, h, have)
         # the first copies' holders the origin named with its manifest: those shards go to them at once, not to
         # the origin first (which would answer 429 naming the same holder, a round trip later)
-        named = [x for src in self.sources for x in src.first_holders(step)]
-        for index, node_id, addr in named:
+        for index, node_id, addr in [x for src in self.sources for x in src.first_holders(step)]:
             if index < m.num_shards and index not in have:
                 for src in self.sources:
                     src.hint(step, h, index, node_id, addr)
