@@ -256,7 +256,7 @@ class Flow:
 class Node:
     __slots__ = ("id", "cls", "up", "down", "rtt_o", "planner", "held", "idle", "ups", "downs", "reserved",
                  "active", "joined", "done_t", "initial", "holds", "server", "sent", "parked", "waiters", "wake_t",
-                 "ow", "natted", "kept", "batch_t", "hints", "got")
+                 "ow", "natted", "kept", "batch_t", "hints", "got", "arriving")
 
     def __init__(self, nid, cls, up, down, rtt_o):
         self.id, self.cls, self.up, self.down, self.rtt_o = nid, cls, up, down, rtt_o
@@ -282,6 +282,7 @@ class Node:
         self.batch_t = -1.0  # when its HaveAnnouncer's open batch goes out
         self.hints: dict = {}  # shard -> the holder the origin named when it deferred this node (holder_hints)
         self.got: set = set()  # shards whose bytes arrived here (before its `have` gossip goes out)
+        self.arriving = 0  # requests its shard server holds for a shard still arriving here (Sim.await_arrival)
 
 
 # event kinds
@@ -613,10 +614,14 @@ class Sim:
                     median, libp2p = self.peer_cost(h, node)
                     sigma = self.c.libp2p_sigma if libp2p and self.c.libp2p_request_s is not None else None
                     rtt += self.cost(median, sigma) + self.c.peer_request_rtts * self.rtt(node, h)  # its own cost
-                    if h.reserved < self.c.upload_slots and i not in h.got:  # named with the manifest, in flight
-                        self.await_arrival(h, node, pick, self.now + delay, rtt, libp2p)
-                        return
-                    if h.reserved < self.c.upload_slots:
+                    # A holder named with the manifest whose copy is still arriving: its shard server holds the
+                    # request until the shard lands, at most max_concurrent (upload_slots) such requests at once;
+                    # beyond, "not here" at once (404), and the fetcher tries the next holder, as after a "busy".
+                    if h.reserved < self.c.upload_slots and i not in h.got:
+                        if h.arriving < self.c.upload_slots:
+                            self.await_arrival(h, node, pick, self.now + delay, rtt, libp2p)
+                            return
+                    elif h.reserved < self.c.upload_slots:
                         self.transfer(h, node, pick, delay + rtt, server=False, hop=self.hop if relayed else None,
                                       libp2p=libp2p, t_req=self.now + delay)
                         return
@@ -652,12 +657,19 @@ class Sim:
         self.origin_sends_held += self.holders.get(i, 0) > 0
         self.transfer(self.origin, node, pick, delay, server=True, t_req=self.now)
 
+    def takes_request(self, h: Node, i: int) -> bool:
+        """Whether holder `h` would take a request for shard i now: a free upload slot and the shard there, or (named
+        with the manifest, still arriving) room among the requests waiting for it."""
+        slots = self.c.upload_slots
+        return h.reserved < slots and (i in h.got or h.arriving < slots)
+
     def await_arrival(self, h: Node, node: Node, pick: Pick, t_ask: float, rtt: float, libp2p: bool) -> None:
         """`node` asks `h`, named with the manifest while the origin's first copy to it is in flight, for a shard that
         has not arrived there: h's shard server holds the request (at most ARRIVAL_WAIT_S, node/p2p/http_shards.py)
         and sends the shard once it lands (`flow_end`); else "not here" (404) and the node defers the shard."""
         w: list = [node, pick, t_ask, t_ask + rtt, libp2p, True, h.id]
         self.arrivals.setdefault((h.id, pick.index), []).append(w)
+        h.arriving += 1
         self.push(t_ask + rtt / 2 + ARRIVAL_WAIT_S, ARRIVE, w)
 
     def arrived(self, h: Node, i: int) -> None:
@@ -667,6 +679,7 @@ class Sim:
             if not alive:
                 continue
             w[5] = False
+            h.arriving -= 1
             start = max(t_ready, self.now + self.rtt(node, h) / 2)  # the body follows the request, or its arrival
             self.transfer(h, node, pick, start - self.now, server=False, libp2p=libp2p, t_req=t_ask)
 
@@ -676,6 +689,7 @@ class Sim:
             return
         w[5] = False
         self.arrivals[(hid, pick.index)].remove(w)
+        self.nodes[hid].arriving -= 1
         node.hints.pop(pick.index, None)
         if node.active:
             self.push(self.now + self.rtt(node, self.nodes[hid]) / 2, DEFER, node, (pick, t_ask))
@@ -727,7 +741,7 @@ class Sim:
             node.idle += 1
             self.wake(node)
             return
-        if any(self.nodes[hid].reserved < self.c.upload_slots for hid in tries):  # one freed a slot meanwhile
+        if any(self.takes_request(self.nodes[hid], pick.index) for hid in tries):  # one freed a slot meanwhile
             node.idle += 1  # (the answer came a while ago: a sleeper would wait for a release already past)
             self.wake(node)
             return

@@ -327,6 +327,10 @@ def test_the_manifest_names_an_in_flight_copy_only_at_a_public_holder():
     assert asker.hints == {0: home.id, 1: public.id}
     sim.manifest_named(home)  # a holder is not named to itself
     assert home.hints == {1: public.id}
+    public.arriving = sim.c.upload_slots  # its shard server holds as many requests for arriving shards as it may
+    assert not sim.takes_request(public, 1)  # the next is answered "not here" at once
+    public.got.add(1)
+    assert sim.takes_request(public, 1)  # arrived: served while an upload slot is free
     plain = Sim(loopback(sites=LAB6, links="internet", relay=True, prior_askers=True))
     a, b = plain.new_node(True), plain.new_node(True)
     plain.seeder.started((0, 0), b.id)
