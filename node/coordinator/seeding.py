@@ -49,7 +49,13 @@ from node.http import HOLDER_HEADER, SHARD_ADDR_HEADER, SHARD_HOLDER_HEADER, SWA
 from protocol.errors import SignatureError
 
 IN_FLIGHT_WINDOWS = 6
-MIN_DIRECT_ASKERS = 2  # directly dialable askers within the window from which relayed nodes hold no first copy
+MIN_DIRECT_ASKERS = 2  # directly dialable askers within DIRECT_MEMORY_S from which relayed nodes hold no first copy
+# How long a directly dialable node that asked counts for that rule. Not the super-seeding window (10 s): a trainer
+# step takes longer than that (17 s at N = 12 in the WAN lab, minutes on a real model), so at each new step the direct
+# nodes had expired and a relayed home that asked first took first copies that every other node then fetched over
+# relay circuits or waited for (one lab run: 3 steps of 15-25 s instead of ~3). A direct node that has gone costs a
+# relayed one at most START_HOLD_S a shard (held for a direct copy that does not come, then served).
+DIRECT_MEMORY_S = 600.0
 # How long a deferred request may be held for a first copy in flight (SeedingGate._hold): the node's own deferral is
 # 2 s (node/worker/planner.py origin_defer_s), and a copy still in flight after 1 s is a slow one, whose holder may
 # have its next copy out through gossip just as soon
@@ -99,7 +105,7 @@ class SuperSeeder:
         self._groups: dict[Hashable, set[Hashable]] = {}  # step -> its keys that hold a claim (maybe dead)
         # servable nodes that asked for a shard lately -> when (the ones first copies are spread over)
         self._askers: OrderedDict[str, float] = OrderedDict()
-        self._direct: OrderedDict[str, float] = OrderedDict()  # those of them that are not relayed
+        self._direct: OrderedDict[str, float] = OrderedDict()  # not relayed, within DIRECT_MEMORY_S (not the window)
 
     @property
     def enabled(self) -> bool:
@@ -186,8 +192,8 @@ class SuperSeeder:
 
     def _expire_askers(self) -> None:
         now = self.clock()
-        for table in (self._askers, self._direct):  # oldest first: askers are kept in order of their last ask
-            while table and now - next(iter(table.values())) >= self.window:
+        for table, keep in ((self._askers, self.window), (self._direct, max(self.window, DIRECT_MEMORY_S))):
+            while table and now - next(iter(table.values())) >= keep:  # oldest first: kept in order of last ask
                 table.popitem(last=False)
 
     def _has_more(self, node_id: str, key: Hashable) -> bool:

@@ -280,6 +280,25 @@ def test_relayed_nodes_hold_first_copies_only_beside_fewer_than_two_direct_asker
     assert {"home1", "home2"} <= set(one) and len(one["fwd"]) <= 3, one
 
 
+def test_direct_askers_count_for_the_relayed_rule_across_a_step_longer_than_the_window():
+    """The direct nodes asked for the previous step 30 s ago (a trainer step longer than the 10 s window: 17 s at N = 12
+    in the WAN lab, minutes on a real model). A relayed home that asks first for the new step is still left to them,
+    and takes no first copy; before, they had expired with the window, the home took the first copies, and every other
+    node fetched them over relay circuits (one lab run: 3 steps of 15-25 s). After DIRECT_MEMORY_S without a direct
+    node asking, a relayed home takes its share again."""
+    from node.coordinator.seeding import DIRECT_MEMORY_S
+
+    s, clock = seeder(relayed=lambda n: n == "home")
+    for i, node in enumerate(("pub1", "pub2")):
+        assert s.admit((2, i), node)
+    clock.t += 30.0
+    assert not s.admit((3, 0), "home") and s.leaves_to_direct("home")
+    clock.t += DIRECT_MEMORY_S
+    assert s.admit((4, 0), "home")
+    s.started((4, 0), "home")
+    assert s.in_flight((4, 0)) == "home"
+
+
 async def test_a_relayed_node_is_held_until_a_direct_node_takes_the_first_copy_then_told_its_holder():
     """The gate (a real aiohttp request; the signer is given): beside two direct askers, a relayed node asking
     for a shard nobody holds is held until a direct node's first copy starts and lands, then answered 429 naming
