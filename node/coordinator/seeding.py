@@ -15,12 +15,12 @@ through it every peer can reach the node) is served but never holds a claim, so 
 they cannot connect to. With no such node asking, every node is served by the origin, as without seeding.
 
 A node reached only through a relay circuit (NATed, with a reservation) holds first copies only where fewer than
-`MIN_DIRECT_ASKERS` directly dialable nodes asked within `DIRECT_MEMORY_S` (10 minutes); otherwise it is served as an unservable node
-is. A copy held behind NAT is fetched over a circuit (home -> relay -> home, a second Noise layer): 1.39 s per
-~140 KB shard in the WAN lab against 0.74 s from a public node, and every other node of the step pays it. With two
-direct uplinks or more the first copies spread over those; with one (a home with a forwarded port beside NATed
-homes) its uplink alone would carry every copy, so the NATed homes take their share (docs/P2P.md, "Relaying and
-hole punching").
+`MIN_DIRECT_ASKERS` directly dialable nodes asked within `DIRECT_MEMORY_S` (10 minutes); otherwise it is served as
+an unservable node is. A copy held behind NAT is fetched over a circuit (home -> relay -> home, a second Noise
+layer): 1.39 s per ~140 KB shard in the WAN lab against 0.74 s from a public node, and every other node of the step
+pays it. With two direct uplinks or more the first copies spread over those; with one (a home with a forwarded port
+beside NATed homes) its uplink alone would carry every copy, so the NATed homes take their share (docs/P2P.md,
+"Relaying and hole punching").
 
 First copies are spread over the servable nodes that ask (`SuperSeeder.admit`): a node that already holds more
 first copies of a step than another servable node asking lately holds, plus one, is deferred once for a shard that

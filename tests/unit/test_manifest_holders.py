@@ -45,7 +45,8 @@ async def test_the_origin_names_holders_a_relay_does_not_and_malformed_values_ar
         assert origin.first_holders(7) == []  # taken once
         assert relay.first_holders(7) == []  # only the origin (a swarm source) names holders: a relay is not asked
         # the origin's request was a signed swarm request; the relay's carried neither
-        assert seen[0]["X-Prime-Swarm"] == "1" and seen[0]["X-Prime-Signature"] == "signed GET /v1/checkpoints/7/manifest"
+        assert seen[0]["X-Prime-Swarm"] == "1"
+        assert seen[0]["X-Prime-Signature"] == "signed GET /v1/checkpoints/7/manifest"
         assert "X-Prime-Swarm" not in seen[1] and "X-Prime-Signature" not in seen[1]
     finally:
         await server.close()
