@@ -224,8 +224,8 @@ class Case:
     # origin's answer to a node's signed manifest request names the holders of the step's live first copies, and the
     # node asks those holders first, never the origin, for those shards. Named: a copy in flight only at its holder's
     # HTTP address (not NATed: its shard server waits up to ARRIVAL_WAIT_S for a shard that is arriving), a complete
-    # one at any address the origin has (a NATed holder through its kept connections or a circuit). False: the code
-    # before (the node asked the origin for every shard and learnt a holder from a 429 a round trip later).
+    # one at any address the origin has; never a NATed holder (the dial-back reached none of its addresses). False: the
+    # code before (the node asked the origin for every shard and learnt a holder from a 429 a round trip later).
     manifest_holders: bool = False
     # Spreading deferral held (293ce92, SeedingGate.before): a node deferred for a shard nobody holds a claim on (the
     # spreading rule leaving it to a node holding fewer first copies, or the relayed rule) is held at most
@@ -469,9 +469,9 @@ class Sim:
             h = self.nodes[int(hid)]  # (the seeder's node ids are this simulator's node indices)
             if h is node or not h.active or not isinstance(key, tuple):
                 continue
-            # in flight: only its HTTP shard server (a public node); complete: its HTTP or libp2p address too, which
-            # this node reaches if it keeps a connection to it or, with circuits, through the hop
-            if h.natted and not (complete and (self.relaying or self.usable(h, node))):
+            # the gate names only addresses the join's dial-back reached: never a NATed holder (it is learnt from
+            # its gossip), a public one in flight at its HTTP shard server, complete at either address
+            if h.natted:
                 continue
             node.hints[key[1]] = hid
 

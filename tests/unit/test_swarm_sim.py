@@ -313,8 +313,8 @@ def test_holders_named_with_the_manifest_take_a_late_nodes_shards_off_the_origin
 
 
 def test_the_manifest_names_an_in_flight_copy_only_at_a_public_holder():
-    """SeedingGate.manifest_headers: a copy in flight is named at its holder's HTTP shard server only (a NATed holder
-    has none), a complete one at any address (a NATed holder's through its circuit)."""
+    """SeedingGate.manifest_headers: a copy in flight is named at its holder's HTTP shard server only, a complete one
+    at either address; a NATed holder never (the join's dial-back reached none of its addresses)."""
     sim = Sim(loopback(sites=LAB6, links="internet", relay=True, manifest_holders=True, prior_askers=True))
     home, public, asker = sim.new_node(True), sim.new_node(True), sim.new_node(True)
     assert home.natted and not public.natted
@@ -324,9 +324,9 @@ def test_the_manifest_names_an_in_flight_copy_only_at_a_public_holder():
     assert asker.hints == {1: public.id}
     sim.seeder.finished((0, 0), home.id)
     sim.manifest_named(asker)
-    assert asker.hints == {0: home.id, 1: public.id}
-    sim.manifest_named(home)  # a holder is not named to itself
-    assert home.hints == {1: public.id}
+    assert asker.hints == {1: public.id}  # complete, but NATed: not named
+    sim.manifest_named(public)  # a holder is not named to itself
+    assert public.hints == {}
     public.arriving = sim.c.upload_slots  # its shard server holds as many requests for arriving shards as it may
     assert not sim.takes_request(public, 1)  # the next is answered "not here" at once
     public.got.add(1)
