@@ -68,8 +68,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 # Disk. A real-model training test writes up to ~5.5 GB of checkpoints and trainer snapshots (measured), and pytest
 # keeps every tmp_path of a session until the session ends (then the last 3 sessions'): one CI run piled up >10 GB
-# and a CI box ran out of space mid-lane. A passed test's tmp_path is removed as soon as the test ends; a failed one's is
-# kept for reading (tmp_path_retention_policy = "failed" in pyproject.toml does the same for whole sessions).
+# and a CI box ran out of space mid-lane. A passed test's tmp_path is removed as soon as the test ends; a failed
+# one's is kept for reading (tmp_path_retention_policy = "failed" in pyproject.toml does the same for whole sessions).
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
