@@ -617,13 +617,12 @@ class Sim:
                     # A holder named with the manifest whose copy is still arriving: its shard server holds the
                     # request until the shard lands, at most max_concurrent (upload_slots) such requests at once;
                     # beyond, "not here" at once (404), and the fetcher tries the next holder, as after a "busy".
-                    if h.reserved < self.c.upload_slots and i not in h.got:
-                        if h.arriving < self.c.upload_slots:
+                    if self.takes_request(h, i):
+                        if i not in h.got:
                             self.await_arrival(h, node, pick, self.now + delay, rtt, libp2p)
-                            return
-                    elif h.reserved < self.c.upload_slots:
-                        self.transfer(h, node, pick, delay + rtt, server=False, hop=self.hop if relayed else None,
-                                      libp2p=libp2p, t_req=self.now + delay)
+                        else:
+                            self.transfer(h, node, pick, delay + rtt, server=False, hop=self.hop if relayed else None,
+                                          libp2p=libp2p, t_req=self.now + delay)
                         return
                     delay += rtt
                 self.push(self.now + delay, BUSY, node, (pick, streak + 1, tries))  # every holder tried was busy

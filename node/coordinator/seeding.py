@@ -405,9 +405,8 @@ class SeedingGate:
             # and lands, and told that holder; served if none starts within the hold. A spreading deferral used to
             # be answered at once with no holder: the node that asks first (the nearest) then waited ~0.9 s for the
             # holder's batched gossip, every step (docs/BENCHMARKS.md, "Holders named with the manifest").
-            unclaimed = self.seeder.in_flight(key) is None and self.seeder.holder(key) is None
-            if unclaimed or self.seeder.in_flight(key) is not None:
-                await self._hold(key, over_http, for_start=unclaimed)
+            if self.seeder.holder(key) is None:  # no copy complete: one in flight, or none yet
+                await self._hold(key, over_http, for_start=self.seeder.in_flight(key) is None)
                 if self.seeder.holder(key) is None and self.seeder.in_flight(key) is None:
                     return self._copy(request, key, node_id)  # no first copy got out meanwhile: this node's
             raise ApiError(429, "seeded", "this shard is already spreading through the swarm; fetch it from a peer",

@@ -297,8 +297,7 @@ class Fetcher:
         # the origin first (which would answer 429 naming the same holder, a round trip later)
         for index, node_id, addr in [x for src in self.sources for x in src.first_holders(step)]:
             if index < m.num_shards and index not in have:
-                for src in self.sources:
-                    src.hint(step, h, index, node_id, addr)
+                self._hint(step, h, index, [(node_id, addr)])
         swarm = any(s.kind == "peer" for s in self.sources)
         # In a swarm a node asks the origin for one shard at a time and trades for the rest; a step of a few
         # shards (a delta) costs more in round trips than in origin bytes, so it is asked for all at once
@@ -326,9 +325,7 @@ class Fetcher:
                             trace.ready = time.monotonic()
                             planner.deferred(pick, time.monotonic())
                             if e.holders:  # the origin named who got the first copy: ask it now
-                                for src in self.sources:
-                                    for node_id, addr in e.holders:
-                                        src.hint(step, h, pick.index, node_id, addr)
+                                self._hint(step, h, pick.index, e.holders)
                                 self.announce_change()
                             continue
                         except BaseException:
@@ -387,6 +384,13 @@ class Fetcher:
         if base_manifest is None or not base.is_file():
             raise FetchError(f"step {m.step} is a LoRA adapter on step {m.base_step}, which is not held")
         return base_manifest, base
+
+    def _hint(self, step: int, manifest_hash: str, index: int, holders: list[tuple[str, str]]) -> None:
+        """Holders the origin named for a shard ((node id, address), with its manifest or its 429): every source
+        records them (the swarm's peer table; a server ignores them)."""
+        for src in self.sources:
+            for node_id, addr in holders:
+                src.hint(step, manifest_hash, index, node_id, addr)
 
     def _holders(self, step: int, index: int, manifest_hash: str) -> int:
         return sum(s.holders(step, index, manifest_hash) for s in self.sources if not self.score(s).banned)
