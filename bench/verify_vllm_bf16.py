@@ -63,13 +63,14 @@ def token_table(model, items: list[VerifyItem], batch: int = 16) -> list[dict]:
         for row, it in enumerate(chunk):
             comp = it.rollout.completion_ids
             lg = logits[row, :len(comp)]
-            rep = replay_scores(lg, it.seed, torch.arange(len(comp)), it.temperature, it.top_p, torch.tensor(comp),
-                                nucleus_slack=Thresholds().nucleus_slack)
+            ids = torch.tensor(comp, device=lg.device)
+            rep = replay_scores(lg, it.seed, torch.arange(len(comp), device=lg.device), it.temperature, it.top_p,
+                                ids, nucleus_slack=Thresholds().nucleus_slack)
             probs = torch.softmax(lg.float() / max(it.temperature, 1e-6), -1)
+            p = probs.gather(-1, ids[:, None])
             out.append({"lp_lo": rep.logprob_lo.tolist(), "lp_hi": rep.logprob_hi.tolist(),
                         "margin": rep.margin.tolist(), "outside": rep.outside.tolist(),
-                        "p": probs.gather(-1, torch.tensor(comp)[:, None])[:, 0].tolist(),
-                        "rank": (probs > probs.gather(-1, torch.tensor(comp)[:, None])).sum(-1).tolist()})
+                        "p": p[:, 0].tolist(), "rank": (probs > p).sum(-1).tolist()})
     return out
 
 

@@ -139,6 +139,13 @@ class Thresholds:
     # The mean is there to catch a lie spread over many tokens, which leaving one out does not hide.
     logprob_mean: float = 0.1
     logprob_max: float = 0.6  # worst single token, x T
+    # One token over logprob_max but within this, in a rollout whose every other check passes (its mean, the
+    # commitment, every other token), is a numerical outlier: the submission is voided (never trained on) and
+    # costs reputation, as one token off the sampler's choice does, but bans no one. CI's real-model lane once
+    # banned an honest transformers-bf16 node for one token at 0.648 (mean 0.031, commitment 0.31 of its limit);
+    # bench/bf16_token_tail.py measures the honest tail. A lie on one token gains nothing (it is never trained
+    # on), and a node that keeps lying runs out of reputation.
+    logprob_outlier_max: float = 1.2
     # The mean limit holds for means over at least this many tokens; fewer get it multiplied by
     # sqrt(mean_tokens / n): a mean of 2 tokens is nearly one token's noise. Seen on the GPU lane: a 2-token
     # SmolLM2 answer generated in CUDA bf16 had mean deviation 0.10001 (max 0.116) under the fp32 replay.
@@ -160,7 +167,12 @@ class Thresholds:
         return self.logprob_mean * math.sqrt(max(1.0, self.mean_tokens / max(n, 1)))
 
     def logprob_verdict(self, dev: torch.Tensor) -> tuple[float, float, bool]:
-        """Per-token deviations (x T) -> (the mean the rule checks, the max, whether either is over its limit).
+        """Per-token deviations (x T) -> (the mean the rule checks, the max, whether either is over its limit)."""
+        mean, worst, mean_bad = self.logprob_mean_check(dev)
+        return mean, worst, worst > self.logprob_max or mean_bad
+
+    def logprob_mean_check(self, dev: torch.Tensor) -> tuple[float, float, bool]:
+        """Per-token deviations (x T) -> (the mean the rule checks, the max, whether the mean is over its limit).
 
         A 1-token completion has no mean beside its worst token: the max limit alone applies to it."""
         n, worst = dev.numel(), float(dev.max())
@@ -169,7 +181,7 @@ class Thresholds:
             mean = (float(dev.sum()) - worst) / k if k else 0.0
         else:
             k, mean = n, float(dev.mean())
-        return mean, worst, worst > self.logprob_max or (k > 0 and mean > self.logprob_mean_limit(k))
+        return mean, worst, k > 0 and mean > self.logprob_mean_limit(k)
 
     def commitment_ratio(self, chunks: Sequence[ChunkScore]) -> tuple[float, ChunkScore]:
         """Worst (statistic / its limit) over chunks (> 1 fails), and the chunk it came from."""
@@ -189,6 +201,8 @@ class Verdict:
     reason: str | None = None  # one of REASONS when not ok
     detail: str = ""
     scores: dict[str, float] = field(default_factory=dict)
+    # failed by one token alone, every other check passed (Thresholds.logprob_outlier_max): possibly numerical
+    outlier: bool = False
 
 
 class RolloutVerifier:
@@ -308,9 +322,14 @@ class RolloutVerifier:
         margins = margins * scale
         # Distance from the submitted logprob to the interval the nucleus uncertainty allows.
         dev = (torch.clamp(lp_lo - submitted, min=0) + torch.clamp(submitted - lp_hi, min=0)) * scale
-        lp_mean, lp_max, lp_bad = th.logprob_verdict(dev)
+        lp_mean, lp_max, mean_bad = th.logprob_mean_check(dev)
+        lp_bad = mean_bad or lp_max > th.logprob_max
         com_ratio, com = th.commitment_ratio(score_commitment(parse_commitment(r.commitment), hidden[:n]))
         bad_pick = (margins > th.sample_margin) | (outside > th.nucleus_slack)
+        # One token off (its logprob, or the sampler's choice, or both) and nothing else: bf16 generation can do
+        # that to an honest node (bench/near_ties.py, bench/bf16_token_tail.py); more than one is a forgery.
+        odd = int(((dev > th.logprob_max) | bad_pick).sum())
+        outlier = odd == 1 and com_ratio <= 1.0 and not mean_bad and lp_max <= th.logprob_outlier_max
         scores = {
             "logprob_mean": lp_mean, "logprob_max": lp_max,
             "sample_margin_max": float(margins.max()), "sample_bad_positions": int(bad_pick.sum()),
@@ -322,30 +341,29 @@ class RolloutVerifier:
         if com_ratio > 1.0:
             return Verdict(False, "commitment", "activation commitment does not match the recomputed states", scores)
         if lp_bad:
-            return Verdict(False, "logprobs", "submitted logprobs differ from the recomputed ones", scores)
+            return Verdict(False, "logprobs", "submitted logprobs differ from the recomputed ones", scores, outlier)
         if bool(bad_pick[:-1].any()):
             return Verdict(False, "sampling", f"the seeded sampler would not pick token "
-                           f"{int(bad_pick.nonzero()[0])}", scores)
+                           f"{int(bad_pick.nonzero()[0])}", scores, outlier)
         if bool(bad_pick[-1]):
             # The last token decides termination: a forced EOS (or a forced final token) is caught here.
             reason = "termination" if r.finish_reason == "stop" else "sampling"
-            return Verdict(False, reason, "the seeded sampler would not pick the final token", scores)
+            return Verdict(False, reason, "the seeded sampler would not pick the final token", scores, outlier)
         return Verdict(True, None, "", scores)
 
 
 def judge(model: PreTrainedModel, items: Sequence[VerifyItem]) -> list[Judgement]:
     """Replay `items` against `model` (the claimed step's weights), one Judgement each, in order."""
-    out = []
-    for v in RolloutVerifier(model).verify_many(items):
-        # One token off the sampler's choice, with the commitment and logprobs right, can be numerical
-        # (bf16 generation near a nucleus boundary, bench/near_ties.py); anything more is a forgery.
-        outlier = v.reason in ("sampling", "termination") and v.scores.get("sample_bad_positions") == 1
-        if not v.ok:  # which statistic and by how much: what an operator (or a failed CI run) needs to calibrate
-            log.info("rollout failed verify_%s: %s %s", v.reason, v.detail,
-                     {k: round(x, 4) for k, x in v.scores.items()})
-        out.append(Judgement(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
-                             int(v.scores.get("near_tie_positions", 0)), outlier, _fit(v)))
-    return out
+    return [judgement(v) for v in RolloutVerifier(model).verify_many(items)]
+
+
+def judgement(v: Verdict) -> Judgement:
+    """A verdict as the coordinator acts on it: a single-token outlier is voided, any other failure is a forgery."""
+    if not v.ok:  # which statistic and by how much: what an operator (or a failed CI run) needs to calibrate
+        log.info("rollout failed verify_%s%s: %s %s", v.reason, " (one token: outlier)" if v.outlier else "",
+                 v.detail, {k: round(x, 4) for k, x in v.scores.items()})
+    return Judgement(None if v.ok else f"verify_{v.reason}", int(v.scores.get("tokens", 0)),
+                     int(v.scores.get("near_tie_positions", 0)), v.outlier, _fit(v))
 
 
 def _fit(v: Verdict) -> float | None:

@@ -290,3 +290,40 @@ async def test_steering_within_the_margin_is_banned_by_the_near_tie_rate(tmp_pat
             assert steer.near_ties > coord.cfg.verification.near_tie_max_rate * steer.verified_tokens
             assert not hon.banned and hon.near_ties <= coord.cfg.verification.near_tie_max_rate * max(
                 1, hon.verified_tokens), hon
+
+
+def shift_logprobs(rollouts: list[dict], tokens: int, by_logit: float, temperature: float) -> list[dict]:
+    """The first rollout long enough, with `tokens` of its logprobs moved by `by_logit` logit units (nats x T)."""
+    out = [dict(r) for r in rollouts]
+    r = next(r for r in out if len(r["logprobs"]) > tokens)
+    lp = list(r["logprobs"])
+    for j in range(tokens):
+        lp[j] -= by_logit / temperature  # less likely than it was: still a valid logprob (<= 0)
+    r["logprobs"] = lp
+    return out
+
+
+async def test_one_token_over_the_logprob_limit_is_voided_but_two_ban(tmp_path):
+    """An honest bf16 node once had one token 0.648 from the fp32 replay (limit 0.6; CI's real-model lane) and was
+    banned. One token off and nothing else is now an outlier: its submission is voided (never trained on) and
+    costs reputation; two tokens off are a forgery and ban at once."""
+    async with running_coordinator(tmp_path) as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            node = RawNode(base, s)
+            await node.post("/v1/join", {})
+            backend = backend_at(coord, 0)
+            for tokens, banned in ((1, False), (2, True)):
+                st, w = await node.post("/v1/work", {"policy_step": 0})
+                assert st == 200, w
+                t = w["sampling"]["temperature"]
+                forged = shift_logprobs(honest_rollouts(backend, w, coord.eos_token_id), tokens, 0.75, t)
+                st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
+                                                         "rollouts": forged})
+                assert st == 200 and res["rejected"] == [], res
+                await wait_verdicts(coord)
+                row = coord.ledger.node(node.pub)
+                assert row.banned is banned, (tokens, row)
+                assert {g.verdict for g in coord.ledger.submission_groups(w["assignment_id"])} == {"void"}
+                if not banned:
+                    assert row.reputation == pytest.approx(coord.cfg.verification.reputation_start
+                                                           - coord.cfg.verification.reputation_penalty)

@@ -393,3 +393,30 @@ def test_short_completions_get_a_mean_limit_for_their_length(engine, base_model,
     verdicts = verifier.verify_many(items_for([x[0] for x in long], [x[1] for x in long],
                                               lie([x[2] for x in long], 0.12), max_tokens=16))
     assert all(not v.ok and v.reason == "logprobs" for v in verdicts), [v for v in verdicts if v.ok][:2]
+
+
+def test_one_token_off_is_an_outlier_more_is_a_forgery(engine, base_model, verifier):
+    """One token over logprob_max (within logprob_outlier_max) with every other check passing is an outlier: the
+    coordinator voids it without a ban (an honest bf16 node once had one token at 0.648 against 0.6). Two tokens
+    off, one token far off, or one token off beside a lie spread over the rest are forgeries."""
+    ps, seeds = prompts(N_ATTACK, seed=46), [88_000 + i for i in range(N_ATTACK)]
+    rows = [(p, s, r) for p, s, r in zip(ps, seeds, engine.generate(base_model, ps, seeds, max_tokens=16))
+            if len(r.completion_ids) >= 8]
+    assert len(rows) >= N_ATTACK // 2
+
+    def forged(by: float, tokens: int = 1, rest: float = 0.0):
+        out = []
+        for p, s, r in rows:
+            lp = [x - rest for x in r.logprobs]
+            for j in range(tokens):
+                lp[j] -= by
+            out.append(replace(r, logprobs=lp))
+        return verifier.verify_many(items_for([x[0] for x in rows], [x[1] for x in rows], out, max_tokens=16))
+
+    th = verifier.thresholds
+    for v in forged(th.logprob_max + 0.2):
+        assert not v.ok and v.reason == "logprobs" and v.outlier, v
+    for verdicts in (forged(th.logprob_outlier_max + 0.2), forged(th.logprob_max + 0.2, tokens=2),
+                     forged(th.logprob_max + 0.2, rest=0.2)):
+        for v in verdicts:
+            assert not v.ok and v.reason == "logprobs" and not v.outlier, v
