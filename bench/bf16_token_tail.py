@@ -47,8 +47,10 @@ BUCKETS = [(-1.0, 0.0, "> -1"), (-2.0, -1.0, "-1..-2"), (-4.0, -2.0, "-2..-4"), 
            (float("-inf"), -8.0, "< -8")]  # (above, at most, name): the fp32 logprob of the chosen token
 
 
-def rl_steps(model, steps: int, lr: float = 2e-5):
-    """`steps` AdamW steps on a next-token loss over the model's own vocabulary: weights as the run moves them."""
+def rl_steps(model, steps: int, broadcast: str, lr: float = 2e-5):
+    """`steps` AdamW steps on a next-token loss over the model's own vocabulary (weights as the run moves them),
+    then cast to `broadcast` and back to fp32, as the trainer publishes them (trainer.broadcast_dtype): nodes and
+    the verifier then hold the same values, whatever dtype each computes in."""
     model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(11)
@@ -57,6 +59,9 @@ def rl_steps(model, steps: int, lr: float = 2e-5):
         model(input_ids=batch, labels=batch).loss.backward()
         opt.step()
         opt.zero_grad()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(getattr(torch, broadcast)).float())
     return model.eval()
 
 
@@ -89,9 +94,14 @@ def measure(engine: str, verify_device: str, policy, tok, eos: int, n: int, seed
             dev = [(max(lo - s, 0) + max(s - hi, 0)) * scale
                    for s, lo, hi in zip(it.rollout.logprobs, tab["lp_lo"], tab["lp_hi"])]
             j = judgement(v)
-            out.append({"condition": name, "tokens": len(dev), "ok": v.ok, "reason": v.reason,
-                        "outlier": j.outlier, "dev": dev, "fp32": tab["lp_hi"], "p": tab["p"],
-                        "rank": tab["rank"], "gen_s": gen_s})
+            row = {"condition": name, "tokens": len(dev), "ok": v.ok, "reason": v.reason, "outlier": j.outlier,
+                   "dev": dev, "fp32": tab["lp_hi"], "p": tab["p"], "rank": tab["rank"], "gen_s": gen_s}
+            if not v.ok:  # in full: what it takes to replay it elsewhere
+                row["failure"] = {"scores": v.scores, "seed": it.seed, "temperature": temperature, "top_p": top_p,
+                                  "max_tokens": max_tokens, "prompt_ids": it.prompt_ids,
+                                  "completion_ids": it.rollout.completion_ids, "logprobs": it.rollout.logprobs,
+                                  "finish_reason": it.rollout.finish_reason, "commitment": it.rollout.commitment}
+            out.append(row)
     return out
 
 
@@ -108,6 +118,8 @@ def summarize(rows: list[dict]) -> dict:
     return {"rollouts": len(rows), "tokens": len(toks), "passed": len(rows) - len(failed),
             "failed_ban": sum(not r["outlier"] for r in failed), "failed_outlier": sum(r["outlier"] for r in failed),
             "reasons": sorted({str(r["reason"]) for r in failed}), "by_fp32_logprob": by_bucket,
+            "failures": [dict(r["failure"], reason=r["reason"], outlier=r["outlier"], dev=r["dev"], fp32=r["fp32"],
+                              p=r["p"], rank=r["rank"], condition=r["condition"]) for r in failed],
             "worst": [{"dev": d, "fp32": lp, "p": p, "rank": r} for d, lp, p, r in sorted(toks, key=lambda t: -t[0])[:20]]}
 
 
@@ -119,6 +131,8 @@ def main() -> None:
     ap.add_argument("--cpu-rollouts", type=int, default=32, help="per condition and policy on the CPU")
     ap.add_argument("--cpu-steps", default="2", help="the policies the CPU engine runs (it is the slow one)")
     ap.add_argument("--verify-device", default="cpu")
+    ap.add_argument("--broadcast", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the trainer's broadcast_dtype: float32 leaves the bf16 node's weights rounded apart")
     ap.add_argument("--quick", action="store_true", help="16 rollouts, the CPU, the pretrained weights; no JSON")
     ap.add_argument("--out", default=str(ROOT / "bench/results/bf16_token_tail.json"))
     a = ap.parse_args()
@@ -138,10 +152,10 @@ def main() -> None:
     result: dict = {"benchmark": "bf16_token_tail", "model": "SmolLM2-135M-Instruct", "machine": platform.machine(),
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "torch": torch.__version__, "verify_device": a.verify_device,
-                    "thresholds": asdict(Thresholds()), "runs": {}}
+                    "broadcast_dtype": a.broadcast, "thresholds": asdict(Thresholds()), "runs": {}}
     all_rows = []
     for steps in [int(s) for s in a.steps.split(",")]:
-        policy = rl_steps(base, steps) if steps else base
+        policy = rl_steps(base, steps, a.broadcast) if steps else base
         for engine in a.engines.split(","):
             if engine == "cpu" and str(steps) not in a.cpu_steps.split(","):
                 continue

