@@ -17,7 +17,7 @@ verdict class holds under the current thresholds (passed / failed and banned / f
 token outlier), and the 20 worst tokens.
 
 Run: .venv/bin/python bench/bf16_token_tail.py [--engines cpu,cuda] [--rollouts 96] [--verify-device cuda] [--quick]
-     -> bench/results/bf16_token_tail.json
+     -> bench/results/bf16_token_tail.json; with --long N --only-long, N rollouts of up to 512 tokens alone
 """
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ from verify.rollouts import RolloutClaim, RolloutVerifier, Thresholds, VerifyIte
 # (name, temperature, top_p, max_tokens)
 CONDITIONS = [("mental-math T1", 1.0, 1.0, 24), ("chat T1", 1.0, 1.0, 32), ("chat T0.8 p0.9", 0.8, 0.9, 32),
               ("chat T0.6", 0.6, 1.0, 32)]
+# --long: the realistic completion length (a submission of 8 x 16 x 512 tokens): does the noise grow with the
+# position (bf16 rounding accumulating through the KV cache), and how does the worst of 16 chunks' commitment fare?
+LONG = ("long T1", 1.0, 1.0, 512)
+LONG_QUESTIONS = ["Write a long story about a {a}-year-old sailor and a lighthouse.",
+                  "Explain in detail, step by step, how to multiply {a} by {b} by hand, then check the result.",
+                  "Write a detailed essay about the history of the number {a}.",
+                  "Describe a walk through a city you invent, street by street, with at least {a} details."]
+POSITIONS = [(0, 64), (64, 256), (256, 512)]
 BUCKETS = [(-1.0, 0.0, "> -1"), (-2.0, -1.0, "-1..-2"), (-4.0, -2.0, "-2..-4"), (-8.0, -4.0, "-4..-8"),
            (float("-inf"), -8.0, "< -8")]  # (above, at most, name): the fp32 logprob of the chosen token
 
@@ -65,21 +73,22 @@ def rl_steps(model, steps: int, broadcast: str, lr: float = 2e-5):
     return model.eval()
 
 
-def chat_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    from tests.integration.test_real_cuda import chat_prompts as prompts
+def chat_prompts(tok, n: int, seed: int, questions: list[str] | None = None) -> list[list[int]]:
+    from tests.integration.test_real_cuda import QUESTIONS, chat_prompts as prompts
 
-    return prompts(tok, n, seed)
+    return prompts(tok, n, seed, questions or QUESTIONS)
 
 
-def measure(engine: str, verify_device: str, policy, tok, eos: int, n: int, seed: int) -> list[dict]:
+def measure(engine: str, verify_device: str, policy, tok, eos: int, n: int, seed: int,
+            conditions: list[tuple[str, float, float, int]]) -> list[dict]:
     """One engine and policy: n rollouts per condition, each replayed in fp32; per rollout its token rows."""
     backend = TransformersBackend(copy.deepcopy(policy), dtype="bfloat16", device=engine, max_batch_size=64)
     fp32 = copy.deepcopy(policy).to(verify_device).float().eval()
     verifier = RolloutVerifier(fp32)
     out = []
-    for ci, (name, temperature, top_p, max_tokens) in enumerate(CONDITIONS):
+    for ci, (name, temperature, top_p, max_tokens) in enumerate(conditions):
         prompts = mental_math_prompts(tok, n // 8, 8, seed + ci) if name.startswith("mental") \
-            else chat_prompts(tok, n, seed + ci)
+            else chat_prompts(tok, n, seed + ci, LONG_QUESTIONS if name.startswith("long") else None)
         seeds = [seed * 1000 + ci * 100_000 + i for i in range(len(prompts))]
         t0 = time.perf_counter()
         res = backend.generate([GenRequest(p, s) for p, s in zip(prompts, seeds)], temperature=temperature,
@@ -95,7 +104,10 @@ def measure(engine: str, verify_device: str, policy, tok, eos: int, n: int, seed
                    for s, lo, hi in zip(it.rollout.logprobs, tab["lp_lo"], tab["lp_hi"])]
             j = judgement(v)
             row = {"condition": name, "tokens": len(dev), "ok": v.ok, "reason": v.reason, "outlier": j.outlier,
-                   "dev": dev, "fp32": tab["lp_hi"], "p": tab["p"], "rank": tab["rank"], "gen_s": gen_s}
+                   "dev": dev, "fp32": tab["lp_hi"], "p": tab["p"], "rank": tab["rank"], "gen_s": gen_s,
+                   "commitment_ratio": v.scores.get("commitment_ratio", 0.0),
+                   "mean_ratio": v.scores.get("logprob_mean", 0.0) / verifier.thresholds.logprob_mean_limit(
+                       max(len(dev) - 1, 1))}
             if not v.ok:  # in full: what it takes to replay it elsewhere
                 row["failure"] = {"scores": v.scores, "seed": it.seed, "temperature": temperature, "top_p": top_p,
                                   "max_tokens": max_tokens, "prompt_ids": it.prompt_ids,
@@ -114,10 +126,19 @@ def summarize(rows: list[dict]) -> dict:
             by_bucket[name] = {"tokens": len(ds), "p99": ds[int(0.99 * (len(ds) - 1))],
                                "p999": ds[int(0.999 * (len(ds) - 1))], "max": ds[-1],
                                "over_0.6": sum(d > 0.6 for d in ds)}
+    by_position = {}
+    for lo, hi in POSITIONS:
+        ds = sorted(d for row in rows for d in row["dev"][lo:hi])
+        if ds:
+            by_position[f"{lo}-{hi - 1}"] = {"tokens": len(ds), "p99": ds[int(0.99 * (len(ds) - 1))],
+                                             "p999": ds[int(0.999 * (len(ds) - 1))], "max": ds[-1],
+                                             "over_0.6": sum(d > 0.6 for d in ds)}
     failed = [r for r in rows if not r["ok"]]
     return {"rollouts": len(rows), "tokens": len(toks), "passed": len(rows) - len(failed),
             "failed_ban": sum(not r["outlier"] for r in failed), "failed_outlier": sum(r["outlier"] for r in failed),
             "reasons": sorted({str(r["reason"]) for r in failed}), "by_fp32_logprob": by_bucket,
+            "by_position": by_position, "worst_commitment_ratio": max(r["commitment_ratio"] for r in rows),
+            "worst_mean_ratio": max(r["mean_ratio"] for r in rows),
             "failures": [dict(r["failure"], reason=r["reason"], outlier=r["outlier"], dev=r["dev"], fp32=r["fp32"],
                               p=r["p"], rank=r["rank"], condition=r["condition"]) for r in failed],
             "worst": [{"dev": d, "fp32": lp, "p": p, "rank": r} for d, lp, p, r in sorted(toks, key=lambda t: -t[0])[:20]]}
@@ -133,6 +154,8 @@ def main() -> None:
     ap.add_argument("--verify-device", default="cpu")
     ap.add_argument("--broadcast", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the trainer's broadcast_dtype: float32 leaves the bf16 node's weights rounded apart")
+    ap.add_argument("--long", type=int, default=0, help="rollouts of up to 512 tokens per policy and engine (else none)")
+    ap.add_argument("--only-long", action="store_true", help="the long condition alone")
     ap.add_argument("--quick", action="store_true", help="16 rollouts, the CPU, the pretrained weights; no JSON")
     ap.add_argument("--out", default=str(ROOT / "bench/results/bf16_token_tail.json"))
     a = ap.parse_args()
@@ -161,7 +184,9 @@ def main() -> None:
                 continue
             t0 = time.perf_counter()
             n = a.cpu_rollouts if engine == "cpu" else a.rollouts
-            rows = measure(engine, a.verify_device, policy, tok, eos, n, seed=17 + steps)
+            rows = [] if a.only_long else measure(engine, a.verify_device, policy, tok, eos, n, 17 + steps, CONDITIONS)
+            if a.long:
+                rows += measure(engine, a.verify_device, policy, tok, eos, a.long, 17 + steps, [LONG])
             s = summarize(rows)
             s["seconds"] = time.perf_counter() - t0
             result["runs"][f"{engine} bf16, {steps} steps"] = s
@@ -175,6 +200,11 @@ def main() -> None:
     print(f"\n{'fp32 logprob':>12} {'tokens':>8} {'p99':>7} {'p99.9':>7} {'max':>7} {'> 0.6':>6}")
     for name, b in total["by_fp32_logprob"].items():
         print(f"{name:>12} {b['tokens']:8d} {b['p99']:7.3f} {b['p999']:7.3f} {b['max']:7.3f} {b['over_0.6']:6d}")
+    print(f"\n{'position':>12} {'tokens':>8} {'p99':>7} {'p99.9':>7} {'max':>7} {'> 0.6':>6}")
+    for name, b in total["by_position"].items():
+        print(f"{name:>12} {b['tokens']:8d} {b['p99']:7.3f} {b['p999']:7.3f} {b['max']:7.3f} {b['over_0.6']:6d}")
+    print(f"worst commitment ratio {total['worst_commitment_ratio']:.2f}, worst logprob mean / its limit "
+          f"{total['worst_mean_ratio']:.2f}")
     print(f"all: {total['rollouts']} rollouts, {total['passed']} passed, {total['failed_outlier']} voided as "
           f"outliers, {total['failed_ban']} failed as forgeries {total['reasons']}")
     if not a.quick:

@@ -45,11 +45,11 @@ def real():
     return path, tok, model
 
 
-def chat_prompts(tok, n: int, seed: int) -> list[list[int]]:
+def chat_prompts(tok, n: int, seed: int, questions: list[str] = QUESTIONS) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        q = rng.choice(QUESTIONS).format(a=rng.randrange(2, 99), b=rng.randrange(2, 99))
+        q = rng.choice(questions).format(a=rng.randrange(2, 99), b=rng.randrange(2, 99))
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return out
