@@ -140,11 +140,11 @@ class Thresholds:
     logprob_mean: float = 0.1
     logprob_max: float = 0.6  # worst single token, x T
     # One token over logprob_max but within this, in a rollout whose every other check passes (its mean, the
-    # commitment, every other token), is a numerical outlier: the submission is voided (never trained on) and
-    # costs reputation, as one token off the sampler's choice does, but bans no one. CI's real-model lane once
-    # banned an honest transformers-bf16 node for one token at 0.648 (mean 0.031, commitment 0.31 of its limit);
-    # bench/bf16_token_tail.py measures the honest tail. A lie on one token gains nothing (it is never trained
-    # on), and a node that keeps lying runs out of reputation.
+    # commitment, every other token), is a numerical outlier, as one token off the sampler's choice is: the
+    # coordinator voids its group (never trained on) and takes verification.outlier_penalty, but bans no one.
+    # Honest bf16 does this about once in 11,000 tokens (bench/bf16_token_tail.py: 0.686 on an H200; 0.648 in
+    # CI's real-model lane, which banned that node). A lie on one token gains nothing (it is never trained on),
+    # and a node that keeps lying runs out of reputation.
     logprob_outlier_max: float = 1.2
     # The mean limit holds for means over at least this many tokens; fewer get it multiplied by
     # sqrt(mean_tokens / n): a mean of 2 tokens is nearly one token's noise. Seen on the GPU lane: a 2-token
