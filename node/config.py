@@ -242,6 +242,19 @@ class Config(_Section):
     demo: DemoConfig = Field(default_factory=DemoConfig)
 
 
+def coordinator_warnings(cfg: Config) -> list[str]:
+    """Settings that run but hurt honest nodes: the coordinator logs each at start."""
+    out = []
+    replays = cfg.verification.fraction > 0 or (cfg.verification.new_node_fraction > 0
+                                                and cfg.verification.new_node_submissions > 0)
+    if replays and cfg.trainer.broadcast_dtype == "float32":
+        out.append("trainer.broadcast_dtype = float32: nodes generating in bf16 (vLLM on GPUs, worker.dtype = "
+                   "bfloat16) round the published weights themselves and the verifier does not, so as training "
+                   "moves the weights their honest rollouts fail replay as forgeries (16 of 512 three steps on, "
+                   "docs/BENCHMARKS.md). Keep it only if every node runs fp32; the default is bfloat16")
+    return out
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a","b","c"], value); the value is read as a TOML literal, else a string."""
     if "=" not in item:

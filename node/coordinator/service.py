@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.checkpoint_dir import CheckpointDir
-from node.config import Config
+from node.config import Config, coordinator_warnings
 from node.coordinator.faults import fault_point
 from node.coordinator.intake import Intake
 from node.coordinator.ledger import Ledger, NodeStanding, now_ms
@@ -69,6 +69,8 @@ def _dialled(ok: bool | None) -> str:
 class Coordinator:
     def __init__(self, cfg: Config, identity: Identity):
         self.cfg = cfg
+        for warning in coordinator_warnings(cfg):
+            log.warning("%s", warning)
         self.identity = identity
         self.k = cfg.run.async_level
         self.root = Path(cfg.storage.dir)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from node.config import ConfigError, load_config
+from node.config import ConfigError, coordinator_warnings, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,6 +28,17 @@ def test_unknown_key_and_bad_value_are_clear(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    ([], False),  # bf16 broadcast: nodes and verifier hold the same weights
+    (["trainer.broadcast_dtype=float32"], True),  # a bf16 node rounds them alone (bench/bf16_token_tail.py)
+    (["trainer.broadcast_dtype=float32", "verification.fraction=0", "verification.new_node_fraction=0"], False),
+])
+def test_float32_broadcast_with_replays_is_warned_about(overrides, warned):
+    cfg = load_config(None, overrides)
+    assert any("broadcast_dtype = float32" in w for w in coordinator_warnings(cfg)) is warned
+    assert len(coordinator_warnings(cfg)) == int(warned)
 
 
 def test_engine_process_with_a_verifier_pool_is_a_valid_config():
