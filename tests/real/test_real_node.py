@@ -21,8 +21,11 @@ def real_run_settings(model_dir, *extra: str) -> tuple[str, ...]:
     completions stop and the EOS path is exercised (with `arithmetic` 1 completion in 20 stopped, and a CI run
     once had none among its 16); difficulty filtering off (a group whose rewards are all
     equal would be dropped, and this is about the plumbing, not the learning); 32 MiB shards (the demo's 256 KiB
-    would cut the ~200 MB checkpoint into ~800 requests)."""
-    return (f"model.path={model_dir}", "task.name=mental-math",
+    would cut the ~200 MB checkpoint into ~800 requests). The trainer as configs/real.toml (lr 1e-5, no warm
+    start): local.toml's (a 40-step SFT warm start at 3e-3, RL at 1e-3, for the tiny model) moved every weight of
+    the pretrained model by ~1e-3 a step, and the honest bf16 noise with it (a token 0.648 from the fp32 replay,
+    a commitment at 1.05 of its limit: two CI runs' false bans, 2026-11-27)."""
+    return (f"model.path={model_dir}", "task.name=mental-math", "trainer.lr=1e-5", "trainer.warm_start_steps=0",
             'task.kwargs={ min_value = 0, max_value = 9, ops = "+*", system = "Reply with only the final number." }',
             "run.max_steps=2", "run.batch_prompts=4",
             "run.group_size=2", "run.prompts_per_assignment=2", "sampling.max_tokens=24",
