@@ -25,9 +25,9 @@ import argparse
 import copy
 import json
 import platform
-from dataclasses import asdict
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,9 +36,10 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from bench.verify_vllm_bf16 import mental_math_prompts, token_table
+from tests.integration.test_real_cuda import QUESTIONS, chat_prompts
 from node.worker.backends.base import GenRequest
 from node.worker.backends.transformers_backend import TransformersBackend
-from verify.rollouts import RolloutClaim, RolloutVerifier, Thresholds, VerifyItem, judgement
+from verify.rollouts import RolloutClaim, RolloutVerifier, Thresholds, VerifyItem
 
 # (name, temperature, top_p, max_tokens)
 CONDITIONS = [("mental-math T1", 1.0, 1.0, 24), ("chat T1", 1.0, 1.0, 32), ("chat T0.8 p0.9", 0.8, 0.9, 32),
@@ -73,12 +74,6 @@ def rl_steps(model, steps: int, broadcast: str, lr: float = 2e-5):
     return model.eval()
 
 
-def chat_prompts(tok, n: int, seed: int, questions: list[str] | None = None) -> list[list[int]]:
-    from tests.integration.test_real_cuda import QUESTIONS, chat_prompts as prompts
-
-    return prompts(tok, n, seed, questions or QUESTIONS)
-
-
 def measure(engine: str, verify_device: str, policy, tok, eos: int, n: int, seed: int,
             conditions: list[tuple[str, float, float, int]]) -> list[dict]:
     """One engine and policy: n rollouts per condition, each replayed in fp32; per rollout its token rows."""
@@ -88,7 +83,7 @@ def measure(engine: str, verify_device: str, policy, tok, eos: int, n: int, seed
     out = []
     for ci, (name, temperature, top_p, max_tokens) in enumerate(conditions):
         prompts = mental_math_prompts(tok, n // 8, 8, seed + ci) if name.startswith("mental") \
-            else chat_prompts(tok, n, seed + ci, LONG_QUESTIONS if name.startswith("long") else None)
+            else chat_prompts(tok, n, seed + ci, LONG_QUESTIONS if name.startswith("long") else QUESTIONS)
         seeds = [seed * 1000 + ci * 100_000 + i for i in range(len(prompts))]
         t0 = time.perf_counter()
         res = backend.generate([GenRequest(p, s) for p, s in zip(prompts, seeds)], temperature=temperature,
@@ -102,8 +97,7 @@ def measure(engine: str, verify_device: str, policy, tok, eos: int, n: int, seed
             scale = temperature if temperature > 0 else 1.0
             dev = [(max(lo - s, 0) + max(s - hi, 0)) * scale
                    for s, lo, hi in zip(it.rollout.logprobs, tab["lp_lo"], tab["lp_hi"])]
-            j = judgement(v)
-            row = {"condition": name, "tokens": len(dev), "ok": v.ok, "reason": v.reason, "outlier": j.outlier,
+            row = {"condition": name, "tokens": len(dev), "ok": v.ok, "reason": v.reason, "outlier": v.outlier,
                    "dev": dev, "fp32": tab["lp_hi"], "p": tab["p"], "rank": tab["rank"], "gen_s": gen_s,
                    "commitment_ratio": v.scores.get("commitment_ratio", 0.0),
                    "mean_ratio": v.scores.get("logprob_mean", 0.0) / verifier.thresholds.logprob_mean_limit(
