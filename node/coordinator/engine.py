@@ -181,7 +181,7 @@ class Engine:
             raise RuntimeError(f"assignment {req.assignment_id} has no undecided groups in the ledger")
         refs, checks, owner = build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts}, self.cfg.sampling,
                                            self.model.eos_token_id)
-        verdicts = merge_turns(judge(model, checks), owner, len(refs))
+        verdicts = merge_turns(judge(model, checks, claimed=not req.audit), owner, len(refs))
         return C.Verdicts(request_id=req.request_id, refs=refs,
                           verdicts=[ReplayVerdict(reason=v.reason, tokens=v.tokens, near_ties=v.near_ties,
                                                   outlier=v.outlier, fit=v.fit) for v in verdicts])

@@ -56,6 +56,7 @@ class Verify(_Msg):
     request_id: Count
     assignment_id: Annotated[str, Field(min_length=1, max_length=128)]
     step: Step
+    audit: bool = False  # the stale-step audit's replay against the step before the claimed one
 
 
 class Decided(_Msg):

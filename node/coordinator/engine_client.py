@@ -233,16 +233,16 @@ class EngineProcess:
         submission over whose step it no longer holds, before a replay by the pool or by the engine."""
         return step in self.held
 
-    async def verify(self, assignment_id: str, step: int) -> Judged | None:
+    async def verify(self, assignment_id: str, step: int, audit: bool = False) -> Judged | None:
         """VerdictQueue's replay of a submission, done by the engine (which holds the policies); None when
-        it no longer holds `step`'s weights."""
+        it no longer holds `step`'s weights. `audit`: the stale-step audit's replay against the step before."""
         assert self._chan is not None, "start() first"
         if step not in self.held:
             return None
         rid = next(self._ids)
         fut: asyncio.Future[C.Verdicts] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
-        await self._chan.send(C.Verify(request_id=rid, assignment_id=assignment_id, step=step))
+        await self._chan.send(C.Verify(request_id=rid, assignment_id=assignment_id, step=step, audit=audit))
         answer = await fut
         if answer.error is not None:
             raise RuntimeError(f"the engine's replay failed: {answer.error}")

@@ -141,7 +141,7 @@ class VerdictQueue:
     def __init__(self, *, cfg: VerificationConfig, sampling: SamplingConfig, ledger: Ledger, scheduler: Scheduler,
                  policies: PolicyStore | None, metrics: CoordinatorMetrics, eos_token_id: int,
                  on_decided: Callable[[], None], board: JobBoard | None = None,
-                 remote_judge: Callable[[str, int], Awaitable[Judged | None]] | None = None,
+                 remote_judge: Callable[[str, int, bool], Awaitable[Judged | None]] | None = None,
                  holds: Callable[[int], bool] | None = None):
         self.cfg = cfg
         self.sampling = sampling
@@ -276,7 +276,7 @@ class VerdictQueue:
         if step == 0 or rate <= 0 or not self._held(step - 1) or \
                 not (rate >= 1.0 or secrets.randbelow(1 << 32) < int(rate * (1 << 32))):
             return False
-        older = await self._judge(assignment_id, step - 1, undecided)
+        older = await self._judge(assignment_id, step - 1, undecided, audit=True)
         node = self.ledger.node(node_id)
         if node is None or node.banned or self.ledger.undecided_head(assignment_id) is None:
             return True  # banned and voided while the audit's replay ran
@@ -303,8 +303,8 @@ class VerdictQueue:
         assert a is not None  # kept while a group of it waits for its verdict (Ledger.prune)
         return build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts}, self.sampling, self.eos_token_id)
 
-    async def _judge(self, assignment_id: str, step: int,
-                     undecided: list[GroupRow] | None) -> Judged | None:
+    async def _judge(self, assignment_id: str, step: int, undecided: list[GroupRow] | None,
+                     audit: bool = False) -> Judged | None:
         """Every rollout of the submission replayed (by the pool, else by this coordinator: here, or in its
         engine process): (prompt_id, sample_index) and its judgement, per rollout; None when no weights of
         `step` are held any more. `undecided` (the groups) is None only when the engine replays, which reads them
@@ -320,15 +320,15 @@ class VerdictQueue:
             log.warning("no pool verifier could get step %d to verify %s; replaying it %s", step, assignment_id,
                         "in the engine process" if self.remote_judge is not None else "in-process")
         if self.remote_judge is not None:  # the engine holds the policies: it builds the checks from the ledger
-            return await self.remote_judge(assignment_id, step)
+            return await self.remote_judge(assignment_id, step, audit)
         assert undecided is not None
         refs, checks, owner = built or self._checks(assignment_id, undecided)
-        answers = await self._replay_here(step, checks)
+        answers = await self._replay_here(step, checks, audit)
         if answers is None:
             return None
         return refs, merge_turns(answers, owner, len(refs))
 
-    async def _replay_here(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
+    async def _replay_here(self, step: int, checks: list[VerifyItem], audit: bool = False) -> list[Judgement] | None:
         """Replay in this process's verify thread; None if the step's weights are no longer held."""
         from verify.rollouts import judge
 
@@ -336,7 +336,7 @@ class VerdictQueue:
         model = self.policies.get(step)
         if model is None:
             return None
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: judge(model, checks))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: judge(model, checks, claimed=not audit))
 
     async def _pool_replay(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
         """The pool's verdicts on `checks`; None if no pool verifier could get the step (JobBoard.replay)."""

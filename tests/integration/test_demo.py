@@ -80,13 +80,18 @@ def test_demo_of_the_multi_turn_task_with_a_verifier_pool(tmp_path):
 
 def test_demo_writes_everything_under_storage_dir(tmp_path):
     """`--set storage.dir=X`: the demo's logs, its coordinator's storage and its workers' are under X (the demo
-    used to write demo-out/ whatever storage.dir said). A second demo with the same X starts it afresh."""
+    used to write demo-out/ whatever storage.dir said). A second demo with the same X starts it afresh.
+
+    The first demo also audits every submission for a stale step (its rollouts replayed against step 0 as well,
+    where they are expected to fail): the log says "rollout failed" only for a replay against the step a rollout
+    claims (it printed 16 such lines a step for an honest node's audit)."""
     fast = ("--nodes", "1", "--steps", "1", "--set", "storage.dir=mine", "--set", "eval.every_steps=0",
             "--set", "trainer.warm_start_steps=0")
-    _, s = run_demo(tmp_path, *fast)
-    assert s["steps_completed"] == 1
+    _, s = run_demo(tmp_path, *fast, "--set", "verification.stale_audit_fraction=1")
+    assert s["steps_completed"] == 1 and s["rejected_rollouts"] == 0
     mine = tmp_path / "mine"
     assert (mine / "coordinator.log").is_file() and (mine / "coordinator" / "ledger.sqlite").is_file()
+    assert "rollout failed" not in (mine / "coordinator.log").read_text()
     assert (mine / "worker-0").is_dir() and (mine / "reward_curve.png").is_file()
     assert not (tmp_path / "demo-out").exists()
     (mine / "stale.txt").write_text("from the first demo")
