@@ -152,7 +152,9 @@ class Verifier:
                                                               i.commitment),
                             i.seed, s.temperature, s.top_p, s.max_tokens, self._run_spec.eos_token_id)
                  for i in job.items]
-        judgements = await asyncio.to_thread(judge, model, items)
+        # claimed=False: no "rollout failed" line per rollout; a job does not say whether `policy_step` is the step
+        # the rollouts claim or the one before it (the coordinator's stale-step audit, where failing is expected)
+        judgements = await asyncio.to_thread(lambda: judge(model, items, claimed=False))
         self.jobs_done += 1
         self.rollouts_judged += len(items)
         return M.VerdictsRequest(job_id=job.job_id, verdicts=[
