@@ -178,14 +178,20 @@ class SimNode:
 
     async def call(self, endpoint: str, payload, *, signed: bool = True, method: str = "POST"):
         import aiohttp
+        from node.http import COMPRESS_MIN_BYTES, compress_body
         from protocol.signing import sign_request
 
         c = self.c
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode() if payload is not None else b""
         headers = {}
+        compress = signed and c.args["compress"] and len(body) >= COMPRESS_MIN_BYTES  # CoordinatorClient._signed
+        if compress:
+            body = await asyncio.to_thread(compress_body, body)
         if signed:
             headers = sign_request(self.identity, method, endpoint, body, run_id=c.run_id)
             headers["Content-Type"] = "application/json"
+            if compress:
+                headers["Content-Encoding"] = "zstd"
         wall, t0 = time.time(), time.perf_counter()
         code, data = "", None
         try:
@@ -660,7 +666,10 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
     try:
         for attempt in range(5):  # the run id, as a worker learns it
             try:
-                run_id = get(base + "/v1/status")["run_id"]
+                status = get(base + "/v1/status")
+                run_id = status["run_id"]
+                # as the worker's client: a submission goes zstd-compressed where the coordinator takes it
+                compress = "zstd" in status.get("body_encodings", [])
                 break
             except OSError as e:
                 print(f"  GET /v1/status failed ({e}); retrying", flush=True)
@@ -673,7 +682,8 @@ def run_one(n: int, args, tree: Path = REPO, trainer: str = "train", label: str 
         conns, children = [], []
         ctx = mp.get_context("spawn")
         for p in range(procs):
-            cargs = {"base": base, "run_id": run_id, "seed": 1000 * p + n, "indices": list(range(p, n, procs)),
+            cargs = {"base": base, "run_id": run_id, "compress": compress, "seed": 1000 * p + n,
+                     "indices": list(range(p, n, procs)),
                      "heartbeat": args.heartbeat, "gen": args.gen, "idle": args.idle, "ramp": ramp,
                      "idle_mode": idle_mode,
                      "max_tokens": args.max_tokens, "pool": args.pool, "vocab": int(model["vocab_size"]),

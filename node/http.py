@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Mapping
 
+import zstandard
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
@@ -45,6 +46,49 @@ HOLDER_HEADER = "X-Prime-Holder"  # on a 429 "seeded": "<node id> <its HTTP shar
 SHARD_HOLDER_HEADER = "X-Prime-Shard-Holder"
 HAVE_HEADER = "X-Prime-Have"  # a node's HTTP shard server: the shards of that step it holds (base64 bitfield)
 RETRY_AFTER_MS_HEADER = "X-Prime-Retry-After-Ms"  # /v1/work's 204, /v1/heartbeat's 200: ask again after n ms
+
+# A signed request's body may be sent zstd-compressed (docs/PROTOCOL.md, "Signed requests"): a submission's JSON is
+# ~37 bytes a token (its logprobs as 17-digit decimals), 1.9x less in zstd (bench/submit_bytes.py), which a home
+# uplink feels. The signature covers the body as sent, so it is checked before a byte is decompressed, and
+# decompression stops at the body limit. HardenedAppRunner turns aiohttp's own request decompression off: no other
+# encoding is decoded, and none before the signature.
+BODY_ENCODING = "zstd"
+COMPRESS_MIN_BYTES = 64 * 1024  # smaller bodies (heartbeats, work requests) gain little and are sent as they are
+MAX_BODY_WINDOW = 1 << 23  # zstd's window, i.e. its decoder's memory: a frame that asks for more is refused
+
+
+def compress_body(body: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=3).compress(body)
+
+
+def decompress_body(body: bytes, limit: int) -> bytes:
+    """A zstd body (one frame or more) decompressed, never past `limit` bytes: 413 beyond it, 400 for a stream
+    that is not zstd or asks for a window over MAX_BODY_WINDOW. (A truncated frame yields its prefix, which is not
+    the JSON document the parser wants: the signer's own mistake, answered 400 there.)"""
+    out = bytearray()
+    try:
+        reader = zstandard.ZstdDecompressor(max_window_size=MAX_BODY_WINDOW).stream_reader(body, read_across_frames=True)
+        while chunk := reader.read(1 << 20):
+            out += chunk
+            if len(out) > limit:
+                raise ApiError(413, "too_large", f"body decompresses to more than {limit} bytes")
+    except zstandard.ZstdError as e:
+        raise ApiError(400, "malformed", f"the zstd body could not be decompressed: {e}"[:300]) from None
+    return bytes(out)
+
+
+def body_encoding(request: web.Request) -> str | None:
+    """The request body's Content-Encoding: None (absent or identity) or BODY_ENCODING; 415 for any other."""
+    values = request.headers.getall("Content-Encoding", ())
+    if len(values) > 1:
+        raise ApiError(400, "malformed", "header Content-Encoding appears more than once")
+    enc = values[0].strip().lower() if values else ""
+    if enc in ("", "identity"):
+        return None
+    if enc != BODY_ENCODING:
+        raise ApiError(415, "unsupported_encoding", f"Content-Encoding {enc[:40]!r} is not accepted: send "
+                                                    f"{BODY_ENCODING} or no encoding")
+    return enc
 
 # Numbers from clients are ASCII digits only: str.isdigit() and int() also take other scripts' digits
 # ("²" passes isdigit() but int() refuses it; int("١") is 1), and int() takes signs, spaces and "_".
@@ -349,6 +393,9 @@ class HardenedAppRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, *, log_interval_s: float = 60.0,
                  limits: ConnectionLimits | None = None, fd_budget: FdBudget | None = None, **kwargs):
+        # Request bodies reach the handlers as sent: a signed body is decompressed (zstd only) after its signature
+        # is checked (read_signed), and aiohttp would otherwise inflate gzip, deflate or br bodies from anyone.
+        kwargs.setdefault("auto_decompress", False)
         super().__init__(app, **kwargs)
         self.peer_log = PeerEventLog(logging.getLogger("aiohttp.server"), "malformed or refused connections",
                                      level=logging.WARNING, interval_s=log_interval_s)
@@ -452,9 +499,11 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
     Before a byte of body is read: the signature headers are well-formed, the timestamp is inside the
     clock window and the run is ours (RequestVerifier.check_headers), `check_key` accepts the key (the
     coordinator: a joined, unbanned node; /v1/join passes one that refuses banned keys only), the key's
-    rate limit has a token, and the app's BodyBudget has room for the body (503 + Retry-After when not).
-    The token is only taken once the signature is good, so nobody can spend another node's rate limit
-    with requests they cannot sign."""
+    rate limit has a token, the body's Content-Encoding is none or zstd (415), and the app's BodyBudget has room
+    for the body (503 + Retry-After when not). The token is only taken once the signature is good, so nobody can
+    spend another node's rate limit with requests they cannot sign. A zstd body is signed as sent and returned
+    decompressed (decompress_body: at most the body limit; the budget counts the bytes read, not the inflated
+    copy, which only a signer with a token gets and which is as bounded as an uncompressed body)."""
     limit = request.app[MAX_BODY_BYTES]
     for name in SIGNED_HEADERS:
         # Ambiguous: this server would check the first, a proxy in front of it might keep the last.
@@ -462,6 +511,7 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
             raise ApiError(400, "malformed", f"header {name} appears more than once")
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"body of {request.content_length} bytes exceeds {limit}")
+    encoded = body_encoding(request) is not None
     try:
         key = verifier.check_headers(request.headers)
     except SignatureError as e:
@@ -493,6 +543,8 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
         raise ApiError(status, e.code, e.detail) from None
     if not limiter.allow(verified.signer):
         raise _rate_limited()
+    if encoded:  # signed as sent, so decompressed only now; off the loop (~3 ms for a 1.3 MB submission)
+        body = await asyncio.to_thread(decompress_body, body, limit)
     return verified.signer, body
 
 

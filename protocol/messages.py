@@ -163,6 +163,8 @@ class RunInfo(BaseModel):
     run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
     coordinator_key: HexKey
     admission: AdmissionInfo = AdmissionInfo()
+    # Content-Encodings the coordinator takes for a signed request's body ("zstd"); none from one that predates them
+    body_encodings: Annotated[list[Annotated[str, Field(max_length=32)]], Field(max_length=8)] = []
 
 
 class RunSpec(Wire):

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from node.coordinator.ledger import NodeRow, now_ms
+from node.http import BODY_ENCODING
 
 if TYPE_CHECKING:
     from node.coordinator.service import Coordinator
@@ -74,6 +75,7 @@ def build_status(c: Coordinator) -> dict:
         "coordinator_key": c.identity.public_hex,
         "admission": {"mode": c.cfg.admission.mode, "pow_bits": c.cfg.admission.pow_bits,
                       "pow_log2_n": c.cfg.admission.pow_log2_n},
+        "body_encodings": [BODY_ENCODING],  # a signed request's body may be sent compressed so (docs/PROTOCOL.md)
         "step": published,
         # null, or which background task or thread died and why: no work is handed out (supervisor.py)
         "failed": c.failure.as_json() if c.failure is not None else None,

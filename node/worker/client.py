@@ -1,6 +1,7 @@
 """The worker's HTTP client for the coordinator (and relays): signed requests, bounded reads."""
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -8,7 +9,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from node.aio import read_bounded
-from node.http import RETRY_AFTER_MS_HEADER
+from node.http import BODY_ENCODING, COMPRESS_MIN_BYTES, RETRY_AFTER_MS_HEADER, compress_body
 from protocol import messages as M
 from protocol.admission import solve_pow
 from protocol.errors import PrimeNodeError
@@ -87,8 +88,13 @@ class CoordinatorClient:
     async def _signed(self, path: str, payload: dict) -> HttpResult:
         run = await self.run_info()
         body = json.dumps(payload).encode()
-        headers = sign_request(self.identity, "POST", path, body, run_id=run.run_id)
+        encoding = BODY_ENCODING if len(body) >= COMPRESS_MIN_BYTES and BODY_ENCODING in run.body_encodings else None
+        if encoding:  # a submission: ~1.9x fewer bytes up a home uplink (node/http.py, BODY_ENCODING)
+            body = await asyncio.to_thread(compress_body, body)  # ~12 ms for 1.3 MB: off the loop
+        headers = sign_request(self.identity, "POST", path, body, run_id=run.run_id)  # the body as sent
         headers["Content-Type"] = "application/json"
+        if encoding:
+            headers["Content-Encoding"] = encoding
         return await self._request("POST", path, body, headers)
 
     @staticmethod
@@ -109,8 +115,6 @@ class CoordinatorClient:
     async def join(self, info: M.NodeInfo | None = None, *, token: str | None = None) -> M.RunSpec:
         """Join the run: with the proof of work an open run asks of a new key (solved here, off the
         event loop), or with a join token for a token run."""
-        import asyncio
-
         run = await self.run_info()
         payload: dict = {"node": info.model_dump()} if info else {}
         if token:

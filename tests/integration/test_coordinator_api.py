@@ -1,4 +1,5 @@
 """Contract tests of docs/PROTOCOL.md, "HTTP API" with a raw HTTP client: every status code and the happy path."""
+import json
 import random
 import time
 
@@ -144,6 +145,88 @@ async def test_rate_limit_429(tmp_path):
             assert st == 429 and err["error"] == "rate_limited"
             other = RawNode(base, s)  # the limit is per node
             assert (await other.post("/v1/join", {}))[0] == 200
+
+
+async def test_zstd_bodies_are_signed_as_sent_bounded_and_the_only_encoding(tmp_path):
+    """docs/PROTOCOL.md, "Signed requests": a body sent with `Content-Encoding: zstd` is signed as sent and
+    decompressed only after its signature, never past the body limit. The node's own client compresses a
+    submission (16 rollouts of up to 512 tokens) when the coordinator's status lists zstd, and sends it plain to one
+    that does not. No other encoding is decoded: aiohttp used to inflate gzip bodies, from anyone, before we saw them."""
+    import gzip
+
+    import zstandard
+
+    from node.worker.client import CoordinatorClient
+    from protocol import messages as M
+    from protocol.identity import Identity
+
+    limit = 1 << 20
+    async with running_coordinator(tmp_path, "verification.fraction=0", "sampling.max_tokens=512",
+                                   f"server.max_body_bytes={limit}") as (coord, base):
+        sent: list[tuple[str, str | None, int]] = []  # (path, Content-Encoding, body bytes) of each request
+
+        async def on_chunk(session, ctx, params):
+            ctx.bytes = getattr(ctx, "bytes", 0) + len(params.chunk)
+
+        async def on_end(session, ctx, params):
+            sent.append((params.url.path, params.headers.get("Content-Encoding"), getattr(ctx, "bytes", 0)))
+
+        trace = aiohttp.TraceConfig()
+        trace.on_request_chunk_sent.append(on_chunk)
+        trace.on_request_end.append(on_end)
+        rng = random.Random(1)
+        async with aiohttp.ClientSession(trace_configs=[trace]) as s:
+            client = CoordinatorClient(base, Identity.generate(), s)
+            assert (await client.run_info()).body_encodings == ["zstd"]
+            await client.join(M.NodeInfo(name="z"))
+            for advertised in (["zstd"], []):  # this coordinator, then as one that predates compressed bodies
+                assert client.run is not None
+                client.run = client.run.model_copy(update={"body_encodings": advertised})
+                work = await client.work(0)
+                assert isinstance(work, M.Assignment)
+                rollouts = fake_rollouts(work.model_dump(), coord.eos_token_id, coord.vocab_size, rng)
+                sub = M.SubmitRequest(assignment_id=work.assignment_id, policy_step=0,
+                                      rollouts=[M.RolloutSubmission(**r) for r in rollouts])
+                res = await client.submit(sub)
+                assert len(res.accepted) == len(rollouts) and res.rejected == []
+                raw = len(json.dumps(sub.model_dump()).encode())
+                path, encoding, n = sent[-1]
+                assert path == "/v1/submit" and raw > 64 * 1024
+                if advertised:
+                    assert encoding == "zstd" and n < raw / 1.3, (n, raw)
+                else:
+                    assert encoding is None and n == raw
+            assert {e for p, e, _ in sent if p != "/v1/submit"} == {None}  # small bodies go as they are
+
+            node = RawNode(base, s)
+            assert (await node.post("/v1/join", {}))[0] == 200
+
+            async def post(payload: bytes, encoding: str, *, signed: bytes | None = None):
+                h = node.headers("POST", "/v1/work", payload if signed is None else signed)
+                h["Content-Encoding"] = encoding
+                return await node.post("/v1/work", body=payload, headers=h)
+
+            work_req = b'{"policy_step":0}'
+            st, work = await post(zstandard.ZstdCompressor().compress(work_req), "zstd")
+            assert st == 200 and work["batch_step"] >= 1
+            # a bomb: 1 KB of zstd that would inflate to 4 MiB, 4x the body limit
+            bomb = zstandard.ZstdCompressor().compress(b'{"policy_step":0,"pad":"' + b" " * (4 << 20) + b'"}')
+            st, err = await post(bomb, "zstd")
+            assert len(bomb) < 2048 and st == 413 and err["error"] == "too_large"
+            st, err = await post(b"not zstd at all", "zstd")
+            assert st == 400 and err["error"] == "malformed"
+            # a frame that asks its decoder for a 128 MiB window (streamed: no content size to shrink it to)
+            wide = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(window_log=27))
+            cobj = wide.compressobj()
+            st, err = await post(cobj.compress(work_req) + cobj.flush(), "zstd")
+            assert st == 400 and err["error"] == "malformed" and "memory" in err["detail"], err
+            # signed over the inflated body instead of the bytes sent
+            st, err = await post(zstandard.ZstdCompressor().compress(work_req), "zstd", signed=work_req)
+            assert st == 401 and err["error"] == "bad_signature"
+            # gzip, signed as sent or (as aiohttp's own inflating used to accept) over the inflated body
+            for signed in (None, work_req):
+                st, err = await post(gzip.compress(work_req), "gzip", signed=signed)
+                assert st == 415 and err["error"] == "unsupported_encoding", (signed, st, err)
 
 
 async def test_super_seeding_counts_from_the_end_of_the_first_copy(tmp_path):
