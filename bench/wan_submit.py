@@ -1,0 +1,117 @@
+"""A submission's upload from a home in the WAN lab: the JSON body as it was against the zstd body the node now sends.
+
+    .venv/bin/python bench/wan_submit.py [--rounds 4] [--homes 10,50,100]   (as root: the lab)
+Prints a table and writes bench/results/wan_submit.json.
+
+A worker uploads each assignment's rollouts in one signed POST /v1/submit. Real SmolLM2 rollouts weigh 37.5 bytes
+a completion token as JSON and 20.2 in zstd (bench/submit_bytes.py), so the sizes here are those two for a
+submission of 8 prompts x 16 samples: at a mean completion of 300 tokens (1.44 / 0.78 MB), and at the 512-token
+cap (2.46 / 1.32 MB). What an upload costs is a matter of bytes and round trips only, so the bodies are random
+bytes and the server is a bare aiohttp sink: the datacenter site (0 ms one way) reads the body and answers 200; a
+home behind its own NAT router (20 Mbit/s up, 100 down) posts it over a fresh connection, as the node's client
+does after more than 4 s idle (node/aio.py), raw and zstd-sized alternately, `--rounds` times each. Measured per
+upload: seconds from the request to the answer; zstd's own CPU (~12 ms to compress 1.3 MB on the node, ~3 ms to
+decompress on the coordinator, bench/submit_bytes.py) is not in it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PORT = 18081
+RAW_B_PER_TOKEN, ZSTD_B_PER_TOKEN = 37.5, 20.2  # bench/results/submit_bytes.json (real SmolLM2 rollouts)
+ROLLOUTS = 8 * 16
+UPLINK_BYTES_S = 20e6 / 8
+
+
+def serve(host: str) -> None:
+    from aiohttp import web
+
+    async def submit(request):
+        n = len(await request.read())
+        return web.json_response({"bytes": n})
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/v1/submit", submit)
+    web.run_app(app, host=host, port=PORT, print=None)
+
+
+async def client(url: str, sizes: list[int], rounds: int) -> list[dict]:
+    import aiohttp
+
+    out = []
+    for r in range(rounds):
+        for size in sizes:
+            body = os.urandom(size)
+            async with aiohttp.ClientSession() as s:  # a fresh connection, as after the client's 4 s keep-alive
+                t = time.perf_counter()
+                async with s.post(url, data=body) as resp:
+                    got = (await resp.json())["bytes"]
+                out.append({"round": r, "size": size, "s": time.perf_counter() - t, "ok": got == size})
+            await asyncio.sleep(0.5)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--homes", default="10,50,100", help="one-way delays of the homes, ms")
+    ap.add_argument("--client", nargs=3, help=argparse.SUPPRESS)  # url sizes(json) rounds (in the lab)
+    args = ap.parse_args()
+    if args.client:
+        url, sizes, rounds = args.client
+        print(json.dumps(asyncio.run(client(url, json.loads(sizes), int(rounds)))))
+        return
+
+    from tests.wan.lab import DATACENTER, Lab, home
+
+    cases = {f"{tokens} tokens": (int(ROLLOUTS * tokens * RAW_B_PER_TOKEN), int(ROLLOUTS * tokens * ZSTD_B_PER_TOKEN))
+             for tokens in (300, 512)}
+    sizes = [n for pair in cases.values() for n in pair]
+    rows = []
+    with Lab() as lab:
+        dc = lab.add("dc", DATACENTER)
+        homes = [lab.add(f"home{d}", home(float(d))) for d in args.homes.split(",")]
+        lab.spawn(dc, "sink", [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); "
+                                                     f"import wan_submit; wan_submit.serve({dc.addr!r})"])
+        time.sleep(2.0)
+        for h in homes:
+            p = lab.run(h, [sys.executable, str(Path(__file__).resolve()), "--client",
+                            f"http://{dc.addr}:{PORT}/v1/submit", json.dumps(sizes), str(args.rounds)], timeout=600)
+            if p.returncode != 0:
+                raise SystemExit(f"client failed: {p.stderr[-2000:]}")
+            ups = json.loads(p.stdout)
+            assert all(u["ok"] for u in ups)
+            rtt = 2 * (h.profile.one_way_ms + dc.profile.one_way_ms) / 1000
+            for case, (raw, z) in cases.items():
+                med = {n: statistics.median(u["s"] for u in ups if u["size"] == n) for n in (raw, z)}
+                rows.append({"home_ms": h.profile.one_way_ms, "rtt_s": rtt, "case": case, "raw_bytes": raw,
+                             "zstd_bytes": z, "raw_s": med[raw], "zstd_s": med[z], "ratio": med[z] / med[raw],
+                             "raw_floor_s": raw / UPLINK_BYTES_S, "zstd_floor_s": z / UPLINK_BYTES_S,
+                             "n": args.rounds})
+
+    print(f"8 x 16 rollouts, {RAW_B_PER_TOKEN} / {ZSTD_B_PER_TOKEN} bytes a token (JSON / zstd), a fresh connection "
+          f"each, 20 Mbit/s up, median of {args.rounds}")
+    print(f"{'home ms':>7} {'RTT s':>6}  {'completions':<12} {'JSON MB':>7} {'s':>6} {'zstd MB':>7} {'s':>6} {'zstd/JSON':>9}"
+          f" {'floor s (bytes / uplink)':>25}")
+    for r in rows:
+        print(f"{r['home_ms']:>7.0f} {r['rtt_s']:>6.3f}  {r['case']:<12} {r['raw_bytes'] / 1e6:>7.2f} {r['raw_s']:>6.2f} "
+              f"{r['zstd_bytes'] / 1e6:>7.2f} {r['zstd_s']:>6.2f} {r['ratio']:>9.2f} "
+              f"{r['raw_floor_s']:>12.2f} / {r['zstd_floor_s']:.2f}")
+    out = REPO / "bench/results/wan_submit.json"
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
