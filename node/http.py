@@ -49,8 +49,8 @@ RETRY_AFTER_MS_HEADER = "X-Prime-Retry-After-Ms"  # /v1/work's 204, /v1/heartbea
 
 # A signed request's body may be sent zstd-compressed (docs/PROTOCOL.md, "Signed requests"): a submission's JSON is
 # ~37 bytes a token (its logprobs as 17-digit decimals), 1.9x less in zstd (bench/submit_bytes.py), which a home
-# uplink feels. The signature covers the body as sent, so it is checked before a byte is decompressed, and
-# decompression stops at the body limit. HardenedAppRunner turns aiohttp's own request decompression off: no other
+# uplink feels. The signature covers the body as sent, so it is checked before a byte is decompressed, and a body
+# that states (in its frame header) more than the body limit is refused undecoded. HardenedAppRunner turns aiohttp's own request decompression off: no other
 # encoding is decoded, and none before the signature.
 BODY_ENCODING = "zstd"
 COMPRESS_MIN_BYTES = 64 * 1024  # smaller bodies (heartbeats, work requests) gain little and are sent as they are
@@ -61,20 +61,30 @@ def compress_body(body: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(body)
 
 
-def decompress_body(body: bytes, limit: int) -> bytes:
-    """A zstd body (one frame or more) decompressed, never past `limit` bytes: 413 beyond it, 400 for a stream
-    that is not zstd or asks for a window over MAX_BODY_WINDOW. (A truncated frame yields its prefix, which is not
-    the JSON document the parser wants: the signer's own mistake, answered 400 there.)"""
-    out = bytearray()
+def inflated_size(body: bytes, limit: int) -> int:
+    """The size a zstd body says it decompresses to (its frame header's content size), at most `limit`: 413 beyond
+    it, 400 for a body that is not zstd or does not say."""
     try:
-        reader = zstandard.ZstdDecompressor(max_window_size=MAX_BODY_WINDOW).stream_reader(body, read_across_frames=True)
-        while chunk := reader.read(1 << 20):
-            out += chunk
-            if len(out) > limit:
-                raise ApiError(413, "too_large", f"body decompresses to more than {limit} bytes")
+        size = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as e:
+        raise ApiError(400, "malformed", f"the body is not a zstd frame: {e}"[:300]) from None
+    if size < 0:
+        raise ApiError(400, "malformed", "a zstd body must state its content size in the frame header")
+    if size > limit:
+        raise ApiError(413, "too_large", f"body decompresses to {size} bytes, over {limit}")
+    return size
+
+
+def decompress_body(body: bytes, limit: int) -> bytes:
+    """A zstd body's one frame decompressed into exactly the content size its header states (inflated_size: at most
+    `limit`; zstd refuses a frame whose content does not match it), with at most MAX_BODY_WINDOW of window; 400 for
+    a stream that is broken, truncated or asks for a larger window. Bytes after the frame are ignored (signed, so
+    the signer's own)."""
+    inflated_size(body, limit)
+    try:
+        return zstandard.ZstdDecompressor(max_window_size=MAX_BODY_WINDOW).decompress(body)
     except zstandard.ZstdError as e:
         raise ApiError(400, "malformed", f"the zstd body could not be decompressed: {e}"[:300]) from None
-    return bytes(out)
 
 
 def body_encoding(request: web.Request) -> str | None:
@@ -502,8 +512,7 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
     rate limit has a token, the body's Content-Encoding is none or zstd (415), and the app's BodyBudget has room
     for the body (503 + Retry-After when not). The token is only taken once the signature is good, so nobody can
     spend another node's rate limit with requests they cannot sign. A zstd body is signed as sent and returned
-    decompressed (decompress_body: at most the body limit; the budget counts the bytes read, not the inflated
-    copy, which only a signer with a token gets and which is as bounded as an uncompressed body)."""
+    decompressed (decompress_body: at most the body limit), its stated size reserved in the budget meanwhile."""
     limit = request.app[MAX_BODY_BYTES]
     for name in SIGNED_HEADERS:
         # Ambiguous: this server would check the first, a proxy in front of it might keep the last.
@@ -543,8 +552,14 @@ async def read_signed(request: web.Request, verifier: RequestVerifier, limiter: 
         raise ApiError(status, e.code, e.detail) from None
     if not limiter.allow(verified.signer):
         raise _rate_limited()
-    if encoded:  # signed as sent, so decompressed only now; off the loop (~3 ms for a 1.3 MB submission)
-        body = await asyncio.to_thread(decompress_body, body, limit)
+    if encoded:  # signed as sent, so decompressed only now, off the loop (~3 ms for a 1.3 MB submission), and
+        # counted in the body budget while it inflates, as if it had been read so: 1 KB may state 8 MiB
+        inflating = budget.take(verified.signer, inflated_size(body, limit)) if budget is not None else 0
+        try:
+            body = await asyncio.to_thread(decompress_body, body, limit)
+        finally:
+            if budget is not None:
+                budget.give(verified.signer, inflating)
     return verified.signer, body
 
 

@@ -149,7 +149,7 @@ async def test_rate_limit_429(tmp_path):
 
 async def test_zstd_bodies_are_signed_as_sent_bounded_and_the_only_encoding(tmp_path):
     """docs/PROTOCOL.md, "Signed requests": a body sent with `Content-Encoding: zstd` is signed as sent and
-    decompressed only after its signature, never past the body limit. The node's own client compresses a
+    decompressed only after its signature, into the content size its frame states, never past the body limit. The node's own client compresses a
     submission (16 rollouts of up to 512 tokens) when the coordinator's status lists zstd, and sends it plain to one
     that does not. No other encoding is decoded: aiohttp used to inflate gzip bodies, from anyone, before we saw them."""
     import gzip
@@ -215,11 +215,21 @@ async def test_zstd_bodies_are_signed_as_sent_bounded_and_the_only_encoding(tmp_
             assert len(bomb) < 2048 and st == 413 and err["error"] == "too_large"
             st, err = await post(b"not zstd at all", "zstd")
             assert st == 400 and err["error"] == "malformed"
-            # a frame that asks its decoder for a 128 MiB window (streamed: no content size to shrink it to)
+            # a streamed frame that does not state its content size (and asks its decoder for a 128 MiB window)
             wide = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(window_log=27))
             cobj = wide.compressobj()
             st, err = await post(cobj.compress(work_req) + cobj.flush(), "zstd")
-            assert st == 400 and err["error"] == "malformed" and "memory" in err["detail"], err
+            assert st == 400 and err["error"] == "malformed" and "content size" in err["detail"], err
+            # a frame that states less than it holds: zstd refuses it rather than write past the stated size
+            honest = zstandard.ZstdCompressor().compress(b'{"policy_step":0,"pad":"' + b" " * 100_000 + b'"}')
+            header = zstandard.get_frame_parameters(honest)
+            assert header.content_size > 100_000
+            lying = bytearray(honest)
+            size_at = lying.find((header.content_size).to_bytes(4, "little"))
+            assert size_at > 0
+            lying[size_at:size_at + 4] = (1000).to_bytes(4, "little")
+            st, err = await post(bytes(lying), "zstd")
+            assert st == 400 and err["error"] == "malformed", err
             # signed over the inflated body instead of the bytes sent
             st, err = await post(zstandard.ZstdCompressor().compress(work_req), "zstd", signed=work_req)
             assert st == 401 and err["error"] == "bad_signature"
@@ -227,6 +237,23 @@ async def test_zstd_bodies_are_signed_as_sent_bounded_and_the_only_encoding(tmp_
             for signed in (None, work_req):
                 st, err = await post(gzip.compress(work_req), "gzip", signed=signed)
                 assert st == 415 and err["error"] == "unsupported_encoding", (signed, st, err)
+
+
+async def test_a_zstd_body_is_counted_in_the_body_budget_while_it_inflates(tmp_path):
+    """A few hundred bytes of zstd may state megabytes: the stated size is reserved in the body budget (BodyBudget)
+    while it decompresses, as if the body had been read so; over the budget it is 503 `busy`, not inflated."""
+    import zstandard
+
+    async with running_coordinator(tmp_path, "server.max_body_bytes_in_flight=262144") as (_, base):
+        async with aiohttp.ClientSession() as s:
+            node = RawNode(base, s)
+            assert (await node.post("/v1/join", {}))[0] == 200
+            for pad, status, code in ((400_000, 503, "busy"), (100_000, 400, "malformed")):
+                body = zstandard.ZstdCompressor().compress(b'{"policy_step":0,"pad":"' + b" " * pad + b'"}')
+                h = node.headers("POST", "/v1/work", body)
+                h["Content-Encoding"] = "zstd"
+                st, err = await node.post("/v1/work", body=body, headers=h)
+                assert len(body) < 1024 and (st, err["error"]) == (status, code), (pad, st, err)
 
 
 async def test_super_seeding_counts_from_the_end_of_the_first_copy(tmp_path):
