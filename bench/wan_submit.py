@@ -3,8 +3,9 @@
     .venv/bin/python bench/wan_submit.py [--rounds 4] [--homes 10,50,100]   (as root: the lab)
 Prints a table and writes bench/results/wan_submit.json.
 
-A worker uploads each assignment's rollouts in one signed POST /v1/submit. Real SmolLM2 rollouts weigh 37.5 bytes
-a completion token as JSON and 20.2 in zstd (bench/submit_bytes.py), so the sizes here are those two for a
+A worker uploads each assignment's rollouts in one signed POST /v1/submit. Real SmolLM2 rollouts weighed 37.5 bytes
+a completion token as JSON and weigh 17.5 as the worker sends them now (logprobs in 9 digits, zstd;
+bench/submit_bytes.py), so the sizes here are those two for a
 submission of 8 prompts x 16 samples: at a mean completion of 300 tokens (1.44 / 0.78 MB), and at the 512-token
 cap (2.46 / 1.32 MB). What an upload costs is a matter of bytes and round trips only, so the bodies are random
 bytes and the server is a bare aiohttp sink: the datacenter site (0 ms one way) reads the body and answers 200; a
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 PORT = 18081
-RAW_B_PER_TOKEN, ZSTD_B_PER_TOKEN = 37.5, 20.2  # bench/results/submit_bytes.json (real SmolLM2 rollouts)
+RAW_B_PER_TOKEN, ZSTD_B_PER_TOKEN = 37.5, 17.5  # bench/results/submit_bytes.json: JSON as it was, as sent now
 ROLLOUTS = 8 * 16
 UPLINK_BYTES_S = 20e6 / 8
 

@@ -48,10 +48,10 @@ HAVE_HEADER = "X-Prime-Have"  # a node's HTTP shard server: the shards of that s
 RETRY_AFTER_MS_HEADER = "X-Prime-Retry-After-Ms"  # /v1/work's 204, /v1/heartbeat's 200: ask again after n ms
 
 # A signed request's body may be sent zstd-compressed (docs/PROTOCOL.md, "Signed requests"): a submission's JSON is
-# ~37 bytes a token (its logprobs as 17-digit decimals), 1.9x less in zstd (bench/submit_bytes.py), which a home
+# ~30 bytes a token (37.5 with logprobs in 17 digits), 1.7x less in zstd (bench/submit_bytes.py), which a home
 # uplink feels. The signature covers the body as sent, so it is checked before a byte is decompressed, and a body
-# that states (in its frame header) more than the body limit is refused undecoded. HardenedAppRunner turns aiohttp's own request decompression off: no other
-# encoding is decoded, and none before the signature.
+# that states (in its frame header) more than the body limit is refused undecoded. HardenedAppRunner turns
+# aiohttp's own request decompression off: no other encoding is decoded, and none before the signature.
 BODY_ENCODING = "zstd"
 COMPRESS_MIN_BYTES = 64 * 1024  # smaller bodies (heartbeats, work requests) gain little and are sent as they are
 MAX_BODY_WINDOW = 1 << 23  # zstd's window, i.e. its decoder's memory: a frame that asks for more is refused

@@ -11,7 +11,7 @@ contract; `node/coordinator/openapi.py` publishes their JSON schemas as GET /ope
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Sequence, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -258,6 +258,14 @@ class ModelTurnWire(Wire):
 class EnvTurn(ModelTurnWire):
     """A multi-turn episode's next step: the environment's tokens, then the model's turn after them."""
     env_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ENV_TOKENS)]
+
+
+def wire_logprobs(logprobs: Sequence[float]) -> list[float]:
+    """Logprobs as a worker sends them: each value with 9 significant digits, which give every float32 back exactly
+    (float32(sent) == float32(engine's): engines sample in float32, and the verifier and the trainer read float32).
+    As Python floats from float32 they print 17 digits: 20.7 of a real submission's 37.5 bytes a token, 12-13 so
+    (bench/submit_bytes.py)."""
+    return [float("%.9g" % x) for x in logprobs]
 
 
 class RolloutSubmission(ModelTurnWire):

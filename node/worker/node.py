@@ -488,9 +488,11 @@ class WorkerNode:
                 e = next(it)
                 rollouts.append(M.RolloutSubmission(
                     prompt_id=p.prompt_id, sample_index=j, completion_ids=e.first.completion_ids,
-                    logprobs=e.first.logprobs, finish_reason=e.first.finish_reason, commitment=e.first.commitment,
-                    turns=[M.EnvTurn(env_ids=env, completion_ids=r.completion_ids, logprobs=r.logprobs,
-                                     finish_reason=r.finish_reason, commitment=r.commitment) for env, r in e.rest]))
+                    logprobs=M.wire_logprobs(e.first.logprobs), finish_reason=e.first.finish_reason,
+                    commitment=e.first.commitment,
+                    turns=[M.EnvTurn(env_ids=env, completion_ids=r.completion_ids,
+                                     logprobs=M.wire_logprobs(r.logprobs), finish_reason=r.finish_reason,
+                                     commitment=r.commitment) for env, r in e.rest]))
         return M.SubmitRequest(assignment_id=a.assignment_id, policy_step=step, rollouts=rollouts)
 
     async def _deliver(self, sub: M.SubmitRequest, deadline_ms: int) -> None:

@@ -149,9 +149,10 @@ async def test_rate_limit_429(tmp_path):
 
 async def test_zstd_bodies_are_signed_as_sent_bounded_and_the_only_encoding(tmp_path):
     """docs/PROTOCOL.md, "Signed requests": a body sent with `Content-Encoding: zstd` is signed as sent and
-    decompressed only after its signature, into the content size its frame states, never past the body limit. The node's own client compresses a
-    submission (16 rollouts of up to 512 tokens) when the coordinator's status lists zstd, and sends it plain to one
-    that does not. No other encoding is decoded: aiohttp used to inflate gzip bodies, from anyone, before we saw them."""
+    decompressed only after its signature, into the content size its frame states, never past the body limit. The
+    node's own client compresses a submission (16 rollouts of up to 512 tokens) when the coordinator's status lists
+    zstd, and sends it plain to one that does not. No other encoding is decoded: aiohttp used to inflate gzip bodies,
+    from anyone, before we saw them."""
     import gzip
 
     import zstandard

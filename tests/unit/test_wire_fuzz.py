@@ -229,6 +229,18 @@ def test_parse_body_answers_400_or_a_bounded_request(model, data):
     bounded(req.model_dump(mode="json"))
 
 
+@FUZZ
+@given(xs=st.lists(st.floats(min_value=M.MIN_LOGPROB, max_value=0.0, width=32), min_size=1, max_size=64))
+@example(xs=[-0.0, -1e-45, -123456.789, -0.33996593952178955, M.MIN_LOGPROB])
+def test_wire_logprobs_give_every_float32_back_and_validate(xs):
+    """M.wire_logprobs (what a worker sends): every float32 value comes back exactly, in at most 9 significant
+    digits, and the result still validates where logprobs are bounded."""
+    sent = M.wire_logprobs(xs)
+    assert struct.pack(f"<{len(xs)}f", *sent) == struct.pack(f"<{len(xs)}f", *xs)
+    assert all(len(repr(x)) <= 16 for x in sent)  # 9 digits, a sign, a point, an exponent (17 digits before)
+    M.EnvTurn(env_ids=[1], completion_ids=[1] * len(sent), logprobs=sent, finish_reason="stop", commitment="AQAA")
+
+
 def test_parse_body_refuses_deep_nesting_with_400():
     for raw in (b"[" * 100_000, b'{"node":' * 100_000):
         with pytest.raises(ApiError) as e:
