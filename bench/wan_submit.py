@@ -102,15 +102,15 @@ def main() -> None:
 
     print(f"8 x 16 rollouts, {RAW_B_PER_TOKEN} / {ZSTD_B_PER_TOKEN} bytes a token (JSON / zstd), a fresh connection "
           f"each, 20 Mbit/s up, median of {args.rounds}")
-    print(f"{'home ms':>7} {'RTT s':>6}  {'completions':<12} {'JSON MB':>7} {'s':>6} {'zstd MB':>7} {'s':>6} {'zstd/JSON':>9}"
-          f" {'floor s (bytes / uplink)':>25}")
+    print(f"{'home ms':>7} {'RTT s':>6}  {'completions':<12} {'JSON MB':>7} {'s':>6} {'zstd MB':>7} {'s':>6} "
+          f"{'zstd/JSON':>9} {'floor s (bytes / uplink)':>25}")
     for r in rows:
-        print(f"{r['home_ms']:>7.0f} {r['rtt_s']:>6.3f}  {r['case']:<12} {r['raw_bytes'] / 1e6:>7.2f} {r['raw_s']:>6.2f} "
-              f"{r['zstd_bytes'] / 1e6:>7.2f} {r['zstd_s']:>6.2f} {r['ratio']:>9.2f} "
+        print(f"{r['home_ms']:>7.0f} {r['rtt_s']:>6.3f}  {r['case']:<12} {r['raw_bytes'] / 1e6:>7.2f} "
+              f"{r['raw_s']:>6.2f} {r['zstd_bytes'] / 1e6:>7.2f} {r['zstd_s']:>6.2f} {r['ratio']:>9.2f} "
               f"{r['raw_floor_s']:>12.2f} / {r['zstd_floor_s']:.2f}")
     out = REPO / "bench/results/wan_submit.json"
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               "rows": rows}, indent=1) + "\n")
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "date": date, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out.relative_to(REPO)}")
 
 
