@@ -263,7 +263,7 @@ class EnvTurn(ModelTurnWire):
 def wire_logprobs(logprobs: Sequence[float]) -> list[float]:
     """Logprobs as a worker sends them: each value with 9 significant digits, which give every float32 back exactly
     (float32(sent) == float32(engine's): engines sample in float32, and the verifier and the trainer read float32).
-    As Python floats from float32 they print 17 digits: 20.7 of a real submission's 37.5 bytes a token, 12-13 so
+    As Python floats from float32 they print 17 digits: 20.7 of a real submission's 37.5 bytes a token, 13.4 so
     (bench/submit_bytes.py)."""
     return [float("%.9g" % x) for x in logprobs]
 

@@ -336,7 +336,8 @@ class VerdictQueue:
         model = self.policies.get(step)
         if model is None:
             return None
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: judge(model, checks, claimed=not audit))
+        return await asyncio.get_running_loop().run_in_executor(self._pool,
+                                                                lambda: judge(model, checks, claimed=not audit))
 
     async def _pool_replay(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
         """The pool's verdicts on `checks`; None if no pool verifier could get the step (JobBoard.replay)."""
