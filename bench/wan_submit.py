@@ -1,7 +1,7 @@
 """A submission's upload from a home in the WAN lab: the JSON body as it was against the zstd body the node now sends.
 
-    .venv/bin/python bench/wan_submit.py [--rounds 4] [--homes 10,50,100]   (as root: the lab)
-Prints a table and writes bench/results/wan_submit.json.
+    .venv/bin/python bench/wan_submit.py [--rounds 4] [--homes 10,50,100] [--warm-gap 8] [--cubic]   (as root)
+Prints a table and writes bench/results/wan_submit.json (`--out` elsewhere).
 
 A worker uploads each assignment's rollouts in one signed POST /v1/submit. Real SmolLM2 rollouts weighed 37.5 bytes
 a completion token as JSON and weigh 17.5 as the worker sends them now (logprobs in 9 digits, zstd;
@@ -46,31 +46,65 @@ def serve(host: str) -> None:
     web.run_app(app, host=host, port=PORT, print=None)
 
 
-async def client(url: str, sizes: list[int], rounds: int) -> list[dict]:
+async def client(url: str, sizes: list[int], rounds: int, warm_gap: float, cubic: bool) -> list[dict]:
+    """Each size `rounds` times over a fresh connection (as after the client's 4 s keep-alive) and, with `warm_gap`,
+    as often over one connection kept alive that long since its last upload (what a longer keep-alive would give);
+    `cubic`: the sockets use cubic (most desktop kernels' default) instead of this kernel's default."""
+    import socket
+
     import aiohttp
 
+    class Connector(aiohttp.TCPConnector):  # the sender's congestion control: the kernel's default, or cubic
+        async def _wrap_create_connection(self, *a, **kw):
+            tr, proto = await super()._wrap_create_connection(*a, **kw)
+            if cubic:
+                tr.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
+            return tr, proto
+
     out = []
-    for r in range(rounds):
-        for size in sizes:
-            body = os.urandom(size)
-            async with aiohttp.ClientSession() as s:  # a fresh connection, as after the client's 4 s keep-alive
-                t = time.perf_counter()
-                async with s.post(url, data=body) as resp:
-                    got = (await resp.json())["bytes"]
-                out.append({"round": r, "size": size, "s": time.perf_counter() - t, "ok": got == size})
-            await asyncio.sleep(0.5)
+    async with aiohttp.ClientSession(connector=Connector(keepalive_timeout=600, limit=1)) as warm:
+        for r in range(rounds):
+            for size in sizes:
+                body = os.urandom(size)
+                modes = [("fresh", None)] + ([("warm", warm)] if warm_gap > 0 else [])
+                for mode, session in modes:
+                    fresh = aiohttp.ClientSession(connector=Connector()) if session is None else None
+                    async with (fresh if fresh is not None else _Keep(session)) as s:
+                        t = time.perf_counter()
+                        async with s.post(url, data=body) as resp:
+                            got = (await resp.json())["bytes"]
+                        out.append({"round": r, "size": size, "mode": mode, "s": time.perf_counter() - t,
+                                    "ok": got == size})
+                    await asyncio.sleep(warm_gap if mode == "warm" else 0.5)
     return out
+
+
+class _Keep:
+    """`async with` over a session that outlives the block."""
+
+    def __init__(self, session):
+        self.session = session
+
+    async def __aenter__(self):
+        return self.session
+
+    async def __aexit__(self, *exc):
+        return False
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--homes", default="10,50,100", help="one-way delays of the homes, ms")
-    ap.add_argument("--client", nargs=3, help=argparse.SUPPRESS)  # url sizes(json) rounds (in the lab)
+    ap.add_argument("--warm-gap", type=float, default=0.0,
+                    help="also upload over one kept-alive connection idle this many seconds (0: fresh only)")
+    ap.add_argument("--out", default=str(REPO / "bench/results/wan_submit.json"))
+    ap.add_argument("--cubic", action="store_true", help="the uploads use cubic, not the kernel's default (BBR here)")
+    ap.add_argument("--client", nargs=5, help=argparse.SUPPRESS)  # url sizes(json) rounds warm_gap cubic (in the lab)
     args = ap.parse_args()
     if args.client:
-        url, sizes, rounds = args.client
-        print(json.dumps(asyncio.run(client(url, json.loads(sizes), int(rounds)))))
+        url, sizes, rounds, warm_gap, cubic = args.client
+        print(json.dumps(asyncio.run(client(url, json.loads(sizes), int(rounds), float(warm_gap), cubic == "1"))))
         return
 
     from tests.wan.lab import DATACENTER, Lab, home
@@ -87,31 +121,35 @@ def main() -> None:
         time.sleep(2.0)
         for h in homes:
             p = lab.run(h, [sys.executable, str(Path(__file__).resolve()), "--client",
-                            f"http://{dc.addr}:{PORT}/v1/submit", json.dumps(sizes), str(args.rounds)], timeout=600)
+                            f"http://{dc.addr}:{PORT}/v1/submit", json.dumps(sizes), str(args.rounds),
+                            str(args.warm_gap), "1" if args.cubic else "0"], timeout=900)
             if p.returncode != 0:
                 raise SystemExit(f"client failed: {p.stderr[-2000:]}")
             ups = json.loads(p.stdout)
             assert all(u["ok"] for u in ups)
             rtt = 2 * (h.profile.one_way_ms + dc.profile.one_way_ms) / 1000
-            for case, (raw, z) in cases.items():
-                med = {n: statistics.median(u["s"] for u in ups if u["size"] == n) for n in (raw, z)}
-                rows.append({"home_ms": h.profile.one_way_ms, "rtt_s": rtt, "case": case, "raw_bytes": raw,
-                             "zstd_bytes": z, "raw_s": med[raw], "zstd_s": med[z], "ratio": med[z] / med[raw],
-                             "raw_floor_s": raw / UPLINK_BYTES_S, "zstd_floor_s": z / UPLINK_BYTES_S,
-                             "n": args.rounds})
+            for mode in sorted({u["mode"] for u in ups}):
+                for case, (raw, z) in cases.items():
+                    med = {n: statistics.median(u["s"] for u in ups if u["size"] == n and u["mode"] == mode)
+                           for n in (raw, z)}
+                    rows.append({"home_ms": h.profile.one_way_ms, "rtt_s": rtt, "mode": mode, "case": case,
+                                 "raw_bytes": raw, "zstd_bytes": z, "raw_s": med[raw], "zstd_s": med[z],
+                                 "ratio": med[z] / med[raw], "raw_floor_s": raw / UPLINK_BYTES_S,
+                                 "zstd_floor_s": z / UPLINK_BYTES_S, "n": args.rounds})
 
-    print(f"8 x 16 rollouts, {RAW_B_PER_TOKEN} / {ZSTD_B_PER_TOKEN} bytes a token (JSON / zstd), a fresh connection "
-          f"each, 20 Mbit/s up, median of {args.rounds}")
-    print(f"{'home ms':>7} {'RTT s':>6}  {'completions':<12} {'JSON MB':>7} {'s':>6} {'zstd MB':>7} {'s':>6} "
-          f"{'zstd/JSON':>9} {'floor s (bytes / uplink)':>25}")
+    print(f"8 x 16 rollouts, {RAW_B_PER_TOKEN} / {ZSTD_B_PER_TOKEN} bytes a token (JSON / zstd), 20 Mbit/s up, "
+          f"median of {args.rounds}, {'cubic' if args.cubic else 'the default congestion control'}")
+    print(f"{'home ms':>7} {'RTT s':>6} {'connection':<10} {'completions':<12} {'JSON MB':>7} {'s':>6} {'zstd MB':>7} "
+          f"{'s':>6} {'zstd/JSON':>9} {'floor s (bytes / uplink)':>25}")
     for r in rows:
-        print(f"{r['home_ms']:>7.0f} {r['rtt_s']:>6.3f}  {r['case']:<12} {r['raw_bytes'] / 1e6:>7.2f} "
+        print(f"{r['home_ms']:>7.0f} {r['rtt_s']:>6.3f} {r['mode']:<10} {r['case']:<12} {r['raw_bytes'] / 1e6:>7.2f} "
               f"{r['raw_s']:>6.2f} {r['zstd_bytes'] / 1e6:>7.2f} {r['zstd_s']:>6.2f} {r['ratio']:>9.2f} "
               f"{r['raw_floor_s']:>12.2f} / {r['zstd_floor_s']:.2f}")
-    out = REPO / "bench/results/wan_submit.json"
+    out = Path(args.out)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "date": date, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "date": date, "cubic": args.cubic, "rows": rows},
+                              indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
