@@ -137,8 +137,10 @@ def commitment_of_size(n_tokens: int, hidden: int, rng: random.Random) -> str:
     return base64.b64encode(struct.pack("<BH", 1, len(chunks)) + b"".join(chunks)).decode("ascii")
 
 
-def rollout_fragment(max_tokens: int, vocab: int, eos: int, hidden: int, rng: random.Random) -> str:
-    """The JSON fields of one rollout after prompt_id/sample_index, pre-serialised."""
+def rollout_fragment(max_tokens: int, vocab: int, eos: int, hidden: int, rng: random.Random,
+                     nine_digits: bool = False) -> str:
+    """The JSON fields of one rollout after prompt_id/sample_index, pre-serialised; `nine_digits`: logprobs as the
+    worker writes them since it compresses (protocol.messages.wire_logprobs), else as 17-digit Python floats."""
     import numpy as np
 
     if rng.random() < 0.1:  # ran into max_tokens
@@ -150,7 +152,10 @@ def rollout_fragment(max_tokens: int, vocab: int, eos: int, hidden: int, rng: ra
     ids = [t if t != eos else (eos + 1) % vocab for t in body] + ids[len(body):]
     # float32 logprobs as a sampler reports them (.tolist() of a float32 tensor)
     lps = np.float32(-3.0) * np.array([rng.random() for _ in ids], dtype=np.float32)
-    return (f'"completion_ids":{json.dumps(ids)},"logprobs":{json.dumps([float(x) for x in lps])},'
+    from protocol.messages import wire_logprobs
+
+    logprobs = wire_logprobs([float(x) for x in lps]) if nine_digits else [float(x) for x in lps]
+    return (f'"completion_ids":{json.dumps(ids)},"logprobs":{json.dumps(logprobs)},'
             f'"finish_reason":"{reason}","commitment":"{commitment_of_size(len(ids), hidden, rng)}"')
 
 
@@ -374,7 +379,9 @@ class Client:
         per submission from scratch would make the clients, not the coordinator, the bottleneck."""
         a = self.args
         rng = random.Random(self.seed)
-        self.pool = [rollout_fragment(a["max_tokens"], a["vocab"], a["eos"], a["hidden"], rng) for _ in range(a["pool"])]
+        # the worker of the coordinator's tree: 9-digit logprobs where it takes zstd (both came in one change)
+        self.pool = [rollout_fragment(a["max_tokens"], a["vocab"], a["eos"], a["hidden"], rng, a["compress"])
+                     for _ in range(a["pool"])]
 
     def fragment(self, rng: random.Random) -> str:
         return self.pool[rng.randrange(len(self.pool))]
