@@ -47,7 +47,8 @@ def serve(host: str, size: int) -> None:
     web.run_app(app, host=host, port=PORT, print=None)
 
 
-async def client(url: str, rounds: int, parallel: int, gap: float, cubic: bool) -> list[dict]:
+def connector(cubic: bool, **kwargs):
+    """An aiohttp TCPConnector whose sockets use cubic (`cubic`) or the kernel's default congestion control."""
     import socket
 
     import aiohttp
@@ -59,8 +60,14 @@ async def client(url: str, rounds: int, parallel: int, gap: float, cubic: bool) 
                 tr.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
             return tr, proto
 
+    return Connector(**kwargs)
+
+
+async def client(url: str, rounds: int, parallel: int, gap: float, cubic: bool) -> list[dict]:
+    import aiohttp
+
     out = []
-    async with aiohttp.ClientSession(connector=Connector(limit_per_host=parallel, keepalive_timeout=60)) as s:
+    async with aiohttp.ClientSession(connector=connector(cubic, limit_per_host=parallel, keepalive_timeout=60)) as s:
         async def one(r: int) -> None:
             t = time.perf_counter()
             async with s.get(url) as resp:

@@ -50,25 +50,18 @@ async def client(url: str, sizes: list[int], rounds: int, warm_gap: float, cubic
     """Each size `rounds` times over a fresh connection (as after the client's 4 s keep-alive) and, with `warm_gap`,
     as often over one connection kept alive that long since its last upload (what a longer keep-alive would give);
     `cubic`: the sockets use cubic (most desktop kernels' default) instead of this kernel's default."""
-    import socket
-
     import aiohttp
 
-    class Connector(aiohttp.TCPConnector):  # the sender's congestion control: the kernel's default, or cubic
-        async def _wrap_create_connection(self, *a, **kw):
-            tr, proto = await super()._wrap_create_connection(*a, **kw)
-            if cubic:
-                tr.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
-            return tr, proto
+    from wan_floor import connector  # bench/wan_floor.py: the congestion control per socket
 
     out = []
-    async with aiohttp.ClientSession(connector=Connector(keepalive_timeout=600, limit=1)) as warm:
+    async with aiohttp.ClientSession(connector=connector(cubic, keepalive_timeout=600, limit=1)) as warm:
         for r in range(rounds):
             for size in sizes:
                 body = os.urandom(size)
                 modes = [("fresh", None)] + ([("warm", warm)] if warm_gap > 0 else [])
                 for mode, session in modes:
-                    fresh = aiohttp.ClientSession(connector=Connector()) if session is None else None
+                    fresh = aiohttp.ClientSession(connector=connector(cubic)) if session is None else None
                     async with (fresh if fresh is not None else _Keep(session)) as s:
                         t = time.perf_counter()
                         async with s.post(url, data=body) as resp:
