@@ -24,7 +24,7 @@ from node.coordinator.records import AssignmentRow, Rejection, StoredRollout, St
 from node.coordinator.run_model import RunModel
 from node.coordinator.scheduler import PromptSlot, Scheduler
 from node.coordinator.verification import VerdictQueue
-from node.envs.episode import check_episode, episode_of, max_turns_of, model_texts, score_episode
+from node.envs.episode import check_episode, episode_of, episodes_texts, max_turns_of, score_episode
 from protocol import messages as M
 from verify.commitment import CommitmentError, chunk_bounds, commitment_chunks
 
@@ -180,11 +180,13 @@ class Intake:
               t: Triage) -> list[SubmittedGroup]:
         """Rewards come from the task, computed here (a node never reports them)."""
         task, tokenizer = self.model.task, self.model.tokenizer
+        # every completion of the submission decoded in one call (without the GIL: the event loop goes on)
+        texts = iter(episodes_texts(tokenizer, [episode_of(r) for rs in t.complete.values() for r in rs]))
         groups = []
         for pid, rs in t.complete.items():
             slot = slots[pid]
             problem = task.sample(self.cfg.run.seed, slot.problem_index)
-            rewards = [score_episode(task, problem, model_texts(tokenizer, *episode_of(r))) for r in rs]
+            rewards = [score_episode(task, problem, next(texts)) for _ in rs]
             groups.append(SubmittedGroup(
                 prompt_id=pid, problem_index=slot.problem_index, batch_step=a.batch_step,
                 policy_step=req.policy_step, reward_mean=sum(rewards) / len(rewards), prompt_ids=slot.prompt_ids,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from node.envs.base import Problem, Task
-from node.envs.prompt import decode_completion
+from node.envs.prompt import decode_completion, decode_completions
 from protocol.messages import MAX_ENV_TOKENS  # one environment turn
 
 MAX_ENV_CHARS = 2048  # an environment message, before tokenization
@@ -109,10 +109,17 @@ def model_texts(tokenizer, first: ModelTurn, rest: list[EnvThenModel]) -> list[s
     return [decode_completion(tokenizer, ids) for ids in [first.completion_ids] + [t.model.completion_ids for t in rest]]
 
 
+def episodes_texts(tokenizer, episodes: list[tuple[ModelTurn, list[EnvThenModel]]]) -> list[list[str]]:
+    """`model_texts` of each episode, all decoded in one `decode_completions` call."""
+    turns = [[first.completion_ids] + [t.model.completion_ids for t in rest] for first, rest in episodes]
+    texts = iter(decode_completions(tokenizer, [ids for ts in turns for ids in ts]))
+    return [[next(texts) for _ in ts] for ts in turns]
+
+
 def episode_of(rollout) -> tuple[ModelTurn, list[EnvThenModel]]:
     """A submitted rollout (wire model) or a stored one (dict) as its model turn and the turns after it."""
-    def fields(obj) -> dict:
-        return obj if isinstance(obj, dict) else obj.model_dump() if hasattr(obj, "model_dump") else vars(obj)
+    def fields(obj) -> dict:  # a wire model's own fields, not a model_dump: that copies every list (~9 µs a rollout)
+        return obj if isinstance(obj, dict) else vars(obj)
 
     def turn(d: dict) -> ModelTurn:
         return ModelTurn(list(d["completion_ids"]), list(d["logprobs"]), d["finish_reason"], d.get("commitment") or "")

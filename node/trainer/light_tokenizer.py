@@ -164,6 +164,11 @@ class LightTokenizer:
         ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
+        """`decode` of each sequence, by the Rust tokenizer's decode_batch (no GIL held while it decodes)."""
+        return self._backend.decode_batch([[int(i) for i in ids] for ids in sequences],
+                                          skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, conversation: list[dict], *, add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = True, **template_kwargs):
         """transformers' `apply_chat_template` for one conversation: rendered, then encoded without special

@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 from node.envs import encode_prompt
 from node.envs.base import Problem
 from node.envs.episode import EnvThenModel, ModelTurn, check_episode, env_turn_ids, max_turns_of, next_env_ids
-from node.envs.prompt import decode_completion
+from node.envs.prompt import decode_completion, decode_completions
 from node.envs.registry import BUILTIN_TASKS, load_task
 from node.trainer.light_tokenizer import LightTokenizer, UnsupportedTokenizer, load_light_tokenizer
 from node.trainer.model_dir import ModelLoadError
@@ -103,10 +103,14 @@ def assert_parity(model_dir: Path):
     vocab = len(hf)
     specials = [i for i in (hf.eos_token_id, hf.pad_token_id, hf.bos_token_id, hf.unk_token_id) if i is not None]
     specials += list(hf.added_tokens_decoder)  # every added token, special or not (Qwen2.5's <tool_call> is not)
+    batch = []
     for _ in range(300):  # what a reward sees of any completion, incl. EOS, padding and broken UTF-8 byte runs
         ids = [rng.randrange(vocab) if rng.random() < 0.85 else rng.choice(specials) for _ in range(rng.randrange(40))]
         assert decode_completion(light, ids) == decode_completion(hf, ids), ids
         assert light.decode(ids) == hf.decode(ids), ids
+        batch.append(ids)
+    # the intake decodes a submission's completions in one batch (the light tokenizer: the Rust decode_batch)
+    assert decode_completions(light, batch) == decode_completions(hf, batch) == [decode_completion(hf, i) for i in batch]
 
     for name in sorted(BUILTIN_TASKS):  # multi-turn: the environment's turns as the coordinator checks them
         task = load_task(name, {})
