@@ -14,10 +14,20 @@ asked (admitted keys only: both requests are signed and checked first), swept ev
 """
 from __future__ import annotations
 
+import math
+
 SWEEP_MS = 5_000
 
 WORK_MIN_MS, WORK_MAX_MS = 250, 60_000  # small runs keep the old cadence; new work is heard of within a minute
 HEARTBEAT_MIN_MS, HEARTBEAT_MAX_MS = 5_000, 30_000  # worker.heartbeat_seconds' default, and at most 6x it
+
+
+def work_min_ms(rate_limit_per_second: float) -> int:
+    """The shortest wait a 204 names: WORK_MIN_MS, or longer where `server.rate_limit_per_second` is lower, so that
+    a node's idle re-asks take at most half of its rate limit (the rest is its heartbeats, submissions and
+    checkpoint fetches). Told to come back every 250 ms under a limit of 3 requests a second, a node that did as
+    told was answered 429 (bench/load.py's limit of 2 a second, at N = 100)."""
+    return max(WORK_MIN_MS, math.ceil(2000 / rate_limit_per_second))
 
 
 class Pacer:

@@ -96,7 +96,8 @@ class Coordinator:
         self._status_body: tuple[float, bytes] | None = None  # the cached document, serialised (status_json)
         self._liveness: dict[str, Liveness] = {}  # node id -> what it last said, not yet in the ledger
         # when a node told "no work" asks again, and when a node heartbeats next (node/coordinator/pacing.py)
-        self.work_pacer = pacing.Pacer(cfg.server.idle_work_requests_per_s, pacing.WORK_MIN_MS, pacing.WORK_MAX_MS)
+        self.work_pacer = pacing.Pacer(cfg.server.idle_work_requests_per_s,
+                                       pacing.work_min_ms(cfg.server.rate_limit_per_second), pacing.WORK_MAX_MS)
         self.heartbeat_pacer = pacing.Pacer(cfg.server.heartbeats_per_s, pacing.HEARTBEAT_MIN_MS,
                                             pacing.HEARTBEAT_MAX_MS)
         # The join's dial-back (reachability.py): at most one dial per listed port per join the address may make.

@@ -4,12 +4,14 @@ every node every 0.2-0.5 s (10,000 idle nodes: 20,000-50,000 requests a second).
 coordinator and the real client over loopback, and a coordinator's header a node must not trust blindly."""
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from node.coordinator.pacing import WORK_MAX_MS, WORK_MIN_MS, Pacer, online_ms
+from node.coordinator.pacing import WORK_MAX_MS, WORK_MIN_MS, Pacer, online_ms, work_min_ms
 from node.http import RETRY_AFTER_MS_HEADER
 from node.worker.client import DEFAULT_NO_WORK, CoordinatorClient
 from protocol import messages as M
@@ -109,3 +111,30 @@ async def test_a_real_coordinator_paces_its_idle_nodes(tmp_path):
             told = [(await n.heartbeat(hb))[1] for n in nodes]
             assert told[0] == 5_000 and told[-1] == 12_000 and told == sorted(told), told
             assert coord.online_ms() == 36_000  # status and metrics count a node online this long
+
+
+def test_the_shortest_wait_keeps_within_the_nodes_rate_limit():
+    assert work_min_ms(50.0) == WORK_MIN_MS  # the default limit: the old cadence
+    assert work_min_ms(3.0) == 667 and work_min_ms(0.5) == 4000  # at most half the limit in idle re-asks
+
+
+async def test_a_node_that_waits_as_told_is_never_rate_limited(tmp_path):
+    """Under a limit of 3 requests a second (burst 1) an idle node that asks again when the 204 says must not be
+    answered 429: the coordinator used to name 250 ms (4 a second) whatever its own limit."""
+    from tests.integration.coordinator_harness import running_coordinator
+
+    async with running_coordinator(tmp_path, "verification.fraction=0", "run.batch_prompts=1",
+                                   "run.max_assignments_per_node=100", "admission.pow_bits=0",
+                                   "server.rate_limit_per_second=3", "server.rate_limit_burst=1") as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            holder, idle = (CoordinatorClient(base, Identity.generate(), s) for _ in range(2))
+            for n in (holder, idle):
+                await n.join()
+                await asyncio.sleep(0.5)  # the join's token back
+            while isinstance(await holder.work(0), M.Assignment):  # every open place to the holder
+                await asyncio.sleep(0.4)
+            for _ in range(4):
+                got = await idle.work(0)  # raised CoordinatorError(429) on the second ask: told 250 ms
+                assert isinstance(got, M.NoWork), got
+                await asyncio.sleep(got.retry_after_ms / 1000)
+            assert got.retry_after_ms >= 667, got
