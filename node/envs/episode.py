@@ -106,7 +106,8 @@ def pack(first: ModelTurn, rest: list[EnvThenModel]) -> tuple[list[int], list[fl
 
 
 def model_texts(tokenizer, first: ModelTurn, rest: list[EnvThenModel]) -> list[str]:
-    return [decode_completion(tokenizer, ids) for ids in [first.completion_ids] + [t.model.completion_ids for t in rest]]
+    """The text of each model turn of one episode, as its reward sees them."""
+    return episodes_texts(tokenizer, [(first, rest)])[0]
 
 
 def episodes_texts(tokenizer, episodes: list[tuple[ModelTurn, list[EnvThenModel]]]) -> list[list[str]]:
