@@ -355,7 +355,8 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
     `origin_mbit`). The bench polls every node's checkpoint directory (first sight of each step, every 0.1 s:
     not the code under test) and times each step from its publication until every node holds it (or a later
     step), against a lower bound: what the origin's and the nodes' uplinks could move at best, plus the
-    farthest node's round trip."""
+    farthest node's round trip. With JSON logs, the steps published before every node's engine was up are left
+    out of the medians (`steps_counted` says how many are in)."""
     import threading
 
     from tests.wan.lab import Lab
@@ -431,6 +432,12 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
     ups = [UPLINK_MBIT[k] * 1e6 / 8 for _, _, k in sites]
     downs = [DOWNLINK_MBIT[k] * 1e6 / 8 for _, _, k in sites]
     max_rtt = max(2 * p.one_way_ms for _, p, _ in sites) / 1e3
+    # When every node's engine was up ("now generating", JSON logs only): a step published before it reached nodes
+    # that were still loading torch and the model, all on this box's 2 cores (7-8 s for a home at N = 6 on
+    # 2026-11-28, while the trainer stepped every ~0.7 s with the public nodes' rollouts): that measures the
+    # lab's start-up, not the distribution, and is left out of the medians (kept in per_step, `startup`).
+    ups = [min(ev["engine"].values(), default=None) for ev in map(_node_events, logs.values())]
+    all_up = max(ups) if ups and None not in ups else None
     steps_out = []
     for rec in st.get("step_log", []):
         s_, pub = rec["step"], rec["published_ms"] / 1e3
@@ -447,10 +454,11 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
                           "t_median_s": _r(statistics.median(t - pub for t in times if t is not None)) if any(
                               t is not None for t in times) else None,
                           "lower_bound_s": round(lb, 3), "vs_bound": _r(t_all / lb if t_all is not None else None),
-                          "nodes_missing": times.count(None)})
+                          "nodes_missing": times.count(None), "startup": all_up is not None and pub < all_up})
 
     def med(enc, key):
-        xs = [x[key] for x in steps_out if x[key] is not None and (x["encoding"] == "full") == (enc == "full")]
+        xs = [x[key] for x in steps_out if x[key] is not None and (x["encoding"] == "full") == (enc == "full")
+              and not x["startup"]]
         return _r(statistics.median(xs)) if xs else None
 
     by_kind = {}
@@ -477,6 +485,7 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
             "delta": {"t_all_s": med("delta", "t_all_s"), "lower_bound_s": med("delta", "lower_bound_s"),
                       "vs_bound": med("delta", "vs_bound"), "t_median_s": med("delta", "t_median_s")},
             "steps_missed": sum(1 for x in steps_out if x["nodes_missing"]),
+            "steps_counted": sum(1 for x in steps_out if not x["startup"]),
             "load_avg_max": max(load, default=None), "rss_mb": rss, "per_step": steps_out, "nodes": per_node}
 
 
@@ -927,7 +936,7 @@ def run_forwarded(steps: int, workdir: Path, extra: tuple[str, ...], timeout_s: 
 def print_scale(rows: list[dict]) -> None:
     print(f"{'N':>3} {'full s':>7} {'bound':>6} {'x':>5} {'delta s':>7} {'bound':>6} {'x':>5} {'origin MB':>9} "
           f"{'peer MB':>8} {'NATed served MB':>15} {'public/node MB':>14} {'home/node MB':>12} {'missed':>6} "
-          f"{'load':>5} {'RSS MB':>7}")
+          f"{'counted':>7} {'load':>5} {'RSS MB':>7}")
     for r in rows:
         k = r["served_by_kind"]
         print(f"{r['n']:>3} {_f(r['full']['t_all_s']):>7} {_f(r['full']['lower_bound_s']):>6} "
@@ -936,7 +945,8 @@ def print_scale(rows: list[dict]) -> None:
               f"{(r['bytes_by_source'].get('peer') or 0) / 1e6:>8.1f} {r['natted_served_bytes'] / 1e6:>15.1f} "
               f"{k.get('public', {}).get('served_per_node', 0) / 1e6:>14.2f} "
               f"{k.get('home', {}).get('served_per_node', 0) / 1e6:>12.2f} {r['steps_missed']:>6} "
-              f"{_f(r['load_avg_max']):>5} {r['rss_mb']['workers'] + r['rss_mb']['coordinator']:>7}")
+              f"{r.get('steps_counted', '-'):>7} {_f(r['load_avg_max']):>5} "
+              f"{r['rss_mb']['workers'] + r['rss_mb']['coordinator']:>7}")
 
 
 def plot(doc: dict) -> None:
