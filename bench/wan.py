@@ -436,8 +436,8 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
     # that were still loading torch and the model, all on this box's 2 cores (7-8 s for a home at N = 6 on
     # 2026-11-28, while the trainer stepped every ~0.7 s with the public nodes' rollouts): that measures the
     # lab's start-up, not the distribution, and is left out of the medians (kept in per_step, `startup`).
-    ups = [min(ev["engine"].values(), default=None) for ev in map(_node_events, logs.values())]
-    all_up = max(ups) if ups and None not in ups else None
+    engine_up = [min(ev["engine"].values(), default=None) for ev in map(_node_events, logs.values())]
+    all_up = max(engine_up) if engine_up and None not in engine_up else None
     steps_out = []
     for rec in st.get("step_log", []):
         s_, pub = rec["step"], rec["published_ms"] / 1e3
