@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,10 +60,9 @@ async def client(url: str, sizes: list[int], rounds: int, warm_gap: float, cubic
         for r in range(rounds):
             for size in sizes:
                 body = os.urandom(size)
-                modes = [("fresh", None)] + ([("warm", warm)] if warm_gap > 0 else [])
-                for mode, session in modes:
-                    fresh = aiohttp.ClientSession(connector=connector(cubic)) if session is None else None
-                    async with (fresh if fresh is not None else _Keep(session)) as s:
+                for mode in ["fresh"] + (["warm"] if warm_gap > 0 else []):
+                    fresh = mode == "fresh"  # a new connection, or the kept one (`warm` outlives this block)
+                    async with aiohttp.ClientSession(connector=connector(cubic)) if fresh else nullcontext(warm) as s:
                         t = time.perf_counter()
                         async with s.post(url, data=body) as resp:
                             got = (await resp.json())["bytes"]
@@ -70,19 +70,6 @@ async def client(url: str, sizes: list[int], rounds: int, warm_gap: float, cubic
                                     "ok": got == size})
                     await asyncio.sleep(warm_gap if mode == "warm" else 0.5)
     return out
-
-
-class _Keep:
-    """`async with` over a session that outlives the block."""
-
-    def __init__(self, session):
-        self.session = session
-
-    async def __aenter__(self):
-        return self.session
-
-    async def __aexit__(self, *exc):
-        return False
 
 
 def main() -> None:
