@@ -60,7 +60,7 @@ import time
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, cast
+from typing import Any, Callable, Iterator, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -739,28 +739,44 @@ def serve_follower(device: str | None = None) -> None:
                attn_implementation=init["attn_implementation"]).serve()
 
 
-def _watch_parent(interval: float = 1.0) -> None:
-    """A follower started by start_followers exits when rank 0's process (its parent) is gone."""
+def _watch_parent(interval: float = 1.0) -> threading.Event:
+    """A follower started by start_followers exits when rank 0's process (its parent) is gone. Returns the
+    event that ends the watch."""
     parent = os.getppid()
+    done = threading.Event()
 
     def watch():
-        while os.getppid() == parent:
-            time.sleep(interval)
-        os._exit(3)
+        while not done.wait(interval):
+            if os.getppid() != parent:
+                os._exit(3)
 
     threading.Thread(target=watch, name="rank0-watch", daemon=True).start()
+    return done
 
 
-def main() -> int:
+def main() -> NoReturn:
+    """A follower rank: serve rank 0 until STOP, then exit 0 (3 when rank 0 died first; a traceback and 1 when
+    the group or a command failed).
+
+    After a clean STOP the follower leaves with os._exit(0), without tearing down its process group or the
+    interpreter: that teardown (gloo's C++ threads gloo_tcp_loop and pt_gloo_runloop are joined in it) now and
+    then aborted the process after all its work was done ("terminate called without an active exception",
+    SIGABRT; seen in CI in test_launch_starts_its_own_follower_rank). Its sockets close with the process,
+    which rank 0 sees as it would a destroyed group (it is waiting for the exit, in no collective), and nothing
+    is left to flush: rank 0 writes every file, and a follower's sharded save is complete when SAVE returns."""
     device = os.environ.get("PRIME_TRAINER_DEVICE", "cpu")
-    _watch_parent()
+    watching = _watch_parent()
     init_process_group(device=device)
     try:
         serve_follower(device)
-    finally:
+    except BaseException:
+        watching.set()
         destroy_process_group()
-    return 0
+        raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
