@@ -213,13 +213,31 @@ class GuardedPubsub(Pubsub):
         self._guard.settled(msg_forwarder, msg, accepted=self._is_msg_seen(msg))
 
 
-class NoPxGossipSub(GossipSub):
-    """GossipSub that ignores peer exchange. We never ask for it (do_px is off), but py-libp2p 0.8 dials every
-    peer a PRUNE's PX list names, at the addresses of a signed record the sender can make for any key of its
-    own: one hostile peer could make us dial anywhere. Peers come from verified announcements instead."""
+# gossipsub v1.2's IDONTWANT is for large messages (the spec's own words); go-libp2p sends it only for messages
+# of at least this many bytes (GossipSubIDontWantMessageThreshold), py-libp2p 0.8.1 for every message.
+IDONTWANT_MIN_BYTES = 1024
+
+
+class RunGossipSub(GossipSub):
+    """py-libp2p 0.8.1's GossipSub with two of its behaviours changed, each by an override (nothing is patched):
+
+    - Peer exchange is ignored. We never ask for it (do_px is off), but py-libp2p dials every peer a PRUNE's PX
+      list names, at the addresses of a signed record the sender can make for any key of its own: one hostile
+      peer could make us dial anywhere. Peers come from verified announcements instead.
+    - IDONTWANT only for a message of at least IDONTWANT_MIN_BYTES, as go-libp2p. py-libp2p tells every mesh
+      peer "don't send me this" for every message it receives: one more RPC (Noise, yamux, a signed peer
+      record, all in Python) per mesh peer per announcement, to save resending a few hundred bytes. A `have`
+      is ~0.5 KB; in the WAN lab at N = 12 these RPCs were ~1/8 of a node's time holding the GIL (py-spy).
+      A message the cache cannot name (another message-id function) keeps py-libp2p's behaviour."""
 
     async def _do_px(self, px_peers: Any) -> None:
         return None
+
+    async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Any) -> None:
+        msg = self.mcache.get(msg_id)  # publish() put it there just before calling this
+        if msg is not None and len(msg.data) < IDONTWANT_MIN_BYTES:
+            return
+        await super()._emit_idontwant_for_message(msg_id, topic_ids)
 
 
 class P2PService:
@@ -267,7 +285,7 @@ class P2PService:
             # We announce our listen addresses ourselves; "observed" ones of a NATed node are not dialable.
             disable_identify_address_discovery=True,
         )
-        self.gossipsub = NoPxGossipSub(
+        self.gossipsub = RunGossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
             heartbeat_interval=HEARTBEAT_INTERVAL_S,
             max_messages_per_topic_per_second=float(self.cfg.gossip_rate_limit * GOSSIPSUB_LIMIT_FACTOR),

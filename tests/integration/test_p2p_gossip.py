@@ -134,3 +134,35 @@ async def test_a_burst_of_announcements_is_paced_not_silently_dropped():
         steps = [(await sub.get(timeout=10)).announcement.step for _ in range(burst)]
         assert sorted(steps) == list(range(burst))
         assert w1.latest_manifest() == (burst - 1, H)
+
+
+async def test_idontwant_only_for_large_messages():
+    """gossipsub v1.2's IDONTWANT saves resending a large message; py-libp2p 0.8.1 sent one to every mesh peer
+    for every message received, a whole RPC per peer per `have` (~0.5 KB). Now, as go-libp2p, only from 1 KiB
+    on (node/p2p/service.py, RunGossipSub): w1's small `have`, relayed by the hub to w2, costs no IDONTWANT;
+    a `have` of 600 shards (~2.6 KB) still gets them."""
+    coord = Identity.generate()
+    async with swarm(coord, 2) as nodes:
+        hub, w1, w2 = nodes
+        received: list[str] = []
+        for name, node in zip(("hub", "w1", "w2"), nodes):
+            gossipsub = node._service.gossipsub
+            upstream = gossipsub.handle_idontwant
+
+            async def counted(msg, sender, _upstream=upstream, _name=name):
+                received.append(_name)
+                await _upstream(msg, sender)
+
+            gossipsub.handle_idontwant = counted  # called as self.handle_idontwant by GossipSub.handle_rpc
+        sub = w2.subscribe()
+        small = encode_have_announcement(w1.identity, run_id=RUN, step=3, manifest_hash=H, indices=[0, 1])
+        large = encode_have_announcement(w1.identity, run_id=RUN, step=4, manifest_hash=H, indices=list(range(600)))
+        assert len(small) < 1024 < len(large)
+        await w1.announce_have(3, [0, 1], H)
+        assert (await sub.get(timeout=10)).announcement.step == 3
+        await asyncio.sleep(1.5)  # an IDONTWANT is sent at once, before the relay; leave time for it to land
+        assert received == []
+        await w1.announce_have(4, list(range(600)), H)
+        assert (await sub.get(timeout=10)).announcement.step == 4
+        await asyncio.sleep(1.5)
+        assert set(received) >= {"hub", "w1"}  # the hub tells both its mesh peers; w2 tells the hub
