@@ -97,37 +97,50 @@ def _inverse_table(p: int) -> np.ndarray:
 
 
 def interpolate(xs: np.ndarray, ys: np.ndarray, p: int) -> np.ndarray:
-    """Coefficients (lowest degree first) of the unique poly of degree < k through (xs, ys) over GF(p).
+    """Coefficients (lowest degree first) of the unique poly of degree < k through (xs, ys) over GF(p)."""
+    row: np.ndarray = interpolate_rows(np.asarray(xs)[None], np.asarray(ys)[None], p)[0]
+    return row
 
-    Newton divided differences, then expansion to monomial form: O(k^2) in vectorised int64.
-    """
+
+def interpolate_rows(xs: np.ndarray, ys: np.ndarray, p: int) -> np.ndarray:
+    """`interpolate` of each row of xs, ys [n, k] (one field, one k): coefficients [n, k].
+
+    Newton divided differences, then expansion to monomial form: O(k^2) in vectorised int64, the n rows at once.
+    One row at a time, the 2k numpy calls of a k = 128 chunk cost 1.1-1.5 ms, nearly all call overhead; the rows
+    of a whole batch of rollouts share those calls (bench/commitment_cost.py)."""
     xs = np.asarray(xs, dtype=np.int64) % p
     c = np.asarray(ys, dtype=np.int64) % p
-    k = len(xs)
+    n, k = xs.shape
     inv = _inverse_table(p)
     for j in range(1, k):
-        num = (c[j:] - c[j - 1:-1]) % p
-        den = (xs[j:] - xs[:-j]) % p
-        c[j:] = num * inv[den] % p
-    poly = np.zeros(k, dtype=np.int64)
-    poly[0] = c[k - 1]
-    deg = 0
-    for i in range(k - 2, -1, -1):  # poly = poly * (x - xs[i]) + c[i]
-        shifted = np.zeros(deg + 2, dtype=np.int64)
-        shifted[1:] = poly[:deg + 1]
-        shifted[:deg + 1] -= xs[i] * poly[:deg + 1] % p
-        deg += 1
-        poly[:deg + 1] = shifted % p
-        poly[0] = (poly[0] + c[i]) % p
+        num = (c[:, j:] - c[:, j - 1:-1]) % p
+        den = (xs[:, j:] - xs[:, :-j]) % p
+        c[:, j:] = num * inv[den] % p
+    poly = np.zeros((n, k), dtype=np.int64)
+    poly[:, 0] = c[:, k - 1]
+    for deg, i in enumerate(range(k - 2, -1, -1), start=1):  # poly = poly * (x - xs[i]) + c[i]
+        low = poly[:, :deg]
+        shifted = np.zeros((n, deg + 1), dtype=np.int64)
+        shifted[:, 1:] = low
+        shifted[:, :deg] -= xs[:, i:i + 1] * low % p
+        shifted[:, 0] += c[:, i]
+        poly[:, :deg + 1] = shifted % p
     return poly
 
 
 def evaluate(coeffs: np.ndarray, xs: np.ndarray, p: int) -> np.ndarray:
     """Horner's rule at every x at once."""
+    row: np.ndarray = evaluate_rows(np.asarray(coeffs)[None], np.asarray(xs)[None], np.array([p]))[0]
+    return row
+
+
+def evaluate_rows(coeffs: np.ndarray, xs: np.ndarray, moduli: np.ndarray) -> np.ndarray:
+    """`evaluate` of each row: coeffs [n, k] at xs [n, m] over GF(moduli[row]), Horner's rule for all rows at once."""
+    p = np.asarray(moduli, dtype=np.int64)[:, None]
     xs = np.asarray(xs, dtype=np.int64) % p
-    acc = np.zeros(len(xs), dtype=np.int64)
-    for c in coeffs[::-1]:
-        acc = (acc * xs + int(c)) % p
+    acc = np.zeros(xs.shape, dtype=np.int64)
+    for i in range(coeffs.shape[1] - 1, -1, -1):
+        acc = (acc * xs + coeffs[:, i:i + 1]) % p
     return acc
 
 
@@ -164,17 +177,39 @@ def chunk_bounds(n_tokens: int) -> list[tuple[int, int]]:
 
 def build_proofs(hidden: torch.Tensor) -> list[ChunkProof]:
     """hidden [N, H] final hidden states of the committed positions -> one proof per 32-token chunk."""
-    if hidden.dim() != 2 or hidden.shape[0] == 0:
-        raise CommitmentError("hidden states must be a non-empty [tokens, hidden] tensor")
-    proofs = []
-    for s, e in chunk_bounds(hidden.shape[0]):
-        bits = bf16_bits(hidden[s:e])
-        bits = np.where((bits & 0x7F80) == 0x7F80, 0x7FC0, bits)  # all NaN/inf -> one canonical NaN
-        idx = _topk_by_magnitude(bits, points_per_chunk(len(bits)))
-        vals = bits[idx]
-        p = choose_modulus(idx, int(vals.max()))
-        proofs.append(ChunkProof(p, interpolate(idx % p, vals, p)))
-    return proofs
+    return build_proofs_many([hidden])[0]
+
+
+def build_proofs_many(hiddens: list[torch.Tensor]) -> list[list[ChunkProof]]:
+    """`build_proofs` of each tensor, the chunks of all of them interpolated together (grouped by field and k)."""
+    chunks: list[tuple[int, np.ndarray, np.ndarray]] = []  # (p, x, y) of every chunk, in order
+    counts = []
+    for hidden in hiddens:
+        if hidden.dim() != 2 or hidden.shape[0] == 0:
+            raise CommitmentError("hidden states must be a non-empty [tokens, hidden] tensor")
+        all_bits = bf16_bits(hidden).reshape(hidden.shape[0], -1)
+        bounds = chunk_bounds(hidden.shape[0])
+        counts.append(len(bounds))
+        for s, e in bounds:
+            bits = all_bits[s:e].reshape(-1)
+            bits = np.where((bits & 0x7F80) == 0x7F80, 0x7FC0, bits)  # all NaN/inf -> one canonical NaN
+            idx = _topk_by_magnitude(bits, points_per_chunk(len(bits)))
+            vals = bits[idx]
+            p = choose_modulus(idx, int(vals.max()))
+            chunks.append((p, idx % p, vals))
+    coeffs: list[np.ndarray | None] = [None] * len(chunks)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (p, x, _) in enumerate(chunks):
+        groups.setdefault((p, len(x)), []).append(i)
+    for (p, _), rows in groups.items():
+        solved = interpolate_rows(np.stack([chunks[i][1] for i in rows]), np.stack([chunks[i][2] for i in rows]), p)
+        for i, row in zip(rows, solved):
+            coeffs[i] = row
+    out, at = [], 0
+    for n in counts:
+        out.append([ChunkProof(chunks[i][0], coeffs[i]) for i in range(at, at + n)])  # type: ignore[arg-type]
+        at += n
+    return out
 
 
 def encode_proofs(proofs: list[ChunkProof]) -> bytes:
@@ -231,7 +266,12 @@ def decode_proofs(data: bytes) -> list[ChunkProof]:
 
 def make_commitment(hidden: torch.Tensor) -> str:
     """hidden [N, H] -> the base64 string carried in a rollout's `commitment` field."""
-    return base64.b64encode(encode_proofs(build_proofs(hidden))).decode("ascii")
+    return make_commitments([hidden])[0]
+
+
+def make_commitments(hiddens: list[torch.Tensor]) -> list[str]:
+    """`make_commitment` of each tensor (a batch's rollouts), their chunks interpolated together."""
+    return [base64.b64encode(encode_proofs(proofs)).decode("ascii") for proofs in build_proofs_many(hiddens)]
 
 
 def _commitment_bytes(text: str) -> bytes:
@@ -276,22 +316,34 @@ def score_commitment(proofs: list[ChunkProof], hidden: torch.Tensor) -> list[Chu
     bounds = chunk_bounds(hidden.shape[0])
     if len(proofs) != len(bounds):
         return [MISMATCH]
-    scores = []
+    all_bits = bf16_bits(hidden).reshape(hidden.shape[0], -1)
+    picked = []  # (top-k indices, recomputed values) per chunk
     for (s, e), pr in zip(bounds, proofs):
-        bits = bf16_bits(hidden[s:e])
+        bits = all_bits[s:e].reshape(-1)
         k = points_per_chunk(len(bits))
         if len(pr.coeffs) != k:
             return [MISMATCH]
         idx = _topk_by_magnitude(bits, k)
-        claimed = evaluate(pr.coeffs, idx % pr.modulus, pr.modulus)
-        actual = bits[idx]
-        exp_ok = (claimed >> 7) == (actual >> 7)  # sign + 8 exponent bits
-        mant = np.abs((claimed & 0x7F) - (actual & 0x7F))[exp_ok]
+        picked.append((idx, bits[idx]))
+    claimed: list[np.ndarray | None] = [None] * len(proofs)
+    by_k: dict[int, list[int]] = {}
+    for i, pr in enumerate(proofs):
+        by_k.setdefault(len(pr.coeffs), []).append(i)
+    for rows in by_k.values():  # every chunk's polynomial at its points, the chunks of one k at once
+        moduli = np.array([proofs[i].modulus for i in rows], dtype=np.int64)
+        xs = np.stack([picked[i][0] for i in rows]) % moduli[:, None]
+        for i, row in zip(rows, evaluate_rows(np.stack([proofs[i].coeffs for i in rows]), xs, moduli)):
+            claimed[i] = row
+    scores = []
+    for (idx, actual), got in zip(picked, claimed):
+        assert got is not None
+        exp_ok = (got >> 7) == (actual >> 7)  # sign + 8 exponent bits
+        mant = np.abs((got & 0x7F) - (actual & 0x7F))[exp_ok]
         scores.append(ChunkScore(
             exp_mismatch_frac=float(1.0 - exp_ok.mean()),
             mant_err_mean=float(mant.mean()) if len(mant) else 128.0,
             mant_err_median=float(np.median(mant)) if len(mant) else 128.0,
-            points=k,
+            points=len(idx),
         ))
     return scores
 

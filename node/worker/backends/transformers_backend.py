@@ -13,7 +13,7 @@ import torch
 
 from node.model_loading import MODEL_LOADS
 from protocol.checkpoint import load_payload
-from verify.commitment import capture_final_hidden, make_commitment
+from verify.commitment import capture_final_hidden, make_commitments
 from verify.rollouts import left_pad, resolve_device, resolve_dtype
 from verify.sampler import sample_step
 
@@ -155,18 +155,12 @@ class TransformersBackend:
                                  past_key_values=cache, use_cache=True)
                 logits = out.logits[:, -1]
         hidden = torch.stack(hidden_steps, dim=1)  # [B, steps, H]
-        results = []
         tokens_cpu, lps_cpu, lengths_cpu = tokens_out.cpu(), logprobs_out.cpu(), lengths.cpu().tolist()
         done_cpu = done.cpu().tolist()
-        for i in range(b):
-            n = lengths_cpu[i]
-            results.append(GenResult(
-                completion_ids=tokens_cpu[i, :n].tolist(),
-                logprobs=lps_cpu[i, :n].tolist(),
-                finish_reason="stop" if done_cpu[i] else "length",
-                commitment=make_commitment(hidden[i, :n]),
-            ))
-        return results
+        commitments = make_commitments([hidden[i, :lengths_cpu[i]] for i in range(b)])  # the batch's chunks at once
+        return [GenResult(completion_ids=tokens_cpu[i, :n].tolist(), logprobs=lps_cpu[i, :n].tolist(),
+                          finish_reason="stop" if done_cpu[i] else "length", commitment=commitments[i])
+                for i, n in enumerate(lengths_cpu)]
 
 
 def _lora_hook(a: torch.Tensor, b: torch.Tensor, scale: float):

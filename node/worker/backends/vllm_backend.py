@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from node.model_loading import MODEL_LOADS
-from verify.commitment import make_commitment
+from verify.commitment import make_commitments
 from verify.rollouts import resolve_device
 from verify.sampler import check_sampling, check_seed, sample_step
 
@@ -307,22 +307,22 @@ class VLLMBackend:
                       for k, r in zip(keys, requests)]
             outputs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], params,
                                         use_tqdm=False, lora_request=self._lora)
-            return [self._result(list(out.outputs[0].token_ids), RECORDER.requests[k], eos_token_id)
+            kept = [self._evidence(list(out.outputs[0].token_ids), RECORDER.requests[k], eos_token_id)
                     for out, k in zip(outputs, keys)]
+            commitments = make_commitments([torch.stack([ev.hidden[p] for p in range(len(ids))]) for ids, ev in kept])
+            return [GenResult(completion_ids=ids, logprobs=[ev.logprobs[p] for p in range(len(ids))],
+                              finish_reason="stop" if ids[-1] == eos_token_id else "length", commitment=c)
+                    for (ids, ev), c in zip(kept, commitments)]
         finally:
             for k in keys:
                 RECORDER.requests.pop(k, None)
 
     @staticmethod
-    def _result(ids: list[int], ev: _Evidence, eos_token_id: int) -> GenResult:
-        if eos_token_id in ids:  # stop at the first EOS, kept as the last token
+    def _evidence(ids: list[int], ev: _Evidence, eos_token_id: int) -> tuple[list[int], _Evidence]:
+        """The completion up to its first EOS (kept as the last token), with its evidence, every position recorded."""
+        if eos_token_id in ids:
             ids = ids[:ids.index(eos_token_id) + 1]
         missing = [p for p in range(len(ids)) if p not in ev.logprobs]
         if missing:
             raise RuntimeError(f"no evidence recorded for completion positions {missing[:5]}")
-        return GenResult(
-            completion_ids=ids,
-            logprobs=[ev.logprobs[p] for p in range(len(ids))],
-            finish_reason="stop" if ids[-1] == eos_token_id else "length",
-            commitment=make_commitment(torch.stack([ev.hidden[p] for p in range(len(ids))])),
-        )
+        return ids, ev
