@@ -109,7 +109,8 @@ def main() -> None:
         base = min(cpu["one chunk at a time (before)"])
         for m in modes:
             rows.append({"shape": shape, "rollouts": n, "tokens": tokens, "width": width, "chunks": chunks,
-                         "mode": m, "cpu_s": round(min(cpu[m]), 4), "ms_per_chunk": round(min(cpu[m]) / chunks * 1e3, 3),
+                         "mode": m, "cpu_s": round(min(cpu[m]), 4),
+                         "ms_per_chunk": round(min(cpu[m]) / chunks * 1e3, 3),
                          "speedup": round(base / min(cpu[m]), 2), "wall_s_beside_a_half_busy_thread": round(half[m], 3),
                          "wall_s_16_rollouts_beside_a_never_blocking_thread": round(spin[m], 2)})
         rows.append({"shape": shape, "rollouts": n, "tokens": tokens, "width": width, "chunks": chunks,

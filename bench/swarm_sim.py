@@ -1283,7 +1283,8 @@ def holder_points(doc: dict) -> list[dict]:
 # A node's notification beyond its one-way delay from the origin, in steady state: the median over the 6 nodes of
 # (step announced - published - one way) over the counted delta steps of a quiet-box N = 6 run (wan.json q6_1128)
 NOTIFY_EXCESS_S = 0.018
-QUIET_1128 = ("scale_quiet_1128_n6c", "q6_1128", "scale_quiet_1128_n12", "scale_quiet_1128_n24", "idw_base_n24", "idw_new_n24")
+QUIET_1128 = ("scale_quiet_1128_n6c", "q6_1128", "scale_quiet_1128_n12", "scale_quiet_1128_n24", "idw_base_n24",
+              "idw_new_n24")
 
 
 def quiet_check() -> None:
@@ -1315,9 +1316,9 @@ _OWN_COSTS: dict[str, dict] = {}
 
 def own_costs(pt: dict) -> dict:
     """A run's own per-request costs: the origin's and an HTTP peer's (`origin_request_s`, `peer_request_s`) and their
-    spread (`request_sigma`) over a grid, the ones whose simulated per-shard figures (the origin's shards and the homes' peer shards, median and
-    mean, 9 seeds) come closest to the run's measured ones (least squares of the log ratios); the rest as
-    calibrated. Costs grow with the box's load (the lab's N = 24 runs at load 35: an origin shard 0.26-0.29 s at
+    spread (`request_sigma`) over a grid, the ones whose simulated per-shard figures (the origin's shards and the
+    homes' peer shards, median and mean, 9 seeds) come closest to the run's measured ones (least squares of the log
+    ratios); the rest as calibrated. Costs grow with the box's load (the lab's N = 24 runs at load 35: an origin shard 0.26-0.29 s at
     the median against 0.09 s at N = 6), which the model does not otherwise know."""
     if pt["name"] in _OWN_COSTS:
         return _OWN_COSTS[pt["name"]]
@@ -1633,7 +1634,8 @@ def main() -> None:
     ap.add_argument("--lab-http-grid", action="store_true",
                     help="only: how LAB_HTTP was set (the lab's per-shard figures over a grid, `lab_http_costs()`)")
     ap.add_argument("--quiet-check", action="store_true",
-                    help="only: the quiet-box lab runs of 2026-11-28 against the model as calibrated (no refit)")
+                    help="only: the quiet-box lab runs of 2026-11-28 against the model, as calibrated and with "
+                         "each run's own per-request costs (~2 min)")
     args = ap.parse_args()
     if args.quiet_check:
         quiet_check()
