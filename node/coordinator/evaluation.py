@@ -33,7 +33,8 @@ import logging
 import time
 from pathlib import Path
 
-from node.envs import decode_completion, encode_prompt
+from node.envs import encode_prompt
+from node.envs.prompt import decode_completions
 from node.envs.episode import next_env_ids, score_episode
 
 log = logging.getLogger("prime_node.evaluation")
@@ -133,7 +134,7 @@ class Evaluator:
                     sequences[i] += c + env
                     going.append(i)
             live = going
-        rewards = [score_episode(self.task, p, [decode_completion(self.tokenizer, c) for c in ts])
+        rewards = [score_episode(self.task, p, decode_completions(self.tokenizer, ts))
                    for p, ts in zip(self.problems, turns)]
         row = {"step": int(step), "reward": sum(rewards) / max(1, len(rewards)), "n": len(rewards),
                "exact": sum(r >= 1.0 for r in rewards), "seconds": round(time.monotonic() - t0, 4)}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from node.envs.base import Problem, Task
-from node.envs.prompt import decode_completion, decode_completions
+from node.envs.prompt import decode_completions
 from protocol.messages import MAX_ENV_TOKENS  # one environment turn
 
 MAX_ENV_CHARS = 2048  # an environment message, before tokenization
@@ -73,7 +73,7 @@ def next_env_ids(task: Task, tokenizer, problem: Problem, model_turns: list[list
     """The environment's next turn as tokens after these model turns, or None when the episode is over."""
     if last_finish != "stop" or len(model_turns) >= max_turns_of(task):
         return None
-    reply = task.env_response(problem, [decode_completion(tokenizer, ids) for ids in model_turns])
+    reply = task.env_response(problem, decode_completions(tokenizer, model_turns))
     return None if reply is None else env_turn_ids(tokenizer, str(reply))
 
 
