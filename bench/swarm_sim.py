@@ -1298,20 +1298,17 @@ def quiet_check() -> None:
     keys = [f"wan.json {k}," for k in QUIET_1128]
     pts = [p for p in calibration_points() if p["name"].startswith(tuple(keys))]
     out: dict = {"fitted": fitted, "notify_excess_s": NOTIFY_EXCESS_S}
-    for label, costs in (("as_calibrated", lambda p: {}), ("own_costs", own_costs)):
+    deltas = {p["name"].rsplit(",", 1)[0]: p for p in pts if p["name"].endswith(", delta")}  # per-shard figures
+    own = {run: own_costs(p) for run, p in deltas.items()}
+    for label, costs in (("as_calibrated", {run: {} for run in deltas}), ("own_costs", own)):
         rows = []
         for p in pts:
-            run = p["name"].rsplit(",", 1)[0]
-            delta = next(q for q in pts if q["name"] == f"{run}, delta")  # the run's per-shard figures
-            kw = costs(delta)
+            kw = costs[p["name"].rsplit(",", 1)[0]]
             rows.append({**run_point({**p, "case": {**p["case"], **kw}}, fitted), "costs": kw})
             print(f"{label:13s}", calibration_line(rows[-1]), kw, flush=True)
         out[label] = {"rows": rows, "within_20pct": f"{sum(r['within_20pct'] for r in rows)} of {len(rows)}"}
     doc["quiet_check_1128"] = out
     path.write_text(json.dumps(doc, indent=2) + "\n")
-
-
-_OWN_COSTS: dict[str, dict] = {}
 
 
 def own_costs(pt: dict) -> dict:
@@ -1320,8 +1317,6 @@ def own_costs(pt: dict) -> dict:
     homes' peer shards, median and mean, 9 seeds) come closest to the run's measured ones (least squares of the log
     ratios); the rest as calibrated. Costs grow with the box's load (the lab's N = 24 runs at load 35: an origin shard 0.26-0.29 s at
     the median against 0.09 s at N = 6), which the model does not otherwise know."""
-    if pt["name"] in _OWN_COSTS:
-        return _OWN_COSTS[pt["name"]]
     meas = shard_compare([], pt["breakdown"])["measured"]
     best, best_loss = {}, math.inf
     grid = itertools.product([round(0.02 * k, 2) for k in range(16)], [round(0.04 * k, 2) for k in range(11)],
@@ -1339,7 +1334,6 @@ def own_costs(pt: dict) -> dict:
                    for m in ("median", "mean"))
         if loss < best_loss:
             best, best_loss = kw, loss
-    _OWN_COSTS[pt["name"]] = best
     return best
 
 
