@@ -369,10 +369,15 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
     sites = swarm_sites(n)
     seen: dict[str, dict[int, float]] = {name: {} for name, _, _ in sites}
     load, stop = [], threading.Event()
+    cpu: list[tuple[float, dict[str, float]]] = []  # (time, CPU seconds so far by process), every ~1 s
+    next_cpu = [0.0]
 
     def poll():
         while not stop.is_set():
             t = time.time()
+            if t >= next_cpu[0] and len(cpu) < 10_000:
+                cpu.append((t, _cpu_by_process(workdir, seen)))
+                next_cpu[0] = t + 1.0
             for name in seen:
                 try:
                     for e in os.listdir(workdir / name / "checkpoints"):
@@ -461,6 +466,9 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
               and not x["startup"]]
         return _r(statistics.median(xs)) if xs else None
 
+    counted = [rec["published_ms"] / 1e3 for rec in st.get("step_log", []) if rec["step"] >= 1
+               and (all_up is None or rec["published_ms"] / 1e3 >= all_up)]
+    cpu_use = _cpu_window(cpu, counted, {name: kind for name, _, kind in sites})
     by_kind = {}
     for k in ("home", "public", "dc"):
         xs = [v["served_bytes"] for v in per_node.values() if v["kind"] == k]
@@ -486,7 +494,61 @@ def run_swarm(root: Path, n: int, steps: int, workdir: Path, *, origin_mbit: flo
                       "vs_bound": med("delta", "vs_bound"), "t_median_s": med("delta", "t_median_s")},
             "steps_missed": sum(1 for x in steps_out if x["nodes_missing"]),
             "steps_counted": sum(1 for x in steps_out if not x["startup"]),
-            "load_avg_max": max(load, default=None), "rss_mb": rss, "per_step": steps_out, "nodes": per_node}
+            "load_avg_max": max(load, default=None), "rss_mb": rss, "cpu": cpu_use, "per_step": steps_out,
+            "nodes": per_node}
+
+
+def _cpu_by_process(workdir: Path, names) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) so far of each process of a --scale run, read from /proc: each
+    node by its name (its storage dir under `workdir`), "coordinator" (the API process), "engine" (the
+    coordinator's engine process and its trainer ranks), "delay" (every delay line: the lab's network), "other"
+    processes of this run. Not the code under test: the kernel's own accounting."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    storage = {f"worker.storage_dir={workdir / n}": n for n in names}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if "delay_line.py" in cmd:
+            role = "delay"
+        elif str(workdir) not in cmd:
+            continue
+        elif " coordinator " in cmd:
+            role = "coordinator"
+        elif "node.coordinator.engine" in cmd or "node.trainer" in cmd:
+            role = "engine"
+        else:
+            role = next((n for k, n in storage.items() if k in cmd), "other")
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_window(cpu: list, published: list[float], kinds: dict[str, str]) -> dict | None:
+    """Where the box's CPU went over the counted steps (from the first counted step's publication to the last's):
+    cores used by each role, and each node's CPU seconds per step (median by kind), beside the box's cores."""
+    if len(published) < 2 or len(cpu) < 2:
+        return None
+    t0, t1 = published[0], published[-1]
+    a = min(cpu, key=lambda x: abs(x[0] - t0))
+    b = min(cpu, key=lambda x: abs(x[0] - t1))
+    span, steps = b[0] - a[0], len(published) - 1
+    if span <= 0:
+        return None
+    used = {k: b[1].get(k, 0.0) - a[1].get(k, 0.0) for k in b[1]}
+    roles = {"nodes": sum(v for k, v in used.items() if k in kinds),
+             **{k: v for k, v in used.items() if k not in kinds}}
+    per_step = {kind: _r(statistics.median(used.get(n, 0.0) / steps for n, k in kinds.items() if k == kind))
+                for kind in sorted(set(kinds.values()))}
+    return {"window_s": round(span, 1), "steps": steps, "box_cores": os.cpu_count(),
+            "cores": {k: round(v / span, 3) for k, v in sorted(roles.items(), key=lambda x: -x[1])},
+            "cores_total": round(sum(used.values()) / span, 3),
+            "node_cpu_s_per_step": per_step,
+            "cpu_s_per_step": {k: round(v / steps, 3) for k, v in roles.items()}}
 
 
 # -- loopback: where a step's seconds go between publication and "held" ----------------------------------
@@ -947,6 +1009,11 @@ def print_scale(rows: list[dict]) -> None:
               f"{k.get('home', {}).get('served_per_node', 0) / 1e6:>12.2f} {r['steps_missed']:>6} "
               f"{r.get('steps_counted', '-'):>7} {_f(r['load_avg_max']):>5} "
               f"{r['rss_mb']['workers'] + r['rss_mb']['coordinator']:>7}")
+    for r in rows:
+        if c := r.get("cpu"):
+            print(f"N = {r['n']}: {c['cores_total']:.2f} of {c['box_cores']} cores over {c['steps']} counted steps "
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in c['cores'].items())}); a node's CPU-s per step "
+                  f"{c['node_cpu_s_per_step']}")
 
 
 def plot(doc: dict) -> None:

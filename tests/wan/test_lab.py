@@ -1,4 +1,5 @@
 """The lab itself: latency, NAT and shaping are what the profiles say (measured, not assumed)."""
+import json
 import sys
 import time
 from pathlib import Path
@@ -71,3 +72,10 @@ def test_lab_latency_nat_and_shaping_are_as_configured():
         # the home's uplink is 20 Mbit/s
         mbit = float(lab.run(h1, [sys.executable, "-c", UPLOAD, f"http://{dc.addr}:8000/", str(6 << 20)]).stdout)
         assert 14.0 <= mbit <= 21.0, mbit
+        lab.close()
+        # the delay lines' own account: every packet left within 2 ms of its due time (they run as real-time
+        # tasks, so a loaded box does not lengthen the lab's round trips)
+        for name in ("h1", "h2"):
+            line = next(x for x in lab.log(f"delay-{name}").splitlines() if x.startswith("delay_line stats "))
+            stats = json.loads(line.removeprefix("delay_line stats "))
+            assert stats["packets"] > 0 and stats["late_p99_ms"] <= 2.0, (name, stats)
