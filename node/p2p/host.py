@@ -59,6 +59,10 @@ GIL_SWITCH_INTERVAL_S = 0.001
 # pacing here turns a would-be silent loss into a short wait.
 PUBLISH_PER_SECOND = 8
 GOSSIP_DIALS = 8  # announcers a node dials itself (gossipsub's mesh degree is 6, up to 12)
+# A fetcher asks at most this many holders for a shard, direct ones first (node/worker/peers.py PeerSource), before
+# it defers: a NATed node's `have` for a shard with this many direct holders known would never be used
+# (P2PNode.announce_have).
+HOLDER_TRIES = 4
 SUBSCRIBER_LOG_INTERVAL_S = 60.0  # "subscriber is behind" is logged at most this often per subscription
 
 
@@ -390,9 +394,10 @@ class P2PNode:
             now = (t["bytes_served"], t["bytes_fetched"], tuple(sorted(relay.items())))
             if now != last:
                 last = now
-                log.info("p2p totals: served %d bytes, fetched %d bytes (%s); relay %s", t["bytes_served"],
-                         t["bytes_fetched"], {True: "reachable", False: "NATed", None: "reach ?"}[self.reachable],
-                         relay)
+                log.info("p2p totals: served %d bytes, fetched %d bytes (%s); relay %s; announcements received %s;"
+                         " have shards named %d, kept quiet %d", t["bytes_served"], t["bytes_fetched"],
+                         {True: "reachable", False: "NATed", None: "reach ?"}[self.reachable], relay,
+                         t["announcements_received"], t["have_shards_named"], t["have_shards_quiet"])
 
     def addrs_at(self, ip: str) -> list[str]:
         """Our libp2p address at `ip` (one of this machine's, e.g. where a request reached us) for a wildcard
@@ -496,10 +501,30 @@ class P2PNode:
         await self._publish(data)
 
     async def announce_have(self, step: int, indices: Iterable[int], manifest_hash: str) -> None:
-        """ "I hold shards `indices` of `step`" (signed with our key, which is our peer id)."""
+        """ "I hold shards `indices` of `step`" (signed with our key, which is our peer id), naming only those
+        worth naming (`worth_naming`); nothing is published if none is."""
+        named = self.worth_naming(step, indices, manifest_hash)
+        if not named:
+            return
         data = encode_have_announcement(self.identity, run_id=self.run_id, step=step, manifest_hash=manifest_hash,
-                                        indices=list(indices), addrs=self.announce_addrs)
+                                        indices=named, addrs=self.announce_addrs)
         await self._publish(data)
+
+    def worth_naming(self, step: int, indices: Iterable[int], manifest_hash: str) -> list[int]:
+        """The shards of `indices` a `have` of ours should name: all of them, unless the coordinator's dial-back
+        found us unreachable; then those with fewer than HOLDER_TRIES direct holders known to us. Every `have`
+        reaches every node (N of them a step, each received up to the mesh degree times), and a fetcher asks at most
+        HOLDER_TRIES holders, direct ones first: our `have` for the other shards would cost every node its gossip
+        and never be used. (In the WAN lab at N = 24, gossip was over half of a public node's time holding the GIL,
+        and the 15 NATed homes served nothing: docs/BENCHMARKS.md, "Where a node's CPU goes as N grows".)"""
+        wanted = sorted(set(indices))
+        named = wanted
+        if self.reachable is False:
+            now = time.monotonic()
+            named = [i for i in wanted if sum(1 for p in self.table.peers_with(step, i, manifest_hash)
+                                              if self.holder_rank(p, now) == 0) < HOLDER_TRIES]
+        self.stats.count_have_shards(named=len(named), quiet=len(wanted) - len(named))
+        return named
 
     def note_manifest(self, step: int, manifest_hash: str) -> None:
         """A manifest this node verified against the coordinator's key (the fetcher calls it): peers' `have`s

@@ -57,6 +57,7 @@ class P2PStats:
         self._serve_refused: Counter[str] = Counter()
         self._serve_aborted: Counter[str] = Counter()
         self._undelivered = 0
+        self._have_named = self._have_quiet = 0
 
     def add_served(self, peer: str, n: int, *, shard_done: bool = False) -> None:
         with self._lock:
@@ -87,6 +88,12 @@ class P2PStats:
     def count_received(self, kind: str) -> None:
         with self._lock:
             self._received[kind] += 1
+
+    def count_have_shards(self, *, named: int, quiet: int) -> None:
+        """Shards our `have`s named, and those left out as not worth naming (P2PNode.worth_naming)."""
+        with self._lock:
+            self._have_named += named
+            self._have_quiet += quiet
 
     def count_refused(self, status: str) -> None:
         with self._lock:
@@ -122,6 +129,8 @@ class P2PStats:
                 "announcements_received": dict(self._received),
                 "announcements_dropped": dict(self._dropped),
                 "announcements_undelivered": self._undelivered,
+                "have_shards_named": self._have_named,
+                "have_shards_quiet": self._have_quiet,
                 "requests_refused": dict(self._serve_refused),
                 "streams_aborted": dict(self._serve_aborted),
             }

@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict, defaultdict
 
 from node.p2p.errors import ShardBusy, ShardNotFound
+from node.p2p.host import HOLDER_TRIES
 from node.worker.sources import ShardDeferred, SourceError
 from protocol.errors import PrimeNodeError
 from protocol.messages import CheckpointList
@@ -67,7 +68,7 @@ class PeerSource:
         while len(self._tries) >= 256:  # a source nobody reads `tries` of keeps no more
             self._tries.popitem(last=False)
         tries = self._tries[(step, index)] = []
-        for peer in holders[:4]:
+        for peer in holders[:HOLDER_TRIES]:
             self._last[(step, index)] = peer
             t0, rank = time.monotonic(), self.p2p.holder_rank(peer)
             try:
@@ -140,7 +141,8 @@ class HaveAnnouncer:
     Every announcement is relayed to every node, so the swarm's gossip load grows with N² / interval.
     The batch interval therefore grows with the number of peers heard from (N / 8 seconds, at least
     `interval`): on a 2-core box, 8 nodes announcing every 50 ms spent more CPU on gossip than on
-    shards (bench/broadcast.py: 3.3x one copy's time at 50 ms, 1.14x at 1 s)."""
+    shards (bench/broadcast.py: 3.3x one copy's time at 50 ms, 1.14x at 1 s). What a NATed node names, and when:
+    `batch_seconds`."""
 
     def __init__(self, p2p, interval: float = 0.3, peers_per_second: float = 8.0):
         self.p2p = p2p
@@ -150,7 +152,11 @@ class HaveAnnouncer:
         self._wake = asyncio.Event()
 
     def batch_seconds(self) -> float:
-        return max(self.interval, min(5.0, self.p2p.table.peer_count() / self.peers_per_second))
+        """N / 8 seconds, within [interval, 5]; twice that for a node the coordinator could not dial back: its
+        `have` names only shards with few direct holders known (P2PNode.worth_naming), and a fetcher asks
+        direct holders first anyway, so it waits to hear of them before it announces."""
+        base = max(self.interval, min(5.0, self.p2p.table.peer_count() / self.peers_per_second))
+        return 2 * base if self.p2p.reachable is False else base
 
     def add(self, step: int, manifest_hash: str, indices) -> None:
         if not indices:

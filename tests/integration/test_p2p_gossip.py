@@ -166,3 +166,40 @@ async def test_idontwant_only_for_large_messages():
         assert (await sub.get(timeout=10)).announcement.step == 4
         await asyncio.sleep(1.5)
         assert set(received) >= {"hub", "w1"}  # the hub tells both its mesh peers; w2 tells the hub
+
+
+async def test_a_natted_node_names_only_the_shards_it_could_be_asked_for():
+    """A fetcher asks at most HOLDER_TRIES holders of a shard, direct ones first (node/worker/peers.py): a NATed
+    node's `have` for a shard with that many direct holders known would reach every node and never be used. w1, found
+    unreachable by the dial-back, knows 4 direct holders of shard 0 and 3 direct and 1 relayed of shard 1: its `have`
+    of shards 0-2 names 1 and 2 (before: all three, at every node's cost); reachable, it names all three; with
+    nothing worth naming it publishes nothing."""
+    from node.p2p.host import HOLDER_TRIES
+
+    def have(indices, addr):
+        return HaveAnnouncement.model_construct(kind="have", run_id=RUN, step=3, manifest_hash=H, indices=indices,
+                                                addrs=[addr], ts_ms=1, signer="0" * 64, signature="0" * 128)
+
+    coord = Identity.generate()
+    async with swarm(coord, 2) as nodes:
+        hub, w1, w2 = nodes
+        w1.note_manifest(3, H)
+        for i in range(HOLDER_TRIES):
+            shards = [0] if i == HOLDER_TRIES - 1 else [0, 1]
+            w1.table.record_have(f"direct{i}", have(shards, f"/ip4/10.0.0.{i + 1}/tcp/4001"))
+        w1.table.record_have("relayed", have([1], f"{hub.listen_addrs[0]}/p2p-circuit/p2p/{w2.peer_id}"))
+        assert [w1.holder_rank(p) for p in w1.peers_with(3, 1, H)] == [0, 0, 0, 1]
+        sub = w2.subscribe()
+
+        w1.reachable = False
+        await w1.announce_have(3, [0, 1, 2], H)
+        assert (await sub.get(timeout=10)).announcement.indices == [1, 2]
+        w1.reachable = True
+        await w1.announce_have(3, [2, 0, 1], H)
+        assert (await sub.get(timeout=10)).announcement.indices == [0, 1, 2]
+        w1.reachable = False
+        await w1.announce_have(3, [0], H)
+        with pytest.raises(asyncio.TimeoutError):
+            await sub.get(timeout=2)
+        t = w1.stats.totals()
+        assert (t["have_shards_named"], t["have_shards_quiet"]) == (5, 2)

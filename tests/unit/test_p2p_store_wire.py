@@ -173,12 +173,14 @@ def test_have_batches_slow_down_as_the_swarm_grows():
 
     table = PeerTable()
     table.note_manifest(6, H)
-    announcer = HaveAnnouncer(SimpleNamespace(table=table), interval=0.3)
+    announcer = HaveAnnouncer(SimpleNamespace(table=table, reachable=None), interval=0.3)
     assert announcer.batch_seconds() == 0.3
     for i in range(16):
         table.record_have(f"P{i}", _have(5, [0]))
     table.record_have("P0", _have(6, [1]))
     assert table.peer_count() == 16 and announcer.batch_seconds() == 2.0  # 16 peers / 8 per second
+    announcer.p2p.reachable = False  # NATed: waits twice as long to hear of direct holders (P2PNode.worth_naming)
+    assert announcer.batch_seconds() == 4.0
 
 
 def test_peer_table_manifests():

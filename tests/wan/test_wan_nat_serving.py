@@ -30,7 +30,7 @@ from tests.wan.lab import DATACENTER, STATUS, Lab, Profile, cli, home, json_line
 
 pytestmark = pytest.mark.timeout(400)
 REPO = Path(__file__).resolve().parents[2]
-TOTALS = re.compile(r"p2p totals: served (\d+) bytes, fetched (\d+) bytes \((\w+|reach \?)\); relay (\{.*\})")
+TOTALS = re.compile(r"p2p totals: served (\d+) bytes, fetched (\d+) bytes \((\w+|reach \?)\); relay (\{[^}]*\})")
 # The reachable yardstick for "NATed nodes serve >= 30 % of what a reachable node with the same uplink serves"
 # (measured by `python -m tests.wan.test_wan_nat_serving share`, not asserted: who asks first is a race): a home
 # like the others, same uplink and same round trip, whose router forwards its libp2p port. (It used to be a
