@@ -61,7 +61,7 @@ PUBLISH_PER_SECOND = 8
 GOSSIP_DIALS = 8  # announcers a node dials itself (gossipsub's mesh degree is 6, up to 12)
 # A fetcher asks at most this many holders for a shard, direct ones first (node/worker/peers.py PeerSource), before
 # it defers: a NATed node's `have` for a shard with this many direct holders known would never be used
-# (P2PNode.announce_have).
+# (P2PNode.worth_naming).
 HOLDER_TRIES = 4
 SUBSCRIBER_LOG_INTERVAL_S = 60.0  # "subscriber is behind" is logged at most this often per subscription
 

@@ -141,8 +141,8 @@ class HaveAnnouncer:
     Every announcement is relayed to every node, so the swarm's gossip load grows with N² / interval.
     The batch interval therefore grows with the number of peers heard from (N / 8 seconds, at least
     `interval`): on a 2-core box, 8 nodes announcing every 50 ms spent more CPU on gossip than on
-    shards (bench/broadcast.py: 3.3x one copy's time at 50 ms, 1.14x at 1 s). What a NATed node names, and when:
-    `batch_seconds`."""
+    shards (bench/broadcast.py: 3.3x one copy's time at 50 ms, 1.14x at 1 s). A NATed node waits twice as long
+    (`batch_seconds`) and names only the shards a fetcher could ask it for (P2PNode.worth_naming)."""
 
     def __init__(self, p2p, interval: float = 0.3, peers_per_second: float = 8.0):
         self.p2p = p2p
