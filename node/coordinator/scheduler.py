@@ -177,12 +177,7 @@ class Scheduler:
             batch = self.pick_batch(policy_step)
         except StaleNode:
             if node_id is not None:
-                # It is fetching a newer step now (a worker fetches on 409) and will ask again with it: it waits
-                # for work like a node that got none. Kept out, a node whose fetch takes longer than a few
-                # trainer steps (200 ms away, a trainer stepping every 0.5 s) was stale at every ask and got
-                # 1/15 of a near node's work (tests/wan/test_wan_fair_share.py).
-                self._waiting[node_id] = now
-                self._bound(self._waiting)
+                self.note_stale(node_id, now)
             raise
         if batch is None or (node_id is not None and self._keep_for_others(node_id, batch, now)):
             if node_id is not None:
@@ -197,6 +192,14 @@ class Scheduler:
             self._given[node_id] = (self._recent(node_id, now) + len(slots), now)
             self._bound(self._given)
         return batch, slots
+
+    def note_stale(self, node_id: str, now: float | None = None) -> None:
+        """`node_id` asked with a policy outside every open batch's window. It is fetching a newer step now (a
+        worker fetches on 409) and will ask again with it: it waits for work like a node that got none. Kept out,
+        a node whose fetch takes longer than a few trainer steps (200 ms away, a trainer stepping every 0.5 s)
+        was stale at every ask and got 1/15 of a near node's work (tests/wan/test_wan_fair_share.py)."""
+        self._waiting[node_id] = time.monotonic() if now is None else now
+        self._bound(self._waiting)
 
     # -- fair share ------------------------------------------------------------------------------
     def _recent(self, node_id: str, now: float) -> float:

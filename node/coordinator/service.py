@@ -489,10 +489,13 @@ class Coordinator:
             return M.NoWork(retry_after_ms=pacing.WORK_MIN_MS)
         self._seen(node_id, m)
         aid = assignment_id()
+        need = min_policy_for_batch(self.published_step + 1, self.k)
         try:
+            if m < need:  # stale against the newest step, though the scheduler may not have heard of it yet and
+                self.scheduler.note_stale(node_id)  # still hold the batch that made it (full: it would say 204)
+                raise StaleNode()
             picked = self.scheduler.assign(m, aid, node_id)  # shared fairly when scarce
         except StaleNode:
-            need = min_policy_for_batch(self.published_step + 1, self.k)
             raise Refused("stale_policy",
                           f"policy step {m} is too old: fetch step {need} or newer (newest {self.published_step})")
         if picked is None:
