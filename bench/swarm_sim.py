@@ -1284,7 +1284,9 @@ def holder_points(doc: dict) -> list[dict]:
 # (step announced - published - one way) over the counted delta steps of a quiet-box N = 6 run (wan.json q6_1128)
 NOTIFY_EXCESS_S = 0.018
 QUIET_1128 = ("scale_quiet_1128_n6c", "q6_1128", "scale_quiet_1128_n12", "scale_quiet_1128_n24", "idw_base_n24",
-              "idw_new_n24")
+              "idw_new_n24",
+              # later that day, NATed nodes keeping quiet where their `have` could not be used (cba1b23)
+              "quiet2_n6", "quiet2_n12", "quiet2_n24", "ab_new_n24")
 
 
 def quiet_check() -> None:
