@@ -1,4 +1,5 @@
 """Contract tests of docs/PROTOCOL.md, "HTTP API" with a raw HTTP client: every status code and the happy path."""
+import asyncio
 import json
 import random
 import time
@@ -86,21 +87,7 @@ async def test_contract_status_codes(tmp_path):
                                                       "rollouts": rs2})
             assert st == 400
             # 409 stale policy: train until step 3 is out, then θ_0 is outside every open batch's window (k = 2)
-            import asyncio
-
-            deadline = time.monotonic() + 90
-            while coord.published_step < 3 and time.monotonic() < deadline:
-                held = coord.published_step
-                st, w = await other.post("/v1/work", {"policy_step": held})
-                if st == 204:
-                    await asyncio.sleep(0.1)
-                    continue
-                assert st == 200, w
-                st, _ = await other.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": held,
-                                                        "rollouts": fake_rollouts(w, coord.eos_token_id,
-                                                                                  coord.vocab_size, rng)})
-                assert st == 200
-            assert coord.published_step >= 3
+            await train_until(coord, other, 3, rng)
             st, err = await node.post("/v1/work", {"policy_step": 0})
             assert st == 409 and err["error"] == "stale_policy"
             st, err = await node.post("/v1/work", {"policy_step": 9})  # a conflict with the run, not bad syntax
@@ -133,6 +120,42 @@ async def test_contract_status_codes(tmp_path):
                     assert (await r.json())["error"]
             async with s.get(base + "/dashboard") as r:
                 assert r.status == 200 and "prime-node" in await r.text()
+
+
+async def train_until(coord, node: RawNode, step: int, rng) -> None:
+    """`node` works and submits (at the newest step) until the coordinator has published `step`."""
+    deadline = time.monotonic() + 90
+    while coord.published_step < step and time.monotonic() < deadline:
+        held = coord.published_step
+        st, w = await node.post("/v1/work", {"policy_step": held})
+        if st == 204:
+            await asyncio.sleep(0.1)
+            continue
+        assert st == 200, w
+        rollouts = fake_rollouts(w, coord.eos_token_id, coord.vocab_size, rng)
+        st, _ = await node.post("/v1/submit", {"assignment_id": w["assignment_id"], "policy_step": held,
+                                               "rollouts": rollouts})
+        assert st == 200
+    assert coord.published_step >= step
+
+
+async def test_stale_policy_is_told_while_the_scheduler_has_not_heard_of_the_newest_step(tmp_path):
+    """The training thread publishes a step; the scheduler hears of it on the loop's next turn and until then
+    still holds the batch that made it, full. A node whose policy no open batch can use got 204 "no work now"
+    through that batch (a CI run of test_contract_status_codes) and would keep asking with weights nobody can use;
+    it is told 409 stale_policy, decided against the newest step. The moment is set up by hand: the scheduler one
+    step behind, the newest step's batch full in it."""
+    async with running_coordinator(tmp_path, "verification.fraction=0") as (coord, base):
+        async with aiohttp.ClientSession() as s:
+            node, other = RawNode(base, s), RawNode(base, s)
+            for n in (node, other):
+                assert (await n.post("/v1/join", {}))[0] == 200
+            await train_until(coord, other, 3, random.Random(1))
+            sched, newest = coord.scheduler, coord.published_step
+            sched.published_step = newest - 1
+            sched.waiting_by_batch[newest] = sched.quota()
+            st, err = await node.post("/v1/work", {"policy_step": newest - 3})  # k = 2: no batch from `newest` on
+            assert st == 409 and err["error"] == "stale_policy", (st, err)
 
 
 async def test_rate_limit_429(tmp_path):
@@ -262,8 +285,6 @@ async def test_super_seeding_counts_from_the_end_of_the_first_copy(tmp_path):
     flight and for `super_seed_seconds` after it completed; Range requests pass the same gate (the
     claimant's own resumption is served). Unsigned requests (relays, anyone) are served, and never hold a
     first copy: "X-Prime-Swarm: 1" alone used to claim every shard, over and over."""
-    import asyncio
-
     async with running_coordinator(tmp_path, "distribution.super_seed_seconds=1.0",
                                    "distribution.origin_upload_limit=100000") as (coord, base):
         path = "/v1/checkpoints/0/shards/0"
