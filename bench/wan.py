@@ -505,25 +505,26 @@ def _cpu_by_process(workdir: Path, names) -> dict[str, float]:
     processes of this run. Not the code under test: the kernel's own accounting."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
-    storage = {f"worker.storage_dir={workdir / n}": n for n in names}
+    storage = {f"--set=worker.storage_dir={workdir / n}": n for n in names}  # a whole argument: h2 is not h23
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
+        cmd = " ".join(args)
         if "delay_line.py" in cmd:
             role = "delay"
         elif str(workdir) not in cmd:
             continue
-        elif " coordinator " in cmd:
+        elif "coordinator" in args:
             role = "coordinator"
-        elif "node.coordinator.engine" in cmd or "node.trainer" in cmd:
+        elif "node.coordinator.engine" in args or "node.trainer" in cmd:
             role = "engine"
         else:
-            role = next((n for k, n in storage.items() if k in cmd), "other")
+            role = next((storage[a] for a in args if a in storage), "other")
         out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
