@@ -28,6 +28,7 @@ import base64
 import binascii
 import contextlib
 import struct
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Iterator
@@ -355,10 +356,20 @@ def capture_final_hidden(model: PreTrainedModel) -> Iterator[list[torch.Tensor]]
     A forward pre-hook on the output embedding works for any Hugging Face causal LM without knowing
     its module names; with `logits_to_keep` the head only sees the kept positions, which is exactly
     what decoding needs.
+
+    Only this thread's forward calls are recorded: a model one thread replays on may be run by another at the same
+    time (a coordinator's policy, replayed by its verify thread while a test or a tool checks a probe on it), and the
+    hook sees every thread's calls. A CI run's replay picked up another thread's [1, H] hidden states for its
+    [16, H] batch and failed ("Sizes of tensors must match").
     """
     captured: list[torch.Tensor] = []
-    head = model.get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda _mod, inputs: captured.append(inputs[0].detach()))
+    owner = threading.get_ident()
+
+    def record(_mod: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if threading.get_ident() == owner:
+            captured.append(inputs[0].detach())
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(record)
     try:
         yield captured
     finally:

@@ -6,7 +6,9 @@ answer not yet sent).
 
 `PRIME_NODE_FAULT=<point>` raises `InjectedFault` at that point, as a bug or a broken disk would: the
 coordinator's supervisor must notice (node/coordinator/supervisor.py). Points: "train-step" (the training
-thread, at the start of each step), "expire-loop" (the assignment-expiry task, each turn).
+thread, at the start of each step), "expire-loop" (the assignment-expiry task, each turn), "replay" (a
+submission's replay, each time one is asked for; the verdict queue answers for it, not the supervisor:
+node/coordinator/verification.py).
 """
 import os
 import signal

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from node.config import SamplingConfig, VerificationConfig
+from node.coordinator.faults import fault_point
 from node.coordinator.ledger import Ledger, NodeRow
 from node.coordinator.metrics import CoordinatorMetrics
 from node.coordinator.records import Rejection
@@ -39,6 +40,8 @@ Judged = tuple[list[tuple[str, int]], list[Any]]  # (prompt_id, sample_index) an
 # its own. What the pool path builds and reads (checks, judgements) is verify.checks, torch-free.
 
 log = logging.getLogger("prime_node.verification")
+
+VERIFY_ERROR = "verify_error"  # a verdict that failed twice (an exception, not a replay's finding): VerdictQueue
 
 
 def merge_turns(answers: list[Judgement], owner: list[int], n: int) -> list[Judgement]:
@@ -186,12 +189,40 @@ class VerdictQueue:
                 decisions.create_task(self._decide_one(aid, slots))
 
     async def _decide_one(self, assignment_id: str, slots: asyncio.Semaphore) -> None:
+        """One submission's verdict. A verdict that fails (a bug, a broken disk, an engine that died: an exception
+        out of `decide`) is tried once more; failing again, the submission's undecided groups are voided as
+        `verify_error`, with no ban and no cost to the node's reputation (nothing says it was the node's fault), and
+        their places go out again. Left undecided they would hold their places in a batch that can only train
+        decided groups: training stopped for good (a CI run waited 480 s on one), and after a restart as well if the
+        failure repeats. Passing them unchecked instead would train whatever makes a replay fail."""
         try:
-            await self.decide(assignment_id)
-        except Exception:  # one bad submission must not stop every later verdict
-            log.exception("verdict on %s failed; it stays undecided until the next restart", assignment_id)
+            for attempt in (1, 2):
+                try:
+                    await self.decide(assignment_id)
+                    return
+                except Exception:  # one bad submission must not stop every later verdict
+                    if attempt == 2:
+                        log.exception("verdict on %s failed twice; its undecided groups are voided (verify_error, no "
+                                      "ban) and their places handed out again", assignment_id)
+                    else:
+                        log.warning("verdict on %s failed; trying once more", assignment_id, exc_info=True)
+            await self._void_unjudged(assignment_id)
+        except Exception:  # the ledger itself failing: nothing more to do for this submission here
+            log.exception("voiding the undecided groups of %s failed; they stay undecided until the next restart",
+                          assignment_id)
         finally:
             slots.release()
+
+    async def _void_unjudged(self, assignment_id: str) -> None:
+        head = self.ledger.undecided_head(assignment_id)
+        node = None if head is None else self.ledger.node(head.node_id)
+        if head is None or node is None:
+            return
+        voided, by_batch = await self._write(self.ledger.void_submission, assignment_id, node.node_id,
+                                             [Rejection(VERIFY_ERROR)], node.reputation, node.banned)
+        self.scheduler.forget_waiting(by_batch)
+        self.metrics.rejected.labels(VERIFY_ERROR).inc(voided)
+        self.on_decided()
 
     async def decide(self, assignment_id: str) -> None:
         # On the event loop: what the verdict needs is read without the submission's rollouts (Ledger.undecided_head:
@@ -309,6 +340,7 @@ class VerdictQueue:
         engine process): (prompt_id, sample_index) and its judgement, per rollout; None when no weights of
         `step` are held any more. `undecided` (the groups) is None only when the engine replays, which reads them
         itself."""
+        fault_point("replay")
         built = None
         if self.board is not None:
             assert undecided is not None

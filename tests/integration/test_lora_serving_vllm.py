@@ -10,7 +10,8 @@ import pytest
 from node.worker.backends import BackendError, GenRequest, start_backend
 from protocol.checkpoint import CheckpointError
 from protocol.checkpoint.payload import serialize_state
-from tests.integration.test_lora_serving import SAMPLING, merged_model, random_adapter, serve_lora_run, verdicts
+from tests.integration.test_lora_serving import (SAMPLING, assert_each_swap_moved, merged_model, random_adapter,
+                                                 serve_lora_run, verdicts)
 from tests.integration.test_verify_matrix import tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -67,4 +68,4 @@ async def test_a_vllm_worker_serves_lora_adapters_unmerged_with_no_rejections(tm
     store = node.fetcher.store
     assert node.backend.base == store.manifest(0).canonical_hash()
     assert node.backend.llm.llm_engine.list_loras() == {node.backend.policy_step + 1}
-    assert {1, 2, 3} <= {p["policy_step"] for p in node._probes}
+    assert_each_swap_moved(node)

@@ -44,7 +44,8 @@ async def test_vllm_node_trains_with_swaps_and_no_rejections(tmp_path):
                     p["sampling"]["top_p"], p["sampling"]["max_tokens"], p["eos_token_id"])
             return coord.published_step >= 5 and node.policy_step >= 4 and len(checked) >= 3
 
-        await wait_for(check_new_probes, 480, "5 steps, the node on step 4 and 3 probes checked", coord)
+        await wait_for(check_new_probes, 480, "5 steps, the node on step 4 and 3 probes checked", coord,
+                       workers=[(node, task)])
         await stop_workers((node, task))
         status = coord.status()
     assert type(node.backend).__name__ == "VLLMBackend"

@@ -186,3 +186,41 @@ def test_encode_decode_identity():
     assert [p.modulus for p in again] == [p.modulus for p in proofs]
     assert all(np.array_equal(a.coeffs, b.coeffs) for a, b in zip(again, proofs))
     assert isinstance(again[0], ChunkProof)
+
+
+def test_the_final_hidden_states_are_recorded_for_the_capturing_thread_only():
+    """A model one thread replays on may be run by another at the same time (a coordinator's policy: its verify thread
+    replays on it while a tool checks a probe). Before, the other thread's forward landed in this thread's capture, and
+    a CI run's [16, H] replay failed on a [1, H] it had picked up."""
+    import threading
+
+    from tests.integration.test_verify_matrix import tiny_model
+    from verify.commitment import capture_final_hidden
+    from verify.rollouts import recompute
+
+    model = tiny_model(0)
+    with capture_final_hidden(model) as mine:
+        other = threading.Thread(target=recompute, args=(model, [[7, 8]], [[9, 10]]))
+        other.start()
+        other.join()
+        assert mine == []
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert [h.shape[:2] for h in mine] == [(1, 3)]
+
+
+def test_replays_on_one_model_from_two_threads_match_each_alone():
+    """The realistic case: two replays of different batch sizes on one model at once, many times over."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.test_verify_matrix import tiny_model
+    from verify.rollouts import recompute
+
+    model = tiny_model(0)
+    a = ([[1, 2, 3, 4]] * 16, [[5, 6, 7, 8, 9]] * 16)
+    b = ([[11, 12]], [[13, 14, 15]])
+    alone_a, alone_b = recompute(model, *a), recompute(model, *b)
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(20):
+            fa, fb = pool.submit(recompute, model, *a), pool.submit(recompute, model, *b)
+            for got, alone in ((fa.result(), alone_a), (fb.result(), alone_b)):
+                assert all(torch.equal(x, y) for x, y in zip(got, alone))
