@@ -172,16 +172,16 @@ class Engine:
         from verify.rollouts import judge
         from protocol.messages import ReplayVerdict
 
-        model = self.policies.get(req.step)
-        if model is None:
-            return C.Verdicts(request_id=req.request_id, refs=None)
-        undecided = [g for g in self.ledger.submission_groups(req.assignment_id) if g.verdict is None]
-        a = self.ledger.assignment(req.assignment_id)
-        if a is None or not undecided:
-            raise RuntimeError(f"assignment {req.assignment_id} has no undecided groups in the ledger")
-        refs, checks, owner = build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts}, self.cfg.sampling,
-                                           self.model.eos_token_id)
-        verdicts = merge_turns(judge(model, checks, claimed=not req.audit), owner, len(refs))
+        with self.policies.lease(req.step) as model:  # the training thread may publish while this replays
+            if model is None:
+                return C.Verdicts(request_id=req.request_id, refs=None)
+            undecided = [g for g in self.ledger.submission_groups(req.assignment_id) if g.verdict is None]
+            a = self.ledger.assignment(req.assignment_id)
+            if a is None or not undecided:
+                raise RuntimeError(f"assignment {req.assignment_id} has no undecided groups in the ledger")
+            refs, checks, owner = build_checks(undecided, {p.prompt_id: p.seeds for p in a.prompts},
+                                               self.cfg.sampling, self.model.eos_token_id)
+            verdicts = merge_turns(judge(model, checks, claimed=not req.audit), owner, len(refs))
         return C.Verdicts(request_id=req.request_id, refs=refs,
                           verdicts=[ReplayVerdict(reason=v.reason, tokens=v.tokens, near_ties=v.near_ties,
                                                   outlier=v.outlier, fit=v.fit) for v in verdicts])

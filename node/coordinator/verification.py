@@ -7,12 +7,13 @@ the claimed step's weights (in its own thread, so the HTTP API never blocks on a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 from node.config import SamplingConfig, VerificationConfig
 from node.coordinator.faults import fault_point
@@ -80,20 +81,28 @@ def build_checks(undecided: list[GroupRow], seeds: dict[str, list[int]], s: Samp
 
 
 class PolicyStore:
-    """step -> model with that step's broadcast weights (upcast to the verifier's dtype)."""
+    """step -> model with that step's broadcast weights (upcast to the verifier's dtype), the `keep` newest.
+
+    A new step reloads the oldest model in place rather than building another (an allocation the size of the model
+    per step), unless that model is leased: a replay holds its step's model for as long as it runs (`lease`), and the
+    training thread may publish meanwhile. Reloaded under a replay, the model would give it another step's weights
+    halfway through, and an honest node's rollouts would fail (a ban). A leased model that falls out of the window is
+    dropped instead, and freed when its lease ends."""
     def __init__(self, model_dir: Path, keep: int, dtype: str = "float32"):
         self.model_dir = Path(model_dir)
         self.keep = keep
         self.dtype = dtype
         self._models: dict[int, PreTrainedModel] = {}
+        self._leases: dict[int, int] = {}  # id(model) -> replays running on it
         self._lock = threading.Lock()
 
     def put(self, step: int, state: dict[str, Any]) -> None:
         with self._lock:
             reuse = None
             while len(self._models) >= self.keep:
-                oldest = min(self._models)
-                reuse = self._models.pop(oldest)
+                oldest = self._models.pop(min(self._models))
+                if id(oldest) not in self._leases:
+                    reuse = oldest
         model = reuse if reuse is not None else load_model(self.model_dir, dtype=self.dtype)
         model.load_state_dict({k: v for k, v in state.items()}, strict=False)
         model.eval()
@@ -104,8 +113,26 @@ class PolicyStore:
         self.put(step, load_payload(path))
 
     def get(self, step: int) -> PreTrainedModel | None:
+        """Whether `step` is held (its model); a replay takes `lease` instead."""
         with self._lock:
             return self._models.get(step)
+
+    @contextlib.contextmanager
+    def lease(self, step: int) -> Iterator[PreTrainedModel | None]:
+        """`step`'s model for the length of the block (None when not held); never reloaded with another step's
+        weights meanwhile."""
+        with self._lock:
+            model = self._models.get(step)
+            if model is not None:
+                self._leases[id(model)] = self._leases.get(id(model), 0) + 1
+        try:
+            yield model
+        finally:
+            if model is not None:
+                with self._lock:
+                    left = self._leases.pop(id(model)) - 1
+                    if left:
+                        self._leases[id(model)] = left
 
     def steps(self) -> list[int]:
         with self._lock:
@@ -364,12 +391,14 @@ class VerdictQueue:
         """Replay in this process's verify thread; None if the step's weights are no longer held."""
         from verify.rollouts import judge
 
-        assert self.policies is not None  # in-process replays only (remote_judge otherwise)
-        model = self.policies.get(step)
-        if model is None:
-            return None
-        return await asyncio.get_running_loop().run_in_executor(self._pool,
-                                                                lambda: judge(model, checks, claimed=not audit))
+        policies = self.policies
+        assert policies is not None  # in-process replays only (remote_judge otherwise)
+
+        def replay() -> list[Judgement] | None:
+            with policies.lease(step) as model:
+                return None if model is None else judge(model, checks, claimed=not audit)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, replay)
 
     async def _pool_replay(self, step: int, checks: list[VerifyItem]) -> list[Judgement] | None:
         """The pool's verdicts on `checks`; None if no pool verifier could get the step (JobBoard.replay)."""

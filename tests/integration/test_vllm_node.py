@@ -35,13 +35,13 @@ async def test_vllm_node_trains_with_swaps_and_no_rejections(tmp_path):
             """Each probe against the coordinator's own copy of that step's weights, while it holds them."""
             for p in probes(node):
                 step = p["policy_step"]
-                model = coord.policies.get(step)
-                if step in checked or model is None:
-                    continue
-                r, prompt = p["rollouts"][0], p["prompts"][0]
-                checked[step] = RolloutVerifier(model).verify(
-                    prompt["prompt_ids"], RolloutClaim.of(r), prompt["seeds"][0], p["sampling"]["temperature"],
-                    p["sampling"]["top_p"], p["sampling"]["max_tokens"], p["eos_token_id"])
+                with coord.policies.lease(step) as model:  # the training thread may publish meanwhile
+                    if step in checked or model is None:
+                        continue
+                    r, prompt = p["rollouts"][0], p["prompts"][0]
+                    checked[step] = RolloutVerifier(model).verify(
+                        prompt["prompt_ids"], RolloutClaim.of(r), prompt["seeds"][0], p["sampling"]["temperature"],
+                        p["sampling"]["top_p"], p["sampling"]["max_tokens"], p["eos_token_id"])
             return coord.published_step >= 5 and node.policy_step >= 4 and len(checked) >= 3
 
         await wait_for(check_new_probes, 480, "5 steps, the node on step 4 and 3 probes checked", coord,
