@@ -29,9 +29,10 @@ async def test_a_verdict_that_fails_voids_its_groups_and_training_goes_on(tmp_pa
                            "training past the failed verdicts", coord, workers=[worker])
         finally:
             await stop_workers(worker)
+        # every submission gets its verdict (those in the queue when the worker stopped too): none is left hanging
+        await wait_for(lambda: not coord.ledger.undecided_submissions(), 60, "a verdict on every submission", coord)
         status, me = coord.status(), coord.ledger.node(node.spec.node_id)
-        undecided = coord.ledger.undecided_submissions()
     # not the node's fault: voided, not banned, and nothing else held against it
-    assert me is not None and not me.banned
-    assert set(status["verification"]["rejected_by_reason"]) == {"verify_error"}, status["verification"]
-    assert node.stats.accepted > 0 and undecided == []
+    assert me is not None and not me.banned and node.stats.accepted > 0
+    replay_reasons = {r for r in status["verification"]["rejected_by_reason"] if r.startswith("verify_")}
+    assert replay_reasons == {"verify_error"}, status["verification"]  # no replay found anything wrong
