@@ -245,9 +245,8 @@ class VerdictQueue:
         node = None if head is None else self.ledger.node(head.node_id)
         if head is None or node is None:
             return
-        voided, by_batch = await self._write(self.ledger.void_submission, assignment_id, node.node_id,
-                                             [Rejection(VERIFY_ERROR)], node.reputation, node.banned)
-        self.scheduler.forget_waiting(by_batch)
+        voided = await self._void_groups(assignment_id, node.node_id, [Rejection(VERIFY_ERROR)], node.reputation,
+                                         node.banned)
         self.metrics.rejected.labels(VERIFY_ERROR).inc(voided)
         self.on_decided()
 
@@ -302,9 +301,8 @@ class VerdictQueue:
             if failed:  # only single-token outliers: possibly numerical; their groups are never trained, no ban
                 rep = node.reputation - self.cfg.outlier_penalty * len(failed)
                 banned = rep < self.cfg.ban_below
-                _, by_batch = await self._write(ledger.void_submission, assignment_id, node.node_id, failed, rep,
-                                                banned, {f.prompt_id for f in failed if f.prompt_id})
-                self.scheduler.forget_waiting(by_batch)
+                await self._void_groups(assignment_id, node.node_id, failed, rep, banned,
+                                        {f.prompt_id for f in failed if f.prompt_id})
                 log.info("node %s: %d rollouts of submission %s off by one token; their groups voided%s",
                          node.node_id[:12], len(failed), assignment_id, " (out of reputation: banned)" if banned else "")
                 if banned:
@@ -429,6 +427,15 @@ class VerdictQueue:
         holds through its fsync'd commit of a submission (tens of ms on a slow disk, one after another while a
         batch's submissions come in); on the event loop that wait would hold up every other request."""
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def _void_groups(self, assignment_id: str, node_id: str, rejections: list[Rejection], reputation: float,
+                           banned: bool, prompt_ids: set[str] | None = None) -> int:
+        """Void a submission's undecided groups (those of `prompt_ids` only, when given) in the ledger, with the
+        node's new standing; the scheduler hands their places out again. Returns the rollouts voided."""
+        voided, by_batch = await self._write(self.ledger.void_submission, assignment_id, node_id, rejections,
+                                             reputation, banned, prompt_ids)
+        self.scheduler.forget_waiting(by_batch)
+        return voided
 
     async def _void(self, node_id: str, assignment_id: str | None, rejections: list[Rejection]) -> int:
         """Ban and void in the ledger; the scheduler hands the voided groups' places out again."""

@@ -35,8 +35,10 @@ async def test_vllm_node_trains_with_swaps_and_no_rejections(tmp_path):
             """Each probe against the coordinator's own copy of that step's weights, while it holds them."""
             for p in probes(node):
                 step = p["policy_step"]
+                if step in checked:
+                    continue
                 with coord.policies.lease(step) as model:  # the training thread may publish meanwhile
-                    if step in checked or model is None:
+                    if model is None:
                         continue
                     r, prompt = p["rollouts"][0], p["prompts"][0]
                     checked[step] = RolloutVerifier(model).verify(
